@@ -1,0 +1,42 @@
+"""Engine configuration: the user's knobs, with defaults resolved against the model and the machine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# KV cache memory when the user gives no block count and the device is a CPU (vLLM's CPU default is 4 GiB).
+DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+    enable_prefix_caching: bool = True
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
+    attention_backend: str | None = None
+    seed: int = 0
+    tokenizer: str | None = None  # defaults to the model directory
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                     "max_loras", "max_lora_rank"):
+            positive(name)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

@@ -1,0 +1,264 @@
+"""The engine: requests in, one scheduler step at a time, RequestOutputs out.
+
+`add_request` validates and queues; `step` schedules a batch, runs the model once, samples, then
+detokenizes and applies stop conditions; `abort` drops a request and frees its KV blocks at any time.
+The offline `LLM` and the servers both drive this class.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .model_loader import inspect_model_dir, resolve_dtype
+from .model_runner import ModelRunner
+from .models.llama import ModelSpec
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+from .sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Completion:
+    """Per-sequence text state: what was decoded, and how much of it may be shown."""
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    stops: StopStringMatcher
+    text: str = ""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.completions)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        files = inspect_model_dir(config.model)
+        self.model_files = files
+        self.hf_config = files.config
+        self.spec = ModelSpec(files.config, files.architecture)
+        self.dtype = resolve_dtype(config.dtype, files.config, self.device)
+        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        if self.max_model_len > self.spec.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({self.spec.max_position_embeddings})")
+        self.eos_token_ids = frozenset(files.eos_token_ids)
+        self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
+        if config.enable_lora:
+            raise NotImplementedError("LoRA serving is not built yet (tracked in issue #4); run with enable_lora=False")
+
+        block_size = config.block_size
+        self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
+        attention_backend = config.attention_backend or "torch"
+        self.runner = ModelRunner(files, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
+                                  block_size=block_size, num_kv_blocks=self.num_kv_blocks,
+                                  attention_backend=attention_backend)
+        self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
+        budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self.num_prompt_tokens = 0  # prompt tokens of requests that produced their first token
+        self.num_generation_tokens = 0
+        logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
+                    self.device, self.dtype, self.num_kv_blocks, block_size)
+
+    def _default_num_blocks(self) -> int:
+        per_block = ModelRunner.kv_bytes_per_block(self.spec, self.config.block_size, self.dtype)
+        enough = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
+        return max(1, min(enough, self.config.kv_cache_memory_bytes // per_block))
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer; pass prompt token ids instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    *, priority: int = 0, lora_id: int = 0) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        prompt_text, token_ids = self._prompt_tokens(prompt)
+        self.validate_prompt_length(len(token_ids), params)
+        params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
+        request = Request(request_id, prompt_text, token_ids, params)
+        for index in range(params.n):
+            generator = torch.Generator().manual_seed(self._seed_for(params.seed, index))
+            seq = Sequence(request_id, token_ids, params, generator, priority=priority, lora_id=lora_id, index=index)
+            detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                           if self.tokenizer is not None else None)
+            request.completions.append(_Completion(seq, detokenizer, StopStringMatcher(params)))
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        return request
+
+    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenize(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.spec.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, token_ids
+
+    def validate_prompt_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; the model's context (max_model_len) is "
+                             f"{self.max_model_len}, which leaves no room to generate")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - num_prompt_tokens
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) "
+                             f"is {total}, over the model's context of {self.max_model_len} tokens")
+        capacity = self.num_kv_blocks * self.config.block_size
+        if total > capacity:
+            raise ValueError(f"max_tokens: prompt plus max_tokens is {total} tokens, more than the whole KV cache "
+                             f"holds ({capacity}); lower max_tokens or raise num_kv_blocks")
+
+    def _seed_for(self, seed: int | None, index: int) -> int:
+        if seed is None:
+            return self._rng.getrandbits(63)
+        return seed if index == 0 else hash((seed, index)) & ((1 << 63) - 1)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.monotonic()
+        for seq, _ in batch.entries:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        sampled_seqs, result = self.runner.execute(batch)
+        self.scheduler.on_step_done(batch)
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for i, seq in enumerate(sampled_seqs):
+            request = self.requests.get(seq.request_id)
+            if request is None:
+                continue
+            self._append_token(request.completions[seq.index], result.token_ids[i], result.logprobs[i], now)
+            touched[request.request_id] = request
+        self.num_generation_tokens += len(sampled_seqs)
+        outputs = [self._make_output(r) for r in touched.values()]
+        for r in touched.values():
+            if r.finished:
+                del self.requests[r.request_id]
+        return outputs
+
+    def _append_token(self, completion: _Completion, token: int, logprob, now: float) -> None:
+        seq, params = completion.seq, completion.seq.params
+        seq.append_token(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if seq.index == 0:
+                self.num_prompt_tokens += seq.num_prompt_tokens
+        seq.last_token_time = now
+        if logprob is not None:
+            chosen, rank, top = logprob
+            seq.cumulative_logprob += chosen
+            entry = {t: Logprob(lp, r + 1, self._token_text(t)) for r, (t, lp) in enumerate(top)}
+            entry[token] = Logprob(chosen, rank, self._token_text(token))
+            seq.logprobs.append(entry)
+
+        reason = stop_reason = None
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and token in params.eos_token_ids:
+            reason = "stop"
+        elif may_stop and token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        full_text, new_chars = "", 0
+        if completion.detokenizer is not None:
+            new_chars = len(completion.detokenizer.add_token(token))
+            if reason is not None:
+                new_chars += len(completion.detokenizer.flush())
+            full_text = completion.detokenizer.text
+        if may_stop:
+            match = completion.stops.find(full_text, new_chars)
+            if match is not None:  # a stop string wins over a length stop in the same token
+                (stop_reason, end), reason = match, "stop"
+                full_text = full_text[:end]
+        if reason is None:
+            completion.text = full_text[:completion.stops.safe_length(full_text)]
+            return
+        completion.text = full_text
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq, reason)
+
+    def _token_text(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    def _make_output(self, request: Request) -> RequestOutput:
+        outputs = [CompletionOutput(index=c.seq.index, text=c.text, token_ids=c.seq.output_token_ids,
+                                    cumulative_logprob=c.seq.cumulative_logprob if c.seq.logprobs is not None else None,
+                                    logprobs=c.seq.logprobs, finish_reason=c.seq.finish_reason,
+                                    stop_reason=c.seq.stop_reason)
+                   for c in request.completions]
+        first = request.completions[0].seq
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
+                             finished=request.finished, num_cached_tokens=first.num_cached_tokens)
+
+    # -- state, for metrics and tests -----------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, error)
+        return None

@@ -1,0 +1,159 @@
+"""Decoder-only transformer for the Llama family and its close relatives.
+
+Llama, Mistral, Qwen2 and Qwen3 differ only in small switches, read from the config:
+biases on q/k/v (Qwen2, or `attention_bias`), per-head RMSNorm on q and k before RoPE (Qwen3),
+sliding-window attention (Mistral), an explicit head_dim, tied embeddings. Tokens of all sequences
+in a step run flattened ([T, hidden]); only attention needs to know where sequences begin and end.
+q/k/v and gate/up projections are fused into one matmul each at load time.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend, AttentionMetadata
+from ..rope import RotaryEmbedding, rope_settings
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class ModelSpec:
+    """The architectural switches of one checkpoint, resolved from its HF config."""
+
+    def __init__(self, config, architecture: str) -> None:
+        self.hidden_size = config.hidden_size
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.intermediate_size = config.intermediate_size
+        self.vocab_size = config.vocab_size
+        self.rms_norm_eps = config.rms_norm_eps
+        self.max_position_embeddings = config.max_position_embeddings
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        self.o_bias = architecture != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False))
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qk_norm = architecture == "Qwen3ForCausalLM"
+        self.sliding_window = _sliding_window(config, architecture)
+        self.rope_theta, self.rope_scaling = rope_settings(config)
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; supported: {sorted(ACTIVATIONS)}")
+        self.activation = ACTIVATIONS[act]
+
+
+def _sliding_window(config, architecture: str) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not getattr(config, "use_sliding_window", False):
+            return None
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "sliding_attention" for t in layer_types):
+            raise ValueError("models mixing sliding-window and full-attention layers are not supported yet")
+    return int(window)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.activation = spec.activation
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.activation(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, backend, rotary)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, rotary) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = rotary
+
+
+class CausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec, backend, max_positions)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Runs the step's flat tokens; returns logits [len(logits_indices), vocab] for the rows
+        that sample (the last computed token of each sequence that completes its prompt or decodes)."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        x = self.model.norm(x[logits_indices])
+        return self.lm_head(x).float()
+
+
+# Checkpoint names that load into a slice of one of our fused parameters: (ours, theirs, slice index).
+FUSED_WEIGHTS = (
+    ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+)

@@ -1,0 +1,133 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step has a token budget. Running sequences are served first (a decode needs one token, a
+partly-prefilled prompt its next chunk), then waiting ones are admitted in (priority, arrival)
+order while the budget, `max_num_seqs` and free KV blocks allow. When blocks run out, the
+lowest-priority, most recent running sequence is preempted by recompute: its blocks are freed and it
+goes back to the waiting queue, to be prefilled again (cheaply, if its prefix is still cached).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+
+@dataclass
+class ScheduledBatch:
+    # (sequence, number of tokens to compute this step), one-token queries first
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Sequence] = []  # sorted by schedule_key
+        self.running: list[Sequence] = []  # sorted by schedule_key
+        self.num_preemptions = 0
+
+    # -- queue management ---------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Remove every sequence of a request, freeing its blocks. Returns what was removed."""
+        removed = [s for s in self.waiting + self.running if s.request_id == request_id]
+        for seq in removed:
+            self.finish(seq, "abort")
+        return removed
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or reason
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    # -- the step -----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate_slots(seq, num_new):
+                victim = self.running[-1]  # lowest priority, most recent: never one already scheduled
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.entries.append((seq, num_new))
+                budget -= num_new
+                index += 1
+
+        # Admitting new work while we had to preempt would only thrash.
+        while (self.waiting and not batch.preempted and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            if not seq.block_table:
+                cached = bm.allocate_cached_prefix(seq)
+                seq.num_computed_tokens = cached
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = cached
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not bm.allocate_slots(seq, num_new):
+                bm.free(seq)  # give the cached prefix back; retry next step
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
+            batch.entries.append((seq, num_new))
+            budget -= num_new
+
+        # Decodes first: the attention backend batches them together.
+        batch.entries.sort(key=lambda e: not self.is_decode(*e))
+        return batch
+
+    @staticmethod
+    def is_decode(seq: Sequence, num_new: int) -> bool:
+        """A one-token query (a decode, or a prompt's last token) takes the batched decode path."""
+        return num_new == 1
+
+    def on_step_done(self, batch: ScheduledBatch) -> None:
+        """Advance each scheduled sequence past the tokens just computed, and cache its full blocks."""
+        for seq, num_new in batch.entries:
+            seq.num_computed_tokens += num_new
+            self.block_manager.commit_computed_blocks(seq)

@@ -1,0 +1,83 @@
+"""One generation stream: its tokens, progress through the KV cache and stop state."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+
+from .sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """A prompt and the tokens generated after it.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache; the scheduler moves it forward
+    chunk by chunk, and a preemption (recompute) resets it to 0.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 generator: torch.Generator, *, priority: int = 0, lora_id: int = 0, index: int = 0,
+                 arrival_time: float | None = None) -> None:
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions this is
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.priority = priority
+        self.lora_id = lora_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_order = next(_arrival_counter)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
+        self.block_hashes: list[int] = []
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        # timing, for metrics
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def schedule_key(self) -> tuple[int, int]:
+        """Lower runs first: priority (lower value = more urgent, as in vLLM), then arrival."""
+        return (self.priority, self.arrival_order)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

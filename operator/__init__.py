@@ -1,0 +1,1 @@
+"""kopf operator for InferenceModel resources (not built yet, issue #6)."""
