@@ -45,8 +45,8 @@ def _yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
     inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1 / pos_freqs) * extrapolation_weight
     return inv_freq, attention_factor

@@ -1,0 +1,35 @@
+# kubeinfer developer commands. `make setup` is idempotent; everything runs from .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test test-all bench run clean
+
+setup: $(STAMP)
+
+# torch is pinned to the CPU wheel: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: setup
+	$(VENV)/bin/pytest -q -m "not slow"
+
+test-all: setup
+	$(VENV)/bin/pytest -q
+
+bench: setup
+	$(PY) benchmarks/bench_throughput.py
+
+run: setup
+	@echo "make run: the local stack (engine server + gateway on the demo model) is not built yet (issue #7)." >&2
+	@echo "Meanwhile: $(VENV)/bin/kubeinfer generate MODEL_DIR --prompt 'Hello'" >&2
+	@exit 2
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

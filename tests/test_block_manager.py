@@ -1,0 +1,94 @@
+"""Paged KV bookkeeping and the prefix cache, without a model."""
+import torch
+
+from kubeinfer.engine.block_manager import BlockManager
+from kubeinfer.engine.sampling_params import SamplingParams
+from kubeinfer.engine.sequence import Sequence
+
+
+def make_seq(tokens, lora_id=0):
+    return Sequence("r", tokens, SamplingParams(), torch.Generator(), lora_id=lora_id)
+
+
+def run_prefill(bm, seq):
+    """What the scheduler does for a sequence's whole prompt in one step."""
+    seq.num_computed_tokens = bm.allocate_cached_prefix(seq)
+    assert bm.allocate_slots(seq, seq.num_tokens - seq.num_computed_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.commit_computed_blocks(seq)
+
+
+def test_allocation_and_free_return_every_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(list(range(10)))
+    run_prefill(bm, seq)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    assert 0 < bm.usage < 1
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and bm.usage == 0
+
+
+def test_allocation_fails_without_partial_effects():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    seq = make_seq(list(range(12)))
+    assert not bm.allocate_slots(seq, 12)
+    assert seq.block_table == [] and bm.num_free_blocks == 2
+
+
+def test_shared_prefix_reuses_full_blocks_and_counts_hits():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq(list(range(10)))
+    run_prefill(bm, a)
+    b = make_seq(list(range(8)) + [99, 98, 97])
+    run_prefill(bm, b)
+    assert b.block_table[:2] == a.block_table[:2]  # two full blocks shared
+    assert b.block_table[2] != a.block_table[2]
+    assert bm.blocks[a.block_table[0]].ref_count == 2
+    assert bm.prefix_queries == 21 and bm.prefix_hits == 8
+
+
+def test_last_token_is_never_a_cache_hit():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    run_prefill(bm, make_seq(list(range(8))))
+    again = make_seq(list(range(8)))
+    assert bm.allocate_cached_prefix(again) == 4  # the second block holds the last token: recomputed
+
+
+def test_lora_adapters_never_share_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    run_prefill(bm, make_seq(list(range(10)), lora_id=1))
+    assert bm.allocate_cached_prefix(make_seq(list(range(10)), lora_id=2)) == 0
+    assert bm.allocate_cached_prefix(make_seq(list(range(10)), lora_id=1)) == 8
+
+
+def test_freed_cached_blocks_survive_until_the_pool_runs_out():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = make_seq(list(range(8)) + [1])
+    run_prefill(bm, a)
+    bm.free(a)
+    # One never-cached block is left plus 3 cached ones: a 1-block request must not evict.
+    b = make_seq([50, 51])
+    run_prefill(bm, b)
+    assert bm.allocate_cached_prefix(make_seq(list(range(8)) + [7])) == 8
+    # Now exhaust the pool: cached blocks are evicted, least recently freed first.
+    bm2 = BlockManager(num_blocks=3, block_size=4)
+    a = make_seq(list(range(8)) + [1])
+    run_prefill(bm2, a)
+    bm2.free(a)
+    c = make_seq(list(range(100, 108)) + [1])  # needs all 3 blocks
+    run_prefill(bm2, c)
+    assert bm2.hash_to_block and all(bm2.blocks[b].ref_count == 1 for b in c.block_table)
+    assert bm2.allocate_cached_prefix(make_seq(list(range(8)) + [1])) == 0
+
+
+def test_eviction_prefers_tail_blocks():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = make_seq([1, 2, 3, 4, 5, 6, 7])
+    run_prefill(bm, a)  # 4 blocks, 3 full and cached
+    bm.free(a)
+    b = make_seq([9, 9])  # takes the uncached tail block first, then evicts the oldest freed: a's last full block
+    run_prefill(bm, b)
+    c = make_seq([8, 8, 8])
+    run_prefill(bm, c)
+    probe = make_seq([1, 2, 3, 4, 5, 6, 7])
+    assert bm.allocate_cached_prefix(probe) == 2  # the first block survived; the tail went first
