@@ -254,9 +254,17 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _load_tokenizer(path: str):
+    from pathlib import Path
+
     from transformers import AutoTokenizer
 
+    if Path(path).is_dir() and not any((Path(path) / name).exists() for name in TOKENIZER_FILES):
+        logger.info("no tokenizer files in %s; only token-id prompts will work", path)
+        return None
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:

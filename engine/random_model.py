@@ -42,13 +42,7 @@ def _fallback_corpus() -> list[str]:
     verbs = ("reads", "writes", "waits for", "returns", "streams", "caches")
     objects = ("the next batch", "a long prompt", "the key and value blocks", "an answer", "the weights")
     tails = ("quickly.", "before the deadline.", "in order.", "when memory is free.", "again and again.")
-    lines = [
-        f"{s} {v} {o} {t}"
-        for s in subjects
-        for v in verbs
-        for o in objects
-        for t in tails
-    ]
+    lines = [f"{s} {v} {o} {t}" for s in subjects for v in verbs for o in objects for t in tails]
     return lines + ["0123456789 +-*/=()[]{}<>,.;:!?'\"@#$%&_ \t\n"]
 
 

@@ -33,7 +33,9 @@ def hf_greedy(path, n=12):
     dict(family="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
     dict(family="qwen2", tie_word_embeddings=True),
     dict(family="llama", max_shard_size="100KB"),
-], ids=["llama3-rope", "linear-rope", "yarn-rope", "tied-embeddings", "sharded"])
+    dict(family="mistral", sliding_window=6),
+    dict(family="qwen3", num_kv_heads=1, head_dim=32),
+], ids=["llama3-rope", "linear-rope", "yarn-rope", "tied-embeddings", "sharded", "sliding-window", "qwen3-mqa-wide-heads"])
 def test_variants_match_transformers(variant, tmp_path):
     path = build_random_model(tmp_path / "m", tokenizer=False, hidden_size=64, **variant)
     if "max_shard_size" in variant:
