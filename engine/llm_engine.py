@@ -97,8 +97,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     *, priority: int = 0, lora_id: int = 0) -> Request:
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request = self.prepare_request(request_id, prompt, params, priority=priority, lora_id=lora_id)
+        self.submit(request)
+        return request
+
+    def prepare_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                        *, priority: int = 0, lora_id: int = 0) -> Request:
+        """Tokenize and validate; raises ValueError before any model work. Touches no scheduler state,
+        so a server may call it off the engine thread."""
         params = params or SamplingParams()
         prompt_text, token_ids = self._prompt_tokens(prompt)
         self.validate_prompt_length(len(token_ids), params)
@@ -106,13 +112,19 @@ class LLMEngine:
         request = Request(request_id, prompt_text, token_ids, params)
         for index in range(params.n):
             generator = torch.Generator().manual_seed(self._seed_for(params.seed, index))
-            seq = Sequence(request_id, token_ids, params, generator, priority=priority, lora_id=lora_id, index=index)
+            seq = Sequence(request_id, token_ids, params, generator, priority=priority, lora_id=lora_id, index=index,
+                           arrival_time=request.arrival_time)
             detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
                            if self.tokenizer is not None else None)
             request.completions.append(_Completion(seq, detokenizer, StopStringMatcher(params)))
-            self.scheduler.add(seq)
-        self.requests[request_id] = request
         return request
+
+    def submit(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        for completion in request.completions:
+            self.scheduler.add(completion.seq)
 
     def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -242,7 +254,12 @@ class LLMEngine:
                    for c in request.completions]
         first = request.completions[0].seq
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             finished=request.finished, num_cached_tokens=first.num_cached_tokens)
+                             finished=request.finished, num_cached_tokens=first.num_cached_tokens,
+                             metrics={"arrival_time": request.arrival_time,
+                                      "first_scheduled_time": first.first_scheduled_time,
+                                      "first_token_time": first.first_token_time,
+                                      "last_token_time": max((c.seq.last_token_time or 0) for c in request.completions),
+                                      "num_preemptions": sum(c.seq.num_preemptions for c in request.completions)})
 
     # -- state, for metrics and tests -----------------------------------------------------------
     @property
@@ -252,6 +269,10 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def lora_adapter_names(self) -> tuple[list[str], list[str]]:
+        """(adapters of running requests, adapters of waiting requests); LoRA arrives with issue #4."""
+        return [], []
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -28,6 +28,11 @@ def _random_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from kubeinfer.engine.serve import main as serve_main
+    return serve_main(args)
+
+
 def _not_built(issue: int, what: str):
     def run(_: argparse.Namespace) -> int:
         print(f"kubeinfer: {what} is not built yet (issue #{issue})", file=sys.stderr)
@@ -59,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
         rnd.add_argument(f"--{name}", type=int, default=None)
     rnd.set_defaults(func=_random_model)
 
-    sub.add_parser("serve", help="OpenAI-compatible engine server").set_defaults(func=_not_built(3, "the engine server"))
+    srv = sub.add_parser("serve", help="OpenAI-compatible engine server (HTTP + optional gRPC)")
+    from kubeinfer.engine.serve import add_serve_arguments
+    add_serve_arguments(srv)
+    srv.set_defaults(func=_serve)
     sub.add_parser("gateway", help="endpoint picker").set_defaults(func=_not_built(5, "the gateway"))
     sub.add_parser("operator", help="InferenceModel operator").set_defaults(func=_not_built(6, "the operator"))
     return parser
