@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+
+import uvicorn
 
 logger = logging.getLogger("kubeinfer.serve")
 
@@ -60,17 +63,23 @@ def build_state(args: argparse.Namespace):
     return ServerState(engine, args.served_model_name or args.model, args.model, api_key=args.api_key)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+class _DrainFirstServer(uvicorn.Server):
+    """uvicorn alone would stop at once on SIGTERM and re-raise the signal (exit code -15); we drain
+    first and then set should_exit ourselves."""
 
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def serve(args: argparse.Namespace) -> int:
     from .api_server import build_app
 
     state = build_state(args)
     state.async_engine.start()
     app = build_app(state)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=int(args.drain_timeout) + 5))
-    server.install_signal_handlers = lambda: None  # we drain first, then tell uvicorn to stop
+    server = _DrainFirstServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                              timeout_graceful_shutdown=int(args.drain_timeout) + 5))
     grpc_server = None
     if args.grpc_port is not None:
         from .grpc_server import start_grpc_server
