@@ -31,15 +31,15 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params")
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
-        if any(lora is not None for lora in loras):
-            raise NotImplementedError("LoRA serving is not built yet (tracked in issue #4)")
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            self.engine.add_lora(lora)  # as in vLLM: an adapter is read and validated on its first use
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 request_id = str(self._next_id)
                 self._next_id += 1
                 # SamplingParams is mutated with engine defaults; keep the caller's object intact.
-                self.engine.add_request(request_id, prompt, _copy(p))
+                self.engine.add_request(request_id, prompt, _copy(p), lora_id=lora.lora_int_id if lora else 0)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:
@@ -53,14 +53,14 @@ class LLM:
         return [finished[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [{"prompt_token_ids": _token_ids(tokenizer.apply_chat_template(
             c, add_generation_prompt=add_generation_prompt, tokenize=True))} for c in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, lora_request)
 
 
 def _token_ids(encoded) -> list[int]:

@@ -16,6 +16,8 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .lora import LoRARequest
+from .lora_manager import LoRAManager
 from .model_loader import inspect_model_dir, resolve_dtype
 from .model_runner import ModelRunner
 from .models.llama import ModelSpec
@@ -65,18 +67,21 @@ class LLMEngine:
                              f"({self.spec.max_position_embeddings})")
         self.eos_token_ids = frozenset(files.eos_token_ids)
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
-        if config.enable_lora:
-            raise NotImplementedError("LoRA serving is not built yet (tracked in issue #4); run with enable_lora=False")
+        self.lora = (LoRAManager(self.spec, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                 max_cpu_loras=config.max_cpu_loras, device=self.device, dtype=self.dtype)
+                     if config.enable_lora else None)
+        pool = self.lora.pool if self.lora else None
 
         block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
         attention_backend = config.attention_backend or "torch"
         self.runner = ModelRunner(files, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
                                   block_size=block_size, num_kv_blocks=self.num_kv_blocks,
-                                  attention_backend=attention_backend)
+                                  attention_backend=attention_backend, lora_pool=pool)
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.block_manager)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.block_manager,
+                                   pool)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self.num_prompt_tokens = 0  # prompt tokens of requests that produced their first token
@@ -106,6 +111,9 @@ class LLMEngine:
         """Tokenize and validate; raises ValueError before any model work. Touches no scheduler state,
         so a server may call it off the engine thread."""
         params = params or SamplingParams()
+        if lora_id and (self.lora is None or lora_id not in self.lora.registered):
+            raise ValueError(f"lora_request: adapter id {lora_id} is not loaded"
+                             + ("" if self.lora else "; LoRA is not enabled (enable_lora=True / --enable-lora)"))
         prompt_text, token_ids = self._prompt_tokens(prompt)
         self.validate_prompt_length(len(token_ids), params)
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
@@ -171,7 +179,33 @@ class LLMEngine:
         if request is None:
             return False
         self.scheduler.abort(request_id)
+        self._retire_unloaded_adapters()
         return True
+
+    # -- LoRA adapters (engine thread) ---------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
+        """Register an adapter so requests may use it; reads and validates its files unless `adapter`
+        (from `self.lora.read`, done off this thread) is given. Raises ValueError / LoRALoadError."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled; create the engine with enable_lora=True (--enable-lora)")
+        self.lora.register(lora_request, adapter)
+
+    def remove_lora(self, lora_name: str) -> LoRARequest:
+        """Unregister by name; requests in flight on it finish first. KeyError if unknown."""
+        request = self.lora.find(lora_name) if self.lora else None
+        if request is None:
+            raise KeyError(lora_name)
+        return self.lora.unregister(request.lora_int_id, self._adapters_in_use())
+
+    def list_loras(self) -> list[LoRARequest]:
+        return sorted(self.lora.registered.values(), key=lambda r: r.lora_int_id) if self.lora else []
+
+    def _adapters_in_use(self) -> set[int]:
+        return self.scheduler.running_adapters() | self.scheduler.waiting_adapters()
+
+    def _retire_unloaded_adapters(self) -> None:
+        if self.lora is not None and self.lora.retiring:
+            self.lora.retire_idle(self._adapters_in_use())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -179,8 +213,9 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        failed = {seq.request_id: self.requests[seq.request_id] for seq in batch.failed if seq.request_id in self.requests}
         if not batch:
-            return []
+            return self._finish_outputs(failed)
         now = time.monotonic()
         for seq, _ in batch.entries:
             if seq.first_scheduled_time is None:
@@ -196,10 +231,14 @@ class LLMEngine:
             self._append_token(request.completions[seq.index], result.token_ids[i], result.logprobs[i], now)
             touched[request.request_id] = request
         self.num_generation_tokens += len(sampled_seqs)
+        return self._finish_outputs({**failed, **touched})
+
+    def _finish_outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = [self._make_output(r) for r in touched.values()]
         for r in touched.values():
             if r.finished:
                 del self.requests[r.request_id]
+        self._retire_unloaded_adapters()
         return outputs
 
     def _append_token(self, completion: _Completion, token: int, logprob, now: float) -> None:
@@ -271,8 +310,10 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     def lora_adapter_names(self) -> tuple[list[str], list[str]]:
-        """(adapters of running requests, adapters of waiting requests); LoRA arrives with issue #4."""
-        return [], []
+        """(adapters of running requests, adapters of waiting requests), for vllm:lora_requests_info."""
+        if self.lora is None:
+            return [], []
+        return self.lora.names(self.scheduler.running_adapters()), self.lora.names(self.scheduler.waiting_adapters())
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

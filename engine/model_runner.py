@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, get_attention_backend
+from .lora_layers import LoRAContext
+from .lora_pool import LoRAPool
 from .model_loader import ModelFiles, load_model
 from .sampler import SampleResult, sample
 from .scheduler import ScheduledBatch, Scheduler
@@ -13,8 +15,10 @@ from .sequence import Sequence
 
 class ModelRunner:
     def __init__(self, files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 block_size: int, num_kv_blocks: int, attention_backend: str = "torch") -> None:
+                 block_size: int, num_kv_blocks: int, attention_backend: str = "torch",
+                 lora_pool: LoRAPool | None = None) -> None:
         self.device = device
+        self.lora_pool = lora_pool
         self.dtype = dtype
         self.block_size = block_size
         self.backend = get_attention_backend(attention_backend)
@@ -71,10 +75,19 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, torch.tensor(logits_indices, dtype=torch.long, device=dev), sampling_seqs)
 
+    def lora_context(self, batch: ScheduledBatch) -> LoRAContext | None:
+        """Each token's adapter slot, grouped; None when no sequence in the step uses an adapter."""
+        if self.lora_pool is None or not any(seq.lora_id for seq, _ in batch.entries):
+            return None
+        token_slots: list[int] = []
+        for seq, num_new in batch.entries:
+            token_slots.extend([self.lora_pool.slot_of(seq.lora_id)] * num_new)
+        return LoRAContext.build(self.lora_pool, token_slots)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
         input_ids, positions, meta, logits_indices, sampling_seqs = self.prepare(batch)
-        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices, self.lora_context(batch))
         if not sampling_seqs:
             return [], SampleResult([], [])
         return sampling_seqs, sample(logits.cpu(), sampling_seqs)

@@ -5,6 +5,10 @@ partly-prefilled prompt its next chunk), then waiting ones are admitted in (prio
 order while the budget, `max_num_seqs` and free KV blocks allow. When blocks run out, the
 lowest-priority, most recent running sequence is preempted by recompute: its blocks are freed and it
 goes back to the waiting queue, to be prefilled again (cheaply, if its prefix is still cached).
+
+With LoRA, a running sequence pins its adapter in a device slot. A waiting sequence whose adapter
+cannot get a slot (all pinned) is passed over, keeping its place in the queue, so requests for
+adapters that are on the device still run; it is admitted as soon as a slot frees.
 """
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ import bisect
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .lora_adapter import LoRALoadError
+from .lora_pool import LoRAPool, LoRAPoolError
 from .sequence import Sequence, SequenceStatus
 
 
@@ -27,6 +33,7 @@ class ScheduledBatch:
     # (sequence, number of tokens to compute this step), one-token queries first
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # finished unrun: their adapter could not be loaded
 
     @property
     def num_tokens(self) -> int:
@@ -37,9 +44,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lora_pool: LoRAPool | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.lora_pool = lora_pool
         self.waiting: list[Sequence] = []  # sorted by schedule_key
         self.running: list[Sequence] = []  # sorted by schedule_key
         self.num_preemptions = 0
@@ -62,6 +70,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq in self.running:
             self.running.remove(seq)
+            self._release_adapter(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -70,6 +79,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release_adapter(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -98,9 +108,13 @@ class Scheduler:
                 index += 1
 
         # Admitting new work while we had to preempt would only thrash.
+        passed_over: list[Sequence] = []  # their adapter has no free slot now
         while (self.waiting and not batch.preempted and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            if not self._adapter_can_run(seq):
+                passed_over.append(self.waiting.pop(0))
+                continue
             if not seq.block_table:
                 cached = bm.allocate_cached_prefix(seq)
                 seq.num_computed_tokens = cached
@@ -112,14 +126,46 @@ class Scheduler:
                 seq.num_computed_tokens = 0
                 break
             self.waiting.pop(0)
+            if not self._acquire_adapter(seq):
+                batch.failed.append(seq)
+                continue
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
             batch.entries.append((seq, num_new))
             budget -= num_new
+        for seq in passed_over:
+            bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
 
         # Decodes first: the attention backend batches them together.
         batch.entries.sort(key=lambda e: not self.is_decode(*e))
         return batch
+
+    # -- LoRA adapters --------------------------------------------------------------------------
+    def _adapter_can_run(self, seq: Sequence) -> bool:
+        return not seq.lora_id or self.lora_pool is None or self.lora_pool.can_activate(seq.lora_id)
+
+    def _acquire_adapter(self, seq: Sequence) -> bool:
+        """Pin the sequence's adapter in a device slot. False (and the sequence finished with
+        reason "abort") if the adapter can no longer be read, e.g. its files were removed."""
+        if not seq.lora_id or self.lora_pool is None:
+            return True
+        try:
+            self.lora_pool.acquire(seq.lora_id)
+        except (LoRAPoolError, LoRALoadError) as error:
+            seq.error = str(error)
+            self.finish(seq, "abort")
+            return False
+        return True
+
+    def _release_adapter(self, seq: Sequence) -> None:
+        if seq.lora_id and self.lora_pool is not None:
+            self.lora_pool.release(seq.lora_id)
+
+    def waiting_adapters(self) -> set[int]:
+        return {s.lora_id for s in self.waiting if s.lora_id}
+
+    def running_adapters(self) -> set[int]:
+        return {s.lora_id for s in self.running if s.lora_id}
 
     @staticmethod
     def is_decode(seq: Sequence, num_new: int) -> bool:

@@ -47,6 +47,7 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why the engine gave up on it (finish_reason "abort")
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         # timing, for metrics

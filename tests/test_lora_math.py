@@ -13,6 +13,7 @@ from kubeinfer.engine.lora_adapter import (LoRAAdapter, LoRALoadError, LoRAWeigh
                                            resolve_adapter_path)
 from kubeinfer.engine.lora_layers import LoRAContext
 from kubeinfer.engine.lora_pool import LoRAPool, LoRAPoolError
+from lora_helpers import load_hf, make_peft_adapter
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Different ranks, scalings (rsLoRA, per-module rank and alpha), target sets and layers.
@@ -42,29 +43,12 @@ def spec(base_dir):
     return ModelSpec(AutoConfig.from_pretrained(base_dir), "LlamaForCausalLM")
 
 
-def _hf(base_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def peft_adapters(base_dir, tmp_path_factory):
     """name -> (saved adapter directory, the PEFT model that is the reference)."""
-    from peft import LoraConfig, get_peft_model
-
     root = tmp_path_factory.mktemp("adapters")
-    out = {}
-    for seed, (name, kwargs) in enumerate(ADAPTERS.items()):
-        model = get_peft_model(_hf(base_dir), LoraConfig(**kwargs)).eval()
-        generator = torch.Generator().manual_seed(100 + seed)
-        with torch.no_grad():  # PEFT starts B at zero, which would make every delta vanish
-            for pname, param in model.named_parameters():
-                if "lora_" in pname:
-                    param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-        model.save_pretrained(root / name)
-        out[name] = (root / name, model)
-    return out
+    return {name: (root / name, make_peft_adapter(base_dir, root / name, seed=100 + seed, **kwargs))
+            for seed, (name, kwargs) in enumerate(ADAPTERS.items())}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +84,7 @@ def test_batched_delta_matches_peft(route, spec, peft_adapters, ours, base_dir):
     slots = {name: pool.acquire(IDS[name]) for name in ADAPTERS}
     rows = ROUTES[route]
     ctx = LoRAContext.build(pool, [slots[n] if n else 0 for n in rows])
-    base_model = _hf(base_dir)
+    base_model = load_hf(base_dir)
     torch.manual_seed(0)
     for layer in range(spec.num_layers):
         for module, parts in PARTS.items():

@@ -8,12 +8,17 @@ q/k/v and gate/up projections are fused into one matmul each at load time.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend, AttentionMetadata
 from ..rope import RotaryEmbedding, rope_settings
+
+if TYPE_CHECKING:
+    from ..lora_layers import LoRAContext
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -70,8 +75,9 @@ def _sliding_window(config, architecture: str) -> int | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -83,42 +89,51 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata, lora: LoRAContext | None = None):
+        qkv = _project(self.qkv_proj, x, lora, self.layer_idx, "qkv_proj")
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(-1, self.q_size)
+        return _project(self.o_proj, out, lora, self.layer_idx, "o_proj")
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.activation = spec.activation
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.activation(gate) * up)
+    def forward(self, x, lora: LoRAContext | None = None):
+        gate_up = _project(self.gate_up_proj, x, lora, self.layer_idx, "gate_up_proj")
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return _project(self.down_proj, self.activation(gate) * up, lora, self.layer_idx, "down_proj")
+
+
+def _project(linear: nn.Linear, x: torch.Tensor, lora: LoRAContext | None, layer: int, module: str) -> torch.Tensor:
+    """The base projection, plus each token's own adapter delta when the step has adapters."""
+    out = linear(x)
+    return out if lora is None else lora.apply(out, x, layer, module)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, backend, rotary)
+        self.self_attn = Attention(spec, backend, rotary, layer_idx)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, layer_idx)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, kv_cache, meta, lora: LoRAContext | None = None):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class DecoderModel(nn.Module):
@@ -127,7 +142,7 @@ class DecoderModel(nn.Module):
         self.spec = spec
         rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend, rotary) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, rotary, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = rotary
 
@@ -142,12 +157,13 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor, lora: LoRAContext | None = None) -> torch.Tensor:
         """Runs the step's flat tokens; returns logits [len(logits_indices), vocab] for the rows
-        that sample (the last computed token of each sequence that completes its prompt or decodes)."""
+        that sample (the last computed token of each sequence that completes its prompt or decodes).
+        `lora` routes each token to its adapter's delta; None runs the base model alone."""
         x = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+            x = layer(x, positions, kv_cache, meta, lora)
         x = self.model.norm(x[logits_indices])
         return self.lm_head(x).float()
 
