@@ -3,6 +3,7 @@ streamed as SSE or not, plus /v1/models, /health, /version and /metrics.
 
 Every request is validated and tokenized before it reaches the engine; errors use OpenAI's shape.
 A client that goes away mid-request cancels it, which aborts it in the engine and frees its blocks.
+`model` names the base model or one of the loaded LoRA adapters (see lora_routes.py).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
 from .async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from .lora_routes import add_lora_routes
 from .metrics import EngineMetrics
 from .outputs import RequestOutput
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -51,6 +53,7 @@ class ServerState:
     served_model_name: str
     model_path: str
     api_key: str | None = None
+    lora_dirs: list[str] = field(default_factory=list)  # where /v1/load_lora_adapter may read adapters
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: EngineMetrics | None = None
@@ -108,35 +111,45 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [
-            {"id": state.served_model_name, "object": "model", "created": state.created, "owned_by": "kubeinfer",
-             "root": state.model_path, "parent": None, "max_model_len": state.engine.max_model_len}]}
+        def card(name: str, root: str, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": state.created, "owned_by": "kubeinfer", "root": root,
+                    "parent": parent, "max_model_len": state.engine.max_model_len}
+
+        adapters = [card(r.lora_name, r.lora_path, state.served_model_name) for r in state.engine.list_loras()]
+        return {"object": "list", "data": [card(state.served_model_name, state.model_path, None), *adapters]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_serving(state, body)
+        lora_id = check_serving(state, body)
         params = to_params(body, body.max_tokens, body.logprobs)
         prepared = prepare_all(state, body, [p if isinstance(p, str) else {"prompt_token_ids": p} for p in body.prompts()],
-                               params, "cmpl")
-        return await respond(state, request, body, prepared, CompletionFormat(state.served_model_name, body.logprobs))
+                               params, "cmpl", lora_id)
+        fmt = CompletionFormat(body.model, body.logprobs, body.return_token_ids)
+        return await respond(state, request, body, prepared, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        check_serving(state, body)
+        lora_id = check_serving(state, body)
         prompt_ids = chat_prompt(state, body)
         params = to_params(body, body.effective_max_tokens(), body.logprobs_count())
-        prepared = prepare_all(state, body, [{"prompt_token_ids": prompt_ids}], params, "chatcmpl")
-        return await respond(state, request, body, prepared, ChatFormat(state.served_model_name, body.logprobs, body.top_logprobs or 0))
+        prepared = prepare_all(state, body, [{"prompt_token_ids": prompt_ids}], params, "chatcmpl", lora_id)
+        return await respond(state, request, body, prepared, ChatFormat(body.model, body.logprobs, body.top_logprobs or 0))
 
+    add_lora_routes(app, state)
     return app
 
 
 # -- request preparation --------------------------------------------------------------------------
-def check_serving(state: ServerState, body: SamplingFields) -> None:
+def check_serving(state: ServerState, body: SamplingFields) -> int:
+    """The adapter id the request runs (0: the base model); 404 for a model this server does not serve."""
     if state.draining:
         raise APIError(503, "draining: this server is shutting down; retry on another replica")
-    if body.model != state.served_model_name:
+    if body.model == state.served_model_name:
+        return 0
+    adapter = state.engine.lora.find(body.model) if state.engine.lora else None
+    if adapter is None:
         raise APIError(404, f"The model `{body.model}` does not exist.", "model")
+    return adapter.lora_int_id
 
 
 def param_of(message: str) -> str | None:
@@ -167,14 +180,15 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def prepare_all(state: ServerState, body: SamplingFields, prompts: list, params, prefix: str):
+def prepare_all(state: ServerState, body: SamplingFields, prompts: list, params, prefix: str, lora_id: int = 0):
     """Validate every prompt of the request before any of them is submitted: all or nothing."""
     engine = state.async_engine
     base_id = f"{prefix}-{secrets.token_hex(12)}"
     prepared = []
     for i, prompt in enumerate(prompts):
         try:
-            prepared.append(engine.prepare(f"{base_id}-{i}", prompt, copy.copy(params), priority=body.priority))
+            prepared.append(engine.prepare(f"{base_id}-{i}", prompt, copy.copy(params), priority=body.priority,
+                                           lora_id=lora_id))
         except QueueFullError as error:
             raise APIError(429, str(error), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from error
         except ValueError as error:
@@ -281,6 +295,7 @@ def usage(outputs: list[RequestOutput]) -> dict:
 class CompletionFormat:
     model: str
     logprobs: int | None
+    return_token_ids: bool = False  # vLLM's extension: the prompt's and the completion's token ids
 
     @property
     def wants_logprobs(self) -> bool:
@@ -301,12 +316,18 @@ class CompletionFormat:
             offset += len(text)
         return result
 
-    def choice(self, index: int, text: str, completion, token_from: int = 0, text_offset: int = 0) -> dict:
-        return {"index": index, "text": text, "logprobs": self._logprobs(completion, token_from, text_offset),
-                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+    def choice(self, index: int, text: str, completion, token_from: int = 0, text_offset: int = 0,
+               prompt_token_ids: list[int] | None = None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": self._logprobs(completion, token_from, text_offset),
+                  "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        if self.return_token_ids:
+            choice["token_ids"] = completion.token_ids[token_from:]
+            choice["prompt_token_ids"] = prompt_token_ids if token_from == 0 else None
+        return choice
 
     def full_response(self, request_id: str, outputs: list[RequestOutput], n: int) -> dict:
-        choices = [self.choice(i * n + c.index, c.text, c) for i, o in enumerate(outputs) for c in o.outputs]
+        choices = [self.choice(i * n + c.index, c.text, c, prompt_token_ids=o.prompt_token_ids)
+                   for i, o in enumerate(outputs) for c in o.outputs]
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model,
                 "choices": choices, "usage": usage(outputs)}
 

@@ -14,13 +14,23 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, TypeVar
 
 from .llm_engine import LLMEngine, Request
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class QueueFullError(RuntimeError):
@@ -122,6 +132,13 @@ class AsyncEngine:
         async for output in self.stream(request):
             yield output
 
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread, between steps, and return its result (or raise its error):
+        how front ends change engine state that only the loop may touch, such as the adapter registry."""
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", (fn, future)))
+        return await future
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             stream = self._streams.pop(request_id, None)
@@ -142,6 +159,13 @@ class AsyncEngine:
         elif kind == "abort" and self.engine.abort(payload):
             for observer in self.abort_observers:
                 observer(payload)
+        elif kind == "call":
+            fn, future = payload
+            try:
+                result, error = fn(), None
+            except Exception as exc:  # the caller's error, not the engine's: hand it back
+                result, error = None, exc
+            future.get_loop().call_soon_threadsafe(_settle, future, result, error)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

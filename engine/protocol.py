@@ -67,6 +67,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
+    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _check_prompt(self):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -38,11 +39,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bound on queued requests; beyond it clients get 429 with Retry-After")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight work gets after SIGTERM")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH")
-    parser.add_argument("--enable-lora", action="store_true")
-    parser.add_argument("--max-loras", type=int, default=4)
+    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT format) to serve from the start; clients select one with model=NAME. "
+                             "Implies --enable-lora")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (batched, mixed with the base)")
+    parser.add_argument("--max-loras", type=int, default=4, help="adapters on the device at once (slots per batch)")
     parser.add_argument("--max-lora-rank", type=int, default=64)
-    parser.add_argument("--max-cpu-loras", type=int, default=None)
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters cached in host memory, device ones included (default: --max-loras)")
+    parser.add_argument("--allowed-lora-dirs", nargs="*", default=os.environ.get("KUBEINFER_ALLOWED_LORA_DIRS", "").split(),
+                        metavar="DIR", help="directories /v1/load_lora_adapter may read adapters from "
+                                            "(default: none, runtime loading by path is refused)")
     parser.add_argument("--log-level", default="info")
 
 
@@ -51,16 +58,45 @@ def build_state(args: argparse.Namespace):
     from .async_engine import AsyncEngine
     from .config import EngineConfig
     from .llm_engine import LLMEngine
+    from .lora import LoRARequest
 
-    if args.lora_modules or args.enable_lora:
-        raise SystemExit("kubeinfer serve: LoRA serving is not built yet (issue #4)")
+    lora_modules = parse_lora_modules(args.lora_modules)
     config = EngineConfig(model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                           num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                          seed=args.seed)
-    engine = AsyncEngine(LLMEngine(config), max_waiting_requests=args.max_waiting_requests)
-    return ServerState(engine, args.served_model_name or args.model, args.model, api_key=args.api_key)
+                          seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules), max_loras=args.max_loras,
+                          max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+    engine = LLMEngine(config)
+    for lora_id, (name, path) in enumerate(lora_modules, start=1):
+        try:
+            engine.add_lora(LoRARequest(name, lora_id, path))
+        except ValueError as error:  # LoRALoadError included: say which module and what to fix
+            raise SystemExit(f"kubeinfer serve: --lora-modules {name}={path}: {error}") from None
+    return ServerState(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests),
+                       args.served_model_name or args.model, args.model, api_key=args.api_key,
+                       lora_dirs=list(args.allowed_lora_dirs))
+
+
+def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    """vLLM's two spellings: NAME=PATH, or JSON {"name": ..., "path": ...}."""
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+                modules.append((item["name"], item["path"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SystemExit(f'kubeinfer serve: --lora-modules {value!r}: expected {{"name": ..., "path": ...}}') from None
+            continue
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"kubeinfer serve: --lora-modules {value!r}: expected NAME=PATH")
+        modules.append((name, path))
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"kubeinfer serve: --lora-modules names must be unique, got {', '.join(names)}")
+    return modules
 
 
 class _DrainFirstServer(uvicorn.Server):

@@ -35,3 +35,34 @@ def hf_models(model_dirs):
             cache[family] = AutoModelForCausalLM.from_pretrained(model_dirs[family], dtype=torch.float32).eval()
         return cache[family]
     return get
+
+
+# -- LoRA: a base model, three PEFT adapters and the greedy continuations transformers + PEFT give -------
+@pytest.fixture(scope="session")
+def lora_base_dir(tmp_path_factory):
+    from kubeinfer.engine.random_model import build_random_model
+
+    return build_random_model(tmp_path_factory.mktemp("lora_base"), "qwen2", tokenizer=False, seed=3)
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(lora_base_dir, tmp_path_factory):
+    """name -> (LoRARequest, greedy continuations of lora_helpers.PROMPTS by transformers + PEFT)."""
+    from lora_helpers import ADAPTERS, PROMPTS, hf_greedy, make_peft_adapter
+
+    from kubeinfer.engine import LoRARequest
+
+    root = tmp_path_factory.mktemp("lora_adapters")
+    out = {}
+    for i, (name, config) in enumerate(ADAPTERS.items()):
+        model = make_peft_adapter(lora_base_dir, root / name, seed=200 + i, scale=0.25, **config)
+        out[name] = (LoRARequest(name, i + 1, str(root / name)), [hf_greedy(model, p) for p in PROMPTS])
+    return out
+
+
+@pytest.fixture(scope="session")
+def lora_base_reference(lora_base_dir):
+    from lora_helpers import PROMPTS, hf_greedy, load_hf
+
+    model = load_hf(lora_base_dir)
+    return [hf_greedy(model, p) for p in PROMPTS]

@@ -25,3 +25,21 @@ def make_peft_adapter(base_dir, out_dir: Path, seed: int, scale: float = 0.3, **
                 param.copy_(scale * torch.randn(param.shape, generator=generator))
     model.save_pretrained(out_dir)
     return model
+
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Three adapters of different ranks, scalings and target sets, for the engine and server tests.
+ADAPTERS = {
+    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp": dict(r=8, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "all": dict(r=6, lora_alpha=12, use_rslora=True, target_modules=ALL_MODULES),
+}
+PROMPTS = [list(range(20, 33)), [7, 8, 9], list(range(100, 121)), [50, 51, 52, 53, 54]]
+MAX_TOKENS = 8
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int = MAX_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
+    return out[0, len(prompt):].tolist()

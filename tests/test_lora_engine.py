@@ -5,67 +5,24 @@ from __future__ import annotations
 import shutil
 
 import pytest
-import torch
+from lora_helpers import ADAPTERS, MAX_TOKENS, PROMPTS
 
 from kubeinfer.engine import LLM, LoRARequest, SamplingParams
 from kubeinfer.engine.lora_adapter import LoRALoadError
-from lora_helpers import make_peft_adapter
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ADAPTERS = {
-    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "mlp": dict(r=8, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
-    "all": dict(r=6, lora_alpha=12, use_rslora=True, target_modules=ALL),
-}
-PROMPTS = [list(range(20, 33)), [7, 8, 9], list(range(100, 121)), [50, 51, 52, 53, 54]]
-MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    from kubeinfer.engine.random_model import build_random_model
-
-    return build_random_model(tmp_path_factory.mktemp("lora_engine_base"), "qwen2", tokenizer=False, seed=3)
-
-
-@pytest.fixture(scope="module")
-def adapters(base_dir, tmp_path_factory):
-    """name -> (LoRARequest, greedy continuations of PROMPTS by transformers + PEFT)."""
-    root = tmp_path_factory.mktemp("lora_engine_adapters")
-    out = {}
-    for i, (name, config) in enumerate(ADAPTERS.items()):
-        model = make_peft_adapter(base_dir, root / name, seed=200 + i, scale=0.25, **config)
-        out[name] = (LoRARequest(name, i + 1, str(root / name)), [_greedy(model, p) for p in PROMPTS])
-    return out
-
-
-@pytest.fixture(scope="module")
-def base_reference(base_dir):
-    from lora_helpers import load_hf
-
-    model = load_hf(base_dir)
-    return [_greedy(model, p) for p in PROMPTS]
-
-
-def _greedy(model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def _params() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _mixed_batch(adapters, base_reference):
+def _mixed_batch(lora_adapters, lora_base_reference):
     """Every prompt under the base model and under each adapter, interleaved: (prompts, loras, expected)."""
     prompts, loras, expected = [], [], []
     for p, prompt in enumerate(PROMPTS):
         for name in [None, *ADAPTERS]:
             prompts.append({"prompt_token_ids": prompt})
-            loras.append(adapters[name][0] if name else None)
-            expected.append(adapters[name][1][p] if name else base_reference[p])
+            loras.append(lora_adapters[name][0] if name else None)
+            expected.append(lora_adapters[name][1][p] if name else lora_base_reference[p])
     return prompts, loras, expected
 
 
@@ -74,11 +31,11 @@ def _run(llm, prompts, loras):
 
 
 @pytest.mark.parametrize("max_loras", [3, 1], ids=["all-adapters-on-device", "pool-swaps"])
-def test_mixed_batch_matches_peft(max_loras, base_dir, adapters, base_reference):
-    prompts, loras, expected = _mixed_batch(adapters, base_reference)
+def test_mixed_batch_matches_peft(max_loras, lora_base_dir, lora_adapters, lora_base_reference):
+    prompts, loras, expected = _mixed_batch(lora_adapters, lora_base_reference)
     # The adapters change the outputs, so equality below is about the adapters, not the base model.
-    assert all(adapters[n][1] != base_reference for n in ADAPTERS)
-    llm = LLM(str(base_dir), enable_lora=True, max_loras=max_loras, max_lora_rank=8, block_size=4)
+    assert all(lora_adapters[n][1] != lora_base_reference for n in ADAPTERS)
+    llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=max_loras, max_lora_rank=8, block_size=4)
     assert _run(llm, prompts, loras) == expected
     assert _run(llm, prompts, loras) == expected  # again, now with cached prefixes of every adapter
     assert llm.engine.block_manager.prefix_hits > 0
@@ -86,54 +43,54 @@ def test_mixed_batch_matches_peft(max_loras, base_dir, adapters, base_reference)
     assert len(pool.active_names()) <= max_loras and not pool.pinned_names()
 
 
-def test_host_cache_rereads_evicted_adapters(base_dir, adapters, base_reference):
-    prompts, loras, expected = _mixed_batch(adapters, base_reference)
-    llm = LLM(str(base_dir), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8, block_size=4)
+def test_host_cache_rereads_evicted_adapters(lora_base_dir, lora_adapters, lora_base_reference):
+    prompts, loras, expected = _mixed_batch(lora_adapters, lora_base_reference)
+    llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8, block_size=4)
     assert _run(llm, prompts, loras) == expected
     assert len(llm.engine.lora.pool.cached_names()) == 1
 
 
-def test_adapters_never_share_kv_blocks(base_dir, adapters, base_reference):
-    llm = LLM(str(base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
+def test_adapters_never_share_kv_blocks(lora_base_dir, lora_adapters, lora_base_reference):
+    llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
     prompt = [{"prompt_token_ids": PROMPTS[2]}]
     bm = llm.engine.block_manager
-    assert _run(llm, prompt, None) == [base_reference[2]]
+    assert _run(llm, prompt, None) == [lora_base_reference[2]]
     for name in ("attn", "mlp"):
-        request, reference = adapters[name]
+        request, reference = lora_adapters[name]
         hits = bm.prefix_hits
         assert _run(llm, prompt, request) == [reference[2]]
         assert bm.prefix_hits == hits  # the base model's (and the other adapter's) blocks are not reused
     hits = bm.prefix_hits
-    assert _run(llm, prompt, adapters["mlp"][0]) == [adapters["mlp"][1][2]]
+    assert _run(llm, prompt, lora_adapters["mlp"][0]) == [lora_adapters["mlp"][1][2]]
     assert bm.prefix_hits > hits  # the same adapter does reuse its own blocks
 
 
-def test_waiting_adapter_runs_when_a_slot_frees(base_dir, adapters):
+def test_waiting_adapter_runs_when_a_slot_frees(lora_base_dir, lora_adapters):
     """One slot, two adapters: the second adapter's request waits (reported as waiting) instead of failing."""
     from kubeinfer.engine import LLMEngine
     from kubeinfer.engine.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model=str(base_dir), enable_lora=True, max_loras=1, max_lora_rank=8))
+    engine = LLMEngine(EngineConfig(model=str(lora_base_dir), enable_lora=True, max_loras=1, max_lora_rank=8))
     for name in ("attn", "mlp"):
-        engine.add_lora(adapters[name][0])
-    engine.add_request("a", PROMPTS[0], _params(), lora_id=adapters["attn"][0].lora_int_id)
-    engine.add_request("b", PROMPTS[1], _params(), lora_id=adapters["mlp"][0].lora_int_id)
+        engine.add_lora(lora_adapters[name][0])
+    engine.add_request("a", PROMPTS[0], _params(), lora_id=lora_adapters["attn"][0].lora_int_id)
+    engine.add_request("b", PROMPTS[1], _params(), lora_id=lora_adapters["mlp"][0].lora_int_id)
     engine.step()
     assert engine.lora_adapter_names() == (["attn"], ["mlp"])
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
-    assert finished["a"].outputs[0].token_ids == adapters["attn"][1][0]
-    assert finished["b"].outputs[0].token_ids == adapters["mlp"][1][1]
+    assert finished["a"].outputs[0].token_ids == lora_adapters["attn"][1][0]
+    assert finished["b"].outputs[0].token_ids == lora_adapters["mlp"][1][1]
     assert engine.lora_adapter_names() == ([], [])
 
 
-def test_unload_waits_for_requests_in_flight(base_dir, adapters):
+def test_unload_waits_for_requests_in_flight(lora_base_dir, lora_adapters):
     from kubeinfer.engine import LLMEngine
     from kubeinfer.engine.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model=str(base_dir), enable_lora=True, max_loras=1, max_lora_rank=8))
-    request, reference = adapters["all"]
+    engine = LLMEngine(EngineConfig(model=str(lora_base_dir), enable_lora=True, max_loras=1, max_lora_rank=8))
+    request, reference = lora_adapters["all"]
     engine.add_lora(request)
     engine.add_request("a", PROMPTS[0], _params(), lora_id=request.lora_int_id)
     engine.step()
@@ -149,13 +106,13 @@ def test_unload_waits_for_requests_in_flight(base_dir, adapters):
         engine.remove_lora("all")
 
 
-def test_lora_errors(base_dir, adapters, tmp_path):
-    request = adapters["attn"][0]
+def test_lora_errors(lora_base_dir, lora_adapters, tmp_path):
+    request = lora_adapters["attn"][0]
     with pytest.raises(ValueError, match="LoRA is not enabled"):
-        LLM(str(base_dir)).generate([PROMPTS[0]], _params(), lora_request=request)
-    llm = LLM(str(base_dir), enable_lora=True, max_loras=1, max_lora_rank=4)
+        LLM(str(lora_base_dir)).generate([PROMPTS[0]], _params(), lora_request=request)
+    llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=1, max_lora_rank=4)
     with pytest.raises(LoRALoadError, match="max_lora_rank=4"):
-        llm.generate([PROMPTS[0]], _params(), lora_request=adapters["mlp"][0])
+        llm.generate([PROMPTS[0]], _params(), lora_request=lora_adapters["mlp"][0])
     with pytest.raises(LoRALoadError, match="does not exist"):
         llm.generate([PROMPTS[0]], _params(), lora_request=LoRARequest("gone", 9, str(tmp_path / "gone")))
     llm.generate([PROMPTS[0]], _params(), lora_request=request)
@@ -166,17 +123,17 @@ def test_lora_errors(base_dir, adapters, tmp_path):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_adapter_removed_from_disk_fails_only_its_request(base_dir, adapters, tmp_path):
+def test_adapter_removed_from_disk_fails_only_its_request(lora_base_dir, lora_adapters, tmp_path):
     """The pool dropped the adapter from host memory and its files are gone when it is needed again:
     that request ends with finish_reason 'abort'; the rest of the batch is served."""
     from kubeinfer.engine import LLMEngine
     from kubeinfer.engine.config import EngineConfig
 
-    engine = LLMEngine(EngineConfig(model=str(base_dir), enable_lora=True, max_loras=1, max_cpu_loras=1,
+    engine = LLMEngine(EngineConfig(model=str(lora_base_dir), enable_lora=True, max_loras=1, max_cpu_loras=1,
                                     max_lora_rank=8))
-    copied = shutil.copytree(adapters["attn"][0].lora_path, tmp_path / "attn")
+    copied = shutil.copytree(lora_adapters["attn"][0].lora_path, tmp_path / "attn")
     engine.add_lora(LoRARequest("attn", 1, str(copied)))
-    engine.add_lora(adapters["mlp"][0])  # host cache of one: "attn" is dropped from memory
+    engine.add_lora(lora_adapters["mlp"][0])  # host cache of one: "attn" is dropped from memory
     shutil.rmtree(copied)
     engine.add_request("a", PROMPTS[0], _params(), lora_id=1)
     engine.add_request("b", PROMPTS[1], _params())

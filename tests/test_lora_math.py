@@ -13,9 +13,8 @@ from kubeinfer.engine.lora_adapter import (LoRAAdapter, LoRALoadError, LoRAWeigh
                                            resolve_adapter_path)
 from kubeinfer.engine.lora_layers import LoRAContext
 from kubeinfer.engine.lora_pool import LoRAPool, LoRAPoolError
-from lora_helpers import load_hf, make_peft_adapter
+from lora_helpers import ALL_MODULES, load_hf, make_peft_adapter
 
-ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Different ranks, scalings (rsLoRA, per-module rank and alpha), target sets and layers.
 ADAPTERS = {
     "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
