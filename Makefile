@@ -25,6 +25,7 @@ test-all: setup
 
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
+	$(PY) benchmarks/bench_lora.py
 
 run: setup
 	@echo "make run: the local stack (engine server + gateway on the demo model) is not built yet (issue #7)." >&2

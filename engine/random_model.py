@@ -193,3 +193,37 @@ def build_random_model(
     save_kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, **save_kwargs)
     return out
+
+
+def build_random_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: int = 8, alpha: float = 16.0,
+                         target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                            "up_proj", "down_proj"),
+                         scale: float = 0.02, seed: int = 0) -> Path:
+    """Save a random LoRA adapter for the model in `model_dir`, in PEFT's format (adapter_config.json +
+    adapter_model.safetensors, PEFT's tensor names), without needing PEFT installed."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from .lora_adapter import module_shapes
+    from .models.llama import ModelSpec
+
+    config = AutoConfig.from_pretrained(model_dir)
+    spec = ModelSpec(config, config.architectures[0])
+    shapes = module_shapes(spec)
+    parents = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in shapes}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for module in target_modules:
+            in_features, out_features = shapes[module]
+            prefix = f"base_model.model.model.layers.{layer}.{parents[module]}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = scale * torch.randn(rank, in_features, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = scale * torch.randn(out_features, rank, generator=generator)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir), "r": rank,
+        "lora_alpha": alpha, "target_modules": list(target_modules), "lora_dropout": 0.0, "bias": "none"}, indent=2))
+    return out

@@ -136,8 +136,9 @@ class Scheduler:
         for seq in passed_over:
             bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
 
-        # Decodes first: the attention backend batches them together.
-        batch.entries.sort(key=lambda e: not self.is_decode(*e))
+        # Decodes first: the attention backend batches them together. Then by adapter, so that each
+        # adapter's tokens are one contiguous run and its LoRA delta works on a view, not a gather.
+        batch.entries.sort(key=lambda e: (not self.is_decode(*e), e[0].lora_id))
         return batch
 
     # -- LoRA adapters --------------------------------------------------------------------------
