@@ -143,3 +143,17 @@ def test_adapter_removed_from_disk_fails_only_its_request(lora_base_dir, lora_ad
     assert finished["a"].outputs[0].finish_reason == "abort"
     assert len(finished["b"].outputs[0].token_ids) == MAX_TOKENS
     assert engine.block_manager.usage == 0
+
+
+def test_random_adapter_builder_writes_peft_format(lora_base_dir, lora_base_reference, tmp_path):
+    """build_random_adapter (benchmarks, demos) writes what PEFT itself loads, and we agree with PEFT on it."""
+    from lora_helpers import hf_greedy, load_hf
+    from peft import PeftModel
+
+    from kubeinfer.engine.random_model import build_random_adapter
+
+    path = build_random_adapter(tmp_path / "random", lora_base_dir, rank=4, scale=0.3, seed=5)
+    reference = hf_greedy(PeftModel.from_pretrained(load_hf(lora_base_dir), path).eval(), PROMPTS[0])
+    assert reference != lora_base_reference[0]
+    llm = LLM(str(lora_base_dir), enable_lora=True, max_lora_rank=4)
+    assert _run(llm, [{"prompt_token_ids": PROMPTS[0]}], LoRARequest("random", 1, str(path))) == [reference]
