@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all bench run clean
+.PHONY: setup test test-all bench run proto clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test-all: setup
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
 	$(PY) benchmarks/bench_lora.py
+
+# Regenerate the gRPC stubs after editing engine/proto/engine.proto (a test checks they are current).
+proto: setup
+	$(PY) engine/proto/generate.py
 
 run: setup
 	@echo "make run: the local stack (engine server + gateway on the demo model) is not built yet (issue #7)." >&2

@@ -129,6 +129,8 @@ async def serve(args: argparse.Namespace) -> int:
     async def drain_on_signal() -> None:
         await draining.wait()
         state.draining = True
+        if grpc_server is not None:
+            await grpc_server.start_draining()
         logger.info("draining: %d requests in flight, up to %.0fs", state.async_engine.num_unfinished, args.drain_timeout)
         deadline = loop.time() + args.drain_timeout
         while state.async_engine.num_unfinished and loop.time() < deadline:
