@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import json
 import secrets
 import time
@@ -60,6 +61,13 @@ class ServerState:
 
     def __post_init__(self) -> None:
         self.metrics = self.metrics or EngineMetrics(self.async_engine, self.served_model_name)
+        lora = self.engine.lora
+        taken = [*lora.registered, *lora.retiring] if lora else []
+        self._lora_ids = itertools.count(max(taken, default=0) + 1)
+
+    def new_lora_id(self) -> int:
+        """A fresh lora_int_id for an adapter loaded while serving (route or placement)."""
+        return next(self._lora_ids)
 
     @property
     def engine(self):

@@ -8,7 +8,6 @@ disturbs requests in flight.
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
@@ -20,8 +19,6 @@ from .protocol import LoadLoRARequest, UnloadLoRARequest
 
 def add_lora_routes(app: FastAPI, state) -> None:
     from .api_server import APIError
-
-    ids = itertools.count(max((r.lora_int_id for r in state.engine.list_loras()), default=0) + 1)
 
     def lora_enabled() -> None:
         if state.engine.lora is None:
@@ -35,7 +32,7 @@ def add_lora_routes(app: FastAPI, state) -> None:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         try:
             path = resolve_adapter_path(body.lora_path, state.lora_dirs)
-            request = LoRARequest(name, next(ids), str(path))
+            request = LoRARequest(name, state.new_lora_id(), str(path))
             adapter = await asyncio.to_thread(state.engine.lora.read, request)
             await state.async_engine.call(lambda: state.engine.add_lora(request, adapter))
         except (LoRALoadError, ValueError) as error:

@@ -50,6 +50,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allowed-lora-dirs", nargs="*", default=os.environ.get("KUBEINFER_ALLOWED_LORA_DIRS", "").split(),
                         metavar="DIR", help="directories /v1/load_lora_adapter may read adapters from "
                                             "(default: none, runtime loading by path is refused)")
+    parser.add_argument("--lora-placement-file", default=None, metavar="FILE",
+                        help="file listing the adapters placed on this pod (the downward-API projection of the "
+                             "annotation serving.kubeinfer.io/adapters); polled, adapters loaded from "
+                             "--lora-catalog-dir/NAME and unloaded to match. Implies --enable-lora")
+    parser.add_argument("--lora-catalog-dir", default=None, metavar="DIR",
+                        help="directory holding one PEFT adapter per subdirectory, named after the adapter")
     parser.add_argument("--log-level", default="info")
 
 
@@ -61,11 +67,14 @@ def build_state(args: argparse.Namespace):
     from .lora import LoRARequest
 
     lora_modules = parse_lora_modules(args.lora_modules)
+    if bool(args.lora_placement_file) != bool(args.lora_catalog_dir):
+        raise SystemExit("kubeinfer serve: --lora-placement-file and --lora-catalog-dir go together")
     config = EngineConfig(model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
                           max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                           num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                          seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules), max_loras=args.max_loras,
+                          seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules or args.lora_placement_file),
+                          max_loras=args.max_loras,
                           max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
     engine = LLMEngine(config)
     for lora_id, (name, path) in enumerate(lora_modules, start=1):
@@ -121,6 +130,13 @@ async def serve(args: argparse.Namespace) -> int:
         from .grpc_server import start_grpc_server
         grpc_server = await start_grpc_server(state, args.host, args.grpc_port)
 
+    placement = None
+    if args.lora_placement_file:
+        from .lora_placement import PlacementWatcher
+        watcher = PlacementWatcher(state, args.lora_placement_file, args.lora_catalog_dir)
+        await watcher.sync()  # placed adapters are loaded before /health turns ready
+        placement = asyncio.create_task(watcher.run())
+
     loop = asyncio.get_running_loop()
     draining = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -145,6 +161,8 @@ async def serve(args: argparse.Namespace) -> int:
         await server.serve()
     finally:
         drainer.cancel()
+        if placement is not None:
+            placement.cancel()
         state.async_engine.shutdown()
     return 0
 

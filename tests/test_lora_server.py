@@ -138,3 +138,35 @@ def test_serve_flags_for_lora_modules(lora_base_dir, lora_adapters, tmp_path):
                          ([f"big={lora_adapters['mlp'][0].lora_path}", "--max-lora-rank", "4"], "--max-lora-rank 8")]:
         with pytest.raises(SystemExit, match=message):
             build_state(parser.parse_args([str(lora_base_dir), "--lora-modules", *bad]))
+
+
+async def test_placement_file_drives_loaded_adapters(lora_base_dir, lora_adapters, adapter_root, tmp_path):
+    """The operator's placement annotation, projected into a file, decides which catalog adapters are loaded."""
+    from kubeinfer.engine.lora_placement import PlacementWatcher
+
+    placement = tmp_path / "adapters"
+    with RunningServer(lora_base_dir, name="base", enable_lora=True, max_loras=2, max_lora_rank=8,
+                       lora_modules=[lora_adapters["attn"][0]]) as running:
+        watcher = PlacementWatcher(running.state, placement, adapter_root)
+
+        async def served_after(text: str) -> set[str]:
+            placement.write_text(text)
+            await watcher.sync()
+            async with httpx.AsyncClient() as http:
+                return {m["id"] for m in (await http.get(running.url + "/v1/models")).json()["data"]}
+
+        assert await served_after("") == {"base", "attn"}
+        assert await served_after("mlp,all") == {"base", "attn", "mlp", "all"}
+        assert await served_after(" all \n") == {"base", "attn", "all"}
+        assert await served_after("all,missing") == {"base", "attn", "all"}  # a bad name is logged, not fatal
+        assert "missing" in watcher.failed
+        assert await served_after("attn") == {"base", "attn"}  # --lora-modules adapters are not the watcher's
+        assert await served_after("") == {"base", "attn"}
+        placement.unlink()
+        assert watcher.wanted() == []  # no annotation projected yet
+        assert await served_after("mlp") == {"base", "attn", "mlp"}
+        async with httpx.AsyncClient() as http:
+            body = {"model": "mlp", "prompt": PROMPTS[0], "return_token_ids": True, **GREEDY["extra_body"],
+                    "max_tokens": MAX_TOKENS, "temperature": 0}
+            response = await http.post(running.url + "/v1/completions", json=body, timeout=60)
+        assert response.json()["choices"][0]["token_ids"] == lora_adapters["mlp"][1][0]
