@@ -40,6 +40,16 @@ def _not_built(issue: int, what: str):
     return run
 
 
+def _component(sub, name: str, help_text: str, module: str) -> None:
+    """A subcommand whose module provides `add_arguments(parser)` and `run(args) -> int`."""
+    import importlib
+
+    component = importlib.import_module(module)
+    parser = sub.add_parser(name, help=help_text, description=(component.__doc__ or "").strip())
+    component.add_arguments(parser)
+    parser.set_defaults(func=component.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kubeinfer", description="Kubernetes-native LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kubeinfer.engine.serve import add_serve_arguments
     add_serve_arguments(srv)
     srv.set_defaults(func=_serve)
-    sub.add_parser("gateway", help="endpoint picker").set_defaults(func=_not_built(5, "the gateway"))
+    _component(sub, "gateway", "endpoint picker: Envoy ext_proc server and OpenAI-compatible proxy",
+               "kubeinfer.gateway.cli")
     sub.add_parser("operator", help="InferenceModel operator").set_defaults(func=_not_built(6, "the operator"))
     return parser
 

@@ -1,0 +1,112 @@
+"""Assembles the gateway: endpoint pool and discovery, scraper, picker, and its three servers
+(HTTP proxy, Envoy ext_proc, Prometheus metrics), started and stopped together."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .discovery import KubernetesDiscovery, static_endpoints
+from .endpoints import EndpointPool
+from .extproc import start_extproc_server
+from .metrics import GatewayMetrics
+from .picker import Picker, PickerConfig
+from .proxy import build_proxy_app
+from .routing import Router
+from .scraper import Scraper
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "0.0.0.0"
+    port: int | None = 8080  # HTTP proxy; None: ext_proc only
+    ext_proc_port: int | None = 9002
+    metrics_port: int | None = 9090
+    endpoints: list[str] = field(default_factory=list)  # static endpoints; empty: discover in Kubernetes
+    namespace: str | None = None
+    selector: dict[str, str] = field(default_factory=dict)
+    inference_pool: str | None = None
+    target_port: int = 8000
+    scrape_interval: float = 0.25
+    scrape_timeout: float = 1.0
+    picker: PickerConfig = field(default_factory=PickerConfig)
+    model_priorities: dict[str, int] = field(default_factory=dict)
+    pool_name: str = "default"
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, api_client=None) -> None:
+        self.config = config
+        self.pool = EndpointPool()
+        self.picker = Picker(self.pool, config.picker)
+        self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities)
+        self.scraper = Scraper(self.pool, config.scrape_interval, config.scrape_timeout)
+        self.discovery = None
+        if config.endpoints:
+            self.pool.set_members(static_endpoints(config.endpoints))
+        else:
+            self.discovery = KubernetesDiscovery(self.pool, namespace=config.namespace, selector=config.selector,
+                                                 inference_pool=config.inference_pool, target_port=config.target_port,
+                                                 api_client=api_client, on_change=self._forget_departed)
+        self._tasks: list[asyncio.Task] = []
+        self._servers: list[uvicorn.Server] = []
+        self.extproc = None
+        self.ports: dict[str, int] = {}
+
+    def _forget_departed(self) -> None:
+        self.picker.prefix_index.retain_only(set(self.pool.endpoints))
+
+    async def start(self) -> None:
+        if self.discovery is not None:
+            self.discovery.start(asyncio.get_running_loop())
+        await self.scraper.scrape_all()  # route on real numbers from the first request on
+        self._tasks.append(asyncio.create_task(self.scraper.run()))
+        cfg = self.config
+        if cfg.ext_proc_port is not None:
+            self.extproc, self.ports["ext_proc"] = await start_extproc_server(self.router, cfg.host, cfg.ext_proc_port)
+        if cfg.port is not None:
+            await self._serve_http("proxy", build_proxy_app(self.router), cfg.port)
+        if cfg.metrics_port is not None:
+            await self._serve_http("metrics", self._metrics_app(), cfg.metrics_port)
+
+    def _metrics_app(self) -> FastAPI:
+        app = FastAPI(openapi_url=None)
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(self.router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return app
+
+    async def _serve_http(self, name: str, app, port: int) -> None:
+        server = uvicorn.Server(uvicorn.Config(app, host=self.config.host, port=port, log_level="warning",
+                                               lifespan="off"))
+        server.install_signal_handlers = lambda: None  # the CLI owns signals
+        self._tasks.append(asyncio.create_task(server.serve()))
+        while not server.started:
+            if self._tasks[-1].done():  # failed to bind: surface the error
+                self._tasks[-1].result()
+            await asyncio.sleep(0.01)
+        self.ports[name] = server.servers[0].sockets[0].getsockname()[1]
+        self._servers.append(server)
+
+    async def stop(self) -> None:
+        for server in self._servers:
+            server.should_exit = True
+        if self.extproc is not None:
+            await self.extproc.stop(1)
+        if self.discovery is not None:
+            self.discovery.stop()
+        scrape, *servers = self._tasks
+        scrape.cancel()
+        if servers:
+            await asyncio.wait(servers, timeout=5)
+        for task in self._tasks:
+            task.cancel()
+        await self.scraper.close()

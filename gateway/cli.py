@@ -1,0 +1,91 @@
+"""`kubeinfer gateway`: the endpoint picker as Envoy ext_proc server and as a standalone HTTP proxy."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from .discovery import parse_selector
+from .picker import DEFAULT_WEIGHTS, PickerConfig
+
+
+def _weights(text: str) -> dict[str, float]:
+    weights = dict(DEFAULT_WEIGHTS)
+    for key, value in parse_selector(text).items():
+        try:
+            weights[key] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"scorer weight {key}={value!r} is not a number") from None
+    return weights
+
+
+def _priority(text: str) -> tuple[str, int]:
+    name, sep, value = text.rpartition("=")
+    try:
+        return name, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--model-priority takes NAME=INT, got {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8080, help="OpenAI-compatible HTTP proxy (0: off)")
+    parser.add_argument("--ext-proc-port", type=int, default=9002, help="Envoy ext_proc gRPC server (0: off)")
+    parser.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics (0: off)")
+    parser.add_argument("--endpoints", default="", help="static engine URLs, comma-separated (no Kubernetes)")
+    parser.add_argument("--namespace", default=None, help="watch engine pods in this namespace (default: all)")
+    parser.add_argument("--selector", default="", help="engine pod label selector KEY=VALUE,...")
+    parser.add_argument("--inference-pool", default=None, help="InferencePool whose selector and port to use")
+    parser.add_argument("--pool-name", default=None, help="'name' label of the inference_pool_* metrics")
+    parser.add_argument("--target-port", type=int, default=8000, help="engine HTTP port on discovered pods")
+    parser.add_argument("--scrape-interval", type=float, default=0.25, help="seconds between engine scrapes")
+    parser.add_argument("--scrape-timeout", type=float, default=1.0)
+    parser.add_argument("--stale-after", type=float, default=5.0, help="seconds before a scrape is not trusted")
+    parser.add_argument("--queue-threshold", type=float, default=5.0, help="waiting requests that saturate a pod")
+    parser.add_argument("--kv-threshold", type=float, default=0.8, help="KV-cache usage that saturates a pod")
+    parser.add_argument("--scorer-weights", type=_weights, default=dict(DEFAULT_WEIGHTS),
+                        help="e.g. queue=2,kv_cache=1,lora=2,prefix=3")
+    parser.add_argument("--model-priority", type=_priority, action="append", default=[], metavar="NAME=INT",
+                        help="routing priority of a model; below 0 its requests are sheddable")
+    parser.add_argument("--log-level", default="info")
+
+
+def config_from_args(args: argparse.Namespace):
+    from .app import GatewayConfig  # the servers' imports (grpc, Envoy protos, uvicorn) only when used
+
+    endpoints = [e for e in args.endpoints.split(",") if e.strip()]
+    if not endpoints and not (args.selector or args.inference_pool):
+        raise SystemExit("kubeinfer gateway: give --endpoints, or --selector / --inference-pool to discover pods")
+    try:
+        picker = PickerConfig(weights=args.scorer_weights, queue_threshold=args.queue_threshold,
+                              kv_threshold=args.kv_threshold, stale_after=args.stale_after)
+        selector = parse_selector(args.selector)
+    except ValueError as error:
+        raise SystemExit(f"kubeinfer gateway: {error}") from None
+    return GatewayConfig(host=args.host, port=args.port or None, ext_proc_port=args.ext_proc_port or None,
+                         metrics_port=args.metrics_port or None, endpoints=endpoints, namespace=args.namespace,
+                         selector=selector, inference_pool=args.inference_pool, target_port=args.target_port,
+                         scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout, picker=picker,
+                         model_priorities=dict(args.model_priority),
+                         pool_name=args.pool_name or args.inference_pool or "default")
+
+
+async def _serve(config) -> int:
+    from .app import Gateway
+
+    gateway = Gateway(config)
+    await gateway.start()
+    logging.getLogger("kubeinfer.gateway").info("gateway serving on %s", gateway.ports)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await gateway.stop()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(config_from_args(args)))

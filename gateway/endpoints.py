@@ -1,0 +1,115 @@
+"""What the gateway knows about each engine pod: its address, the models it serves and its live load.
+
+Load comes from the engine's own Prometheus metrics (vLLM's names, so any vLLM-compatible engine can
+sit behind this gateway) and its `/v1/models`; placement comes from the pod annotation the operator
+writes. Between scrapes the gateway counts what it dispatched itself, so a burst does not all land on
+the pod that looked idlest at the last scrape.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ADAPTERS_ANNOTATION = "serving.kubeinfer.io/adapters"
+
+
+@dataclass
+class EngineState:
+    """One scrape of an engine's /metrics."""
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    max_loras: int = 0
+
+
+def parse_engine_metrics(text: str) -> EngineState:
+    """Read the gauges the picker needs; series of several models on one pod are summed."""
+    state = EngineState()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:num_requests_waiting":
+                state.waiting += sample.value
+            elif sample.name == "vllm:num_requests_running":
+                state.running += sample.value
+            elif sample.name == "vllm:kv_cache_usage_perc":
+                state.kv_usage = max(state.kv_usage, sample.value)
+            elif sample.name == "vllm:lora_requests_info":
+                labels = sample.labels
+                state.running_adapters = _names(labels.get("running_lora_adapters", ""))
+                state.waiting_adapters = _names(labels.get("waiting_lora_adapters", ""))
+                state.max_loras = int(float(labels.get("max_lora", "0") or 0))
+    return state
+
+
+def _names(value: str) -> frozenset[str]:
+    return frozenset(name for name in value.split(",") if name)
+
+
+@dataclass
+class Endpoint:
+    address: str  # "ip:port", what Envoy's original-destination cluster dials
+    placed_adapters: frozenset[str] = frozenset()  # from the pod annotation (may still be loading)
+    name: str = ""  # pod name, for logs and metrics
+    state: EngineState | None = None
+    models: frozenset[str] = frozenset()  # ids from /v1/models: base model and loaded adapters
+    base_models: frozenset[str] = frozenset()
+    last_scrape: float | None = None  # monotonic time of the last successful scrape
+    consecutive_failures: int = 0
+    dispatched_since_scrape: int = 0  # requests sent there since its last scrape
+    inflight: int = 0  # requests the gateway is proxying to it right now
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def serves(self, model: str) -> bool:
+        return model in self.models or model in self.placed_adapters
+
+    def is_ready(self, stale_after: float, max_failures: int, now: float | None = None) -> bool:
+        """Scraped recently and not failing: stale numbers are never trusted."""
+        now = time.monotonic() if now is None else now
+        return (self.state is not None and self.last_scrape is not None and now - self.last_scrape <= stale_after
+                and self.consecutive_failures < max_failures)
+
+    @property
+    def queue(self) -> float:
+        """Waiting requests, plus what we sent since the scrape (not yet visible in it)."""
+        waiting = self.state.waiting if self.state else 0.0
+        return waiting + self.dispatched_since_scrape
+
+    def record_scrape(self, state: EngineState, models: frozenset[str], base_models: frozenset[str]) -> None:
+        self.state, self.models, self.base_models = state, models, base_models
+        self.last_scrape = time.monotonic()
+        self.consecutive_failures = 0
+        self.dispatched_since_scrape = 0
+
+    def record_failure(self) -> None:
+        self.consecutive_failures += 1
+
+
+@dataclass
+class EndpointPool:
+    """The current endpoints by address; discovery replaces membership, the scraper fills in state."""
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)
+
+    def set_members(self, members: list[Endpoint]) -> None:
+        """Adopt a new membership, keeping the state of endpoints that stay."""
+        fresh = {}
+        for member in members:
+            known = self.endpoints.get(member.address)
+            if known is not None:
+                known.placed_adapters, known.name = member.placed_adapters, member.name or known.name
+                fresh[member.address] = known
+            else:
+                fresh[member.address] = member
+        self.endpoints = fresh
+
+    def __iter__(self):
+        return iter(list(self.endpoints.values()))
+
+    def __len__(self) -> int:
+        return len(self.endpoints)

@@ -1,0 +1,112 @@
+"""Envoy external processing (ext_proc) server: the Gateway API Inference Extension's endpoint picker.
+
+Envoy streams each HTTP request to us (`envoy.service.ext_proc.v3.ExternalProcessor/Process`). Configure
+the filter with `request_body_mode: BUFFERED` so that the request headers wait for our answer on the
+body: we parse the OpenAI JSON, pick an endpoint and reply with the header
+`x-gateway-destination-endpoint: ip:port[,fallback,...]` plus the same value in dynamic metadata
+(namespace `envoy.lb`), which Envoy's original-destination cluster dials. When no endpoint can take
+the request we answer with an ImmediateResponse (503, 404, 429 or 400) carrying OpenAI's error shape.
+Every other phase is passed through unchanged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from .picker import RoutingError
+from .routing import Router
+
+logger = logging.getLogger(__name__)
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+METADATA_NAMESPACE = "envoy.lb"
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+_PASS_THROUGH = {
+    "response_headers": lambda: ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
+    "response_body": lambda: ep.ProcessingResponse(response_body=ep.BodyResponse()),
+    "request_trailers": lambda: ep.ProcessingResponse(request_trailers=ep.TrailersResponse()),
+    "response_trailers": lambda: ep.ProcessingResponse(response_trailers=ep.TrailersResponse()),
+}
+
+
+def header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
+    return {h.key.lower(): h.value or h.raw_value.decode("utf-8", "replace") for h in headers.headers}
+
+
+def routed(phase: str, destination: str) -> ep.ProcessingResponse:
+    """Continue, with the destination header set and the same value in dynamic metadata."""
+    mutation = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=destination.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)])
+    common = ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+    metadata = struct_pb2.Struct()
+    metadata.update({METADATA_NAMESPACE: {DESTINATION_HEADER: destination}})
+    if phase == "request_headers":
+        return ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=common), dynamic_metadata=metadata)
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
+
+
+def refused(error: RoutingError) -> ep.ProcessingResponse:
+    body = {"error": {"message": error.message, "type": ERROR_TYPES.get(error.status, "APIError"), "param": None,
+                      "code": error.status}}
+    headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type",
+                                                                       raw_value=b"application/json"))]
+    if error.status == 429:
+        headers.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="retry-after", raw_value=b"1")))
+    return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=error.status), headers=ep.HeaderMutation(set_headers=headers),
+        body=json.dumps(body).encode(), details=f"kubeinfer_gateway_{error.status}"))
+
+
+class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def decide(self, phase: str, headers: dict[str, str], body: bytes) -> ep.ProcessingResponse:
+        try:
+            _, decision = self.router.route(body, headers)
+        except RoutingError as error:
+            return refused(error)
+        return routed(phase, decision.destination)
+
+    async def Process(self, request_iterator, context):
+        headers: dict[str, str] = {}
+        body = bytearray()
+        async for message in request_iterator:
+            phase = message.WhichOneof("request")
+            if phase == "request_headers":
+                headers = header_map(message.request_headers.headers)
+                if message.request_headers.end_of_stream:  # no body follows (GET): route on headers alone
+                    yield self.decide(phase, headers, b"")
+                else:
+                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+            elif phase == "request_body":
+                body += message.request_body.body
+                if message.request_body.end_of_stream:
+                    yield self.decide(phase, headers, bytes(body))
+                else:  # streamed body mode: chunks pass; the decision comes with the last one
+                    yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+            elif phase in _PASS_THROUGH:
+                yield _PASS_THROUGH[phase]()
+
+
+async def start_extproc_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """ext_proc and gRPC health on host:port; returns the server and the bound port."""
+    server = grpc.aio.server()
+    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"[::]:{port}" if host in ("0.0.0.0", "::") else f"{host}:{port}")
+    if not bound:
+        raise OSError(f"cannot listen for ext_proc on {host}:{port}")
+    await server.start()
+    for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound

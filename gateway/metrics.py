@@ -1,0 +1,55 @@
+"""The gateway's own Prometheus metrics, under the Gateway API Inference Extension's names.
+
+Pool gauges are computed from the endpoint pool at scrape time; request counters and latency
+histograms are fed as requests are routed (ext_proc) or proxied.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from .picker import Picker
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+PICK_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
+
+
+class GatewayMetrics:
+    def __init__(self, picker: Picker, pool_name: str = "default") -> None:
+        self.picker, self.pool_name = picker, pool_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_PoolCollector(self))
+        r = self.registry
+        self.requests = Counter("inference_model_request", "Requests routed, by requested model.", ["model_name"],
+                                registry=r)
+        self.errors = Counter("inference_model_request_error", "Requests refused or failed, by HTTP status.",
+                              ["model_name", "error_code"], registry=r)
+        self.duration = Histogram("inference_model_request_duration_seconds",
+                                  "End-to-end latency of proxied requests.", ["model_name"],
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.pick_duration = Histogram("kubeinfer_gateway_pick_duration_seconds",
+                                       "Time the picker takes to choose an endpoint.", buckets=PICK_BUCKETS, registry=r)
+        self.picks = Counter("kubeinfer_gateway_picks", "Routing decisions, by chosen endpoint.", ["endpoint"],
+                             registry=r)
+        self.retries = Counter("kubeinfer_gateway_retries", "Requests retried on a fallback endpoint.", registry=r)
+
+
+class _PoolCollector:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        picker = self.metrics.picker
+        ready = picker.ready_endpoints()
+        label = [self.metrics.pool_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["name"])
+            family.add_metric(label, value)
+            return family
+
+        queue = sum(e.state.waiting for e in ready) / len(ready) if ready else 0.0
+        kv = sum(e.state.kv_usage for e in ready) / len(ready) if ready else 0.0
+        yield gauge("inference_pool_average_queue_size", "Average waiting requests over ready endpoints.", queue)
+        yield gauge("inference_pool_average_kv_cache_utilization", "Average KV-cache usage over ready endpoints.", kv)
+        yield gauge("inference_pool_ready_pods", "Endpoints ready to take requests.", len(ready))

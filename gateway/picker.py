@@ -1,0 +1,148 @@
+"""The endpoint picker: filters, weighted scorers and a pick, as in the Gateway API Inference Extension.
+
+For each request: keep endpoints that are ready (scraped recently, not failing) and serve the requested
+model (base or adapter); prefer those not saturated (queue or KV cache over a threshold); a sheddable
+request meeting a fully saturated pool is refused (429) instead of queueing behind critical traffic.
+The survivors are scored by plugins, each in [0, 1], combined by configurable weights:
+  queue     fewer waiting requests (min-max normalised over the candidates, counting our own dispatches)
+  kv_cache  more free KV cache
+  lora      1.0 adapter active, 0.8 a free adapter slot, 0.6 adapter waiting, 0 otherwise
+  prefix    share of the prompt's leading chunks already sent to that endpoint (its likely cached prefix)
+The best endpoint wins; the next ones are fallbacks, for a proxy or Envoy to retry on.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .endpoints import Endpoint, EndpointPool
+from .prefix import PrefixIndex, chunk_hashes
+
+DEFAULT_WEIGHTS = {"queue": 2.0, "kv_cache": 1.0, "lora": 2.0, "prefix": 3.0}
+
+
+class RoutingError(Exception):
+    """No endpoint can take the request; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass
+class RoutingRequest:
+    model: str  # empty: any endpoint will do (e.g. GET /v1/models)
+    prompt: str = ""  # text the prefix scorer hashes (the prompt, or the chat messages)
+    sheddable: bool = False
+
+
+@dataclass
+class PickerConfig:
+    weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
+    queue_threshold: float = 5.0  # waiting requests at which an endpoint is saturated
+    kv_threshold: float = 0.8  # KV-cache usage at which an endpoint is saturated
+    stale_after: float = 5.0  # seconds after which a scrape is no longer trusted
+    max_failures: int = 3  # consecutive failed scrapes that take an endpoint out
+    fallbacks: int = 2
+
+    def __post_init__(self) -> None:
+        unknown = set(self.weights) - set(SCORERS)
+        if unknown:
+            raise ValueError(f"unknown scorer(s) {', '.join(sorted(unknown))}; known: {', '.join(SCORERS)}")
+        if any(w < 0 for w in self.weights.values()):
+            raise ValueError("scorer weights must be >= 0")
+
+
+@dataclass
+class Context:
+    request: RoutingRequest
+    candidates: list[Endpoint]
+    hashes: list[bytes]
+    prefix_index: PrefixIndex
+
+
+@dataclass
+class Decision:
+    endpoint: Endpoint
+    fallbacks: list[Endpoint]
+    scores: dict[str, float]
+
+    @property
+    def destination(self) -> str:
+        """Envoy's x-gateway-destination-endpoint value: the pick, then fallbacks, comma-separated."""
+        return ",".join(e.address for e in [self.endpoint, *self.fallbacks])
+
+
+# -- scorers: (endpoint, context) -> [0, 1] ----------------------------------------------------------
+def score_queue(endpoint: Endpoint, ctx: Context) -> float:
+    queues = [e.queue for e in ctx.candidates]
+    low, high = min(queues), max(queues)
+    return 1.0 if high == low else (high - endpoint.queue) / (high - low)
+
+
+def score_kv_cache(endpoint: Endpoint, ctx: Context) -> float:
+    return max(0.0, 1.0 - endpoint.state.kv_usage)
+
+
+def score_lora(endpoint: Endpoint, ctx: Context) -> float:
+    model, state = ctx.request.model, endpoint.state
+    if not model or model in endpoint.base_models or model in state.running_adapters:
+        return 1.0
+    if model in endpoint.models and len(state.running_adapters) < state.max_loras:
+        return 0.8
+    if model in state.waiting_adapters:
+        return 0.6
+    return 0.0
+
+
+def score_prefix(endpoint: Endpoint, ctx: Context) -> float:
+    return ctx.prefix_index.match_fraction(endpoint.address, ctx.hashes)
+
+
+SCORERS: dict[str, Callable[[Endpoint, Context], float]] = {
+    "queue": score_queue, "kv_cache": score_kv_cache, "lora": score_lora, "prefix": score_prefix}
+
+
+class Picker:
+    def __init__(self, pool: EndpointPool, config: PickerConfig | None = None,
+                 prefix_index: PrefixIndex | None = None, rng: random.Random | None = None) -> None:
+        self.pool = pool
+        self.config = config or PickerConfig()
+        self.prefix_index = prefix_index or PrefixIndex()
+        self.rng = rng or random.Random()
+
+    def ready_endpoints(self) -> list[Endpoint]:
+        now = time.monotonic()
+        return [e for e in self.pool if e.is_ready(self.config.stale_after, self.config.max_failures, now)]
+
+    def saturated(self, endpoint: Endpoint) -> bool:
+        return endpoint.queue >= self.config.queue_threshold or endpoint.state.kv_usage >= self.config.kv_threshold
+
+    def pick(self, request: RoutingRequest) -> Decision:
+        ready = self.ready_endpoints()
+        if not ready:
+            raise RoutingError(503, "no engine endpoint is ready")
+        serving = [e for e in ready if not request.model or e.serves(request.model)]
+        if not serving:
+            if any(e.serves(request.model) for e in self.pool):
+                raise RoutingError(503, f"no ready endpoint serves model `{request.model}` right now")
+            raise RoutingError(404, f"The model `{request.model}` does not exist.")
+        candidates = [e for e in serving if not self.saturated(e)]
+        if not candidates:
+            if request.sheddable:
+                raise RoutingError(429, f"every endpoint serving `{request.model}` is saturated; "
+                                        "sheddable requests are refused until load drops")
+            candidates = serving
+        ctx = Context(request, candidates, chunk_hashes(request.model, request.prompt), self.prefix_index)
+        ranked = []
+        for endpoint in candidates:
+            scores = {name: SCORERS[name](endpoint, ctx) for name, w in self.config.weights.items() if w}
+            total = sum(self.config.weights[name] * s for name, s in scores.items())
+            ranked.append((total, self.rng.random(), endpoint, scores))  # random breaks ties: bursts spread
+        ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)
+        best = ranked[0][2]
+        best.dispatched_since_scrape += 1
+        self.prefix_index.remember(best.address, ctx.hashes)
+        return Decision(best, [r[2] for r in ranked[1:1 + self.config.fallbacks]], {**ranked[0][3], "total": ranked[0][0]})

@@ -1,0 +1,58 @@
+"""What the picker needs from an OpenAI request: the model, the prompt text, and whether it may be shed.
+
+A request is sheddable when its priority is below zero, from the `x-gateway-inference-priority`
+header, or else from the model's configured priority (the InferenceModel's `spec.routing.priority`).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from .picker import RoutingError, RoutingRequest
+
+PRIORITY_HEADER = "x-gateway-inference-priority"
+
+
+def prompt_text(body: dict) -> str:
+    """The text prefix affinity hashes: a completion's prompt, or a chat's messages in order."""
+    if "messages" in body:
+        parts = []
+        for message in body.get("messages") or []:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):  # content parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"<{message.get('role', '')}>{content or ''}")
+        return "".join(parts)
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        if prompt and isinstance(prompt[0], str):
+            return prompt[0]  # a batch: its first prompt decides affinity
+        return " ".join(map(str, prompt[0] if prompt and isinstance(prompt[0], list) else prompt))
+    return prompt if isinstance(prompt, str) else ""
+
+
+def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities: Mapping[str, int] | None = None
+                  ) -> RoutingRequest:
+    """Raises RoutingError(400) for a body the engines would reject anyway, before any routing.
+    A request without a body (GET /v1/models, /health) may go to any endpoint."""
+    if not raw_body:
+        return RoutingRequest(model="")
+    try:
+        body = json.loads(raw_body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise RoutingError(400, f"request body is not valid JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise RoutingError(400, "request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RoutingError(400, "model: a model name is required")
+    priority = (model_priorities or {}).get(model, 0)
+    header = headers.get(PRIORITY_HEADER)
+    if header is not None:
+        try:
+            priority = int(header)
+        except ValueError:
+            raise RoutingError(400, f"{PRIORITY_HEADER} must be an integer, got {header!r}") from None
+    return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0)

@@ -1,0 +1,32 @@
+"""One routing decision, shared by the ext_proc server and the proxy: parse, pick, count."""
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from .metrics import GatewayMetrics
+from .picker import Decision, Picker, RoutingError, RoutingRequest
+from .request_info import parse_request
+
+
+class Router:
+    def __init__(self, picker: Picker, metrics: GatewayMetrics | None = None,
+                 model_priorities: Mapping[str, int] | None = None) -> None:
+        self.picker = picker
+        self.metrics = metrics or GatewayMetrics(picker)
+        self.model_priorities = dict(model_priorities or {})
+
+    def route(self, raw_body: bytes, headers: Mapping[str, str]) -> tuple[RoutingRequest, Decision]:
+        """Raises RoutingError with the HTTP status to answer (400, 404, 429, 503)."""
+        request = None
+        try:
+            request = parse_request(raw_body, headers, self.model_priorities)
+            start = time.perf_counter()
+            decision = self.picker.pick(request)
+            self.metrics.pick_duration.observe(time.perf_counter() - start)
+        except RoutingError as error:
+            self.metrics.errors.labels(request.model if request else "", str(error.status)).inc()
+            raise
+        self.metrics.requests.labels(request.model).inc()
+        self.metrics.picks.labels(decision.endpoint.address).inc()
+        return request, decision

@@ -1,0 +1,257 @@
+"""The gateway over real engine servers (tiny model, different adapters per pod): proxy mode with the
+official openai client, Envoy ext_proc with the generated xds-protos client, and the gateway's metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import ExitStack
+
+import grpc
+import httpx
+import openai
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from lora_helpers import MAX_TOKENS, PROMPTS
+from server_harness import RunningServer, free_port
+
+from kubeinfer.gateway.app import Gateway, GatewayConfig
+from kubeinfer.gateway.picker import PickerConfig
+
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def engines(lora_base_dir, lora_adapters):
+    """Three pods: one with adapter 'attn', one with 'mlp', one with the base model only."""
+    placements = {"pod-attn": ["attn"], "pod-mlp": ["mlp"], "pod-base": []}
+    with ExitStack() as stack:
+        servers = {name: stack.enter_context(RunningServer(
+            lora_base_dir, name="base", enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4,
+            lora_modules=[lora_adapters[a][0] for a in adapters])) for name, adapters in placements.items()}
+        yield servers
+
+
+def address(server) -> str:
+    return server.url.removeprefix("http://")
+
+
+async def start_gateway(urls, **picker) -> Gateway:
+    gateway = Gateway(GatewayConfig(host="127.0.0.1", port=0, ext_proc_port=0, metrics_port=0, endpoints=urls,
+                                    scrape_interval=0.1, picker=PickerConfig(**picker)))
+    await gateway.start()
+    return gateway
+
+
+@pytest.fixture
+async def gateway(engines):
+    gateway = await start_gateway([s.url for s in engines.values()])
+    yield gateway
+    await gateway.stop()
+
+
+def proxy_url(gateway) -> str:
+    return f"http://127.0.0.1:{gateway.ports['proxy']}"
+
+
+async def complete(http: httpx.AsyncClient, gateway, model: str, prompt, headers=None, **extra) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, **GREEDY, **extra}
+    return await http.post(proxy_url(gateway) + "/v1/completions", json=body, headers=headers, timeout=60)
+
+
+async def test_models_are_the_union_of_the_pods(gateway):
+    client = openai.AsyncOpenAI(base_url=proxy_url(gateway) + "/v1", api_key="unused", max_retries=0)
+    models = {m.id: m for m in (await client.models.list()).data}
+    assert set(models) == {"base", "attn", "mlp"}
+    assert models["attn"].parent == "base" and models["base"].parent is None
+
+
+async def test_adapter_requests_go_to_the_pods_that_have_them(gateway, engines, lora_adapters, lora_base_reference):
+    async with httpx.AsyncClient() as http:
+        jobs = [(model, p) for p in range(len(PROMPTS)) for model in ("attn", "mlp", "base")]
+        responses = await asyncio.gather(*(complete(http, gateway, m, PROMPTS[p]) for m, p in jobs))
+    for (model, p), response in zip(jobs, responses):
+        assert response.status_code == 200, response.text
+        expected = lora_base_reference[p] if model == "base" else lora_adapters[model][1][p]
+        assert response.json()["choices"][0]["token_ids"] == expected
+        if model != "base":  # only the pod holding the adapter may serve it
+            assert response.headers["x-gateway-destination-endpoint"] == address(engines[f"pod-{model}"])
+
+
+async def test_streaming_through_the_proxy_with_the_openai_client(gateway, llama_dir):
+    client = openai.AsyncOpenAI(base_url=proxy_url(gateway) + "/v1", api_key="unused", max_retries=0)
+    full = await client.completions.create(model="attn", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+    stream = await client.completions.create(model="attn", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = [c async for c in stream]
+    assert [t for c in chunks if c.choices for t in c.choices[0].token_ids] == full.choices[0].token_ids
+    assert chunks[-1].usage.completion_tokens == 6
+
+
+async def test_a_burst_spreads_by_queue(gateway, engines):
+    async with httpx.AsyncClient() as http:
+        prompts = [[10 + i, 20 + i, 30 + i] for i in range(9)]  # no shared prefix: only load decides
+        responses = await asyncio.gather(*(complete(http, gateway, "base", p, max_tokens=24) for p in prompts))
+    destinations = [r.headers["x-gateway-destination-endpoint"] for r in responses]
+    assert all(r.status_code == 200 for r in responses)
+    assert {d: destinations.count(d) for d in destinations} == {address(s): 3 for s in engines.values()}
+
+
+async def test_a_repeated_long_prompt_returns_to_its_prefix(gateway, engines):
+    long_prompt = list(range(40, 240))
+    async with httpx.AsyncClient() as http:
+        first = await complete(http, gateway, "base", long_prompt + [1])
+        home = first.headers["x-gateway-destination-endpoint"]
+        server = next(s for s in engines.values() if address(s) == home)
+        hits = server.engine.block_manager.prefix_hits
+        for i in range(3):
+            response = await complete(http, gateway, "base", long_prompt + [2 + i])
+            assert response.headers["x-gateway-destination-endpoint"] == home
+        assert server.engine.block_manager.prefix_hits >= hits + 3 * 190  # the engine reused its cached blocks
+
+
+async def test_a_killed_engine_is_routed_around_and_nothing_is_lost(lora_base_dir):
+    with RunningServer(lora_base_dir, name="base") as alive, RunningServer(lora_base_dir, name="base") as doomed:
+        gateway = await start_gateway([alive.url, doomed.url])
+        try:
+            doomed.server.should_exit = True  # the pod dies; the gateway has not noticed yet
+            await asyncio.to_thread(doomed.thread.join, 10)
+            async with httpx.AsyncClient() as http:
+                responses = await asyncio.gather(*(complete(http, gateway, "base", [5 + i, 6, 7]) for i in range(6)))
+            assert [r.status_code for r in responses] == [200] * 6
+            assert {r.headers["x-gateway-destination-endpoint"] for r in responses} == {address(alive)}
+            await asyncio.sleep(0.6)  # a few scrapes later it is out of the pool entirely
+            assert [e.address for e in gateway.picker.ready_endpoints()] == [address(alive)]
+            async with httpx.AsyncClient() as http:  # the gateway runs on this loop: never block it
+                metrics = (await http.get(f"http://127.0.0.1:{gateway.ports['metrics']}/metrics")).text
+            assert 'inference_pool_ready_pods{name="default"} 1.0' in metrics
+        finally:
+            await gateway.stop()
+
+
+async def test_sheddable_requests_get_429_when_the_pool_is_saturated(lora_base_dir):
+    """One pod that runs one sequence at a time: a few long requests fill its queue past the threshold."""
+    with RunningServer(lora_base_dir, name="base", max_num_seqs=1) as busy:
+        gateway = await start_gateway([busy.url], queue_threshold=2)
+        try:
+            async with httpx.AsyncClient() as http:
+                long_jobs = [asyncio.create_task(complete(http, gateway, "base", [9, 9, i], max_tokens=300))
+                             for i in range(4)]
+                assert await asyncio.to_thread(busy.wait_for, lambda: busy.engine.num_waiting >= 2)
+                await asyncio.sleep(0.3)  # a scrape sees the queue
+                shed = await complete(http, gateway, "base", [1, 2], headers={"x-gateway-inference-priority": "-1"})
+                assert shed.status_code == 429 and shed.headers["retry-after"] == "1"
+                assert shed.json()["error"]["type"] == "RateLimitError"
+                critical = await complete(http, gateway, "base", [1, 2], max_tokens=2)
+                assert critical.status_code == 200  # queued behind the others, not refused
+                assert all(r.status_code == 200 for r in await asyncio.gather(*long_jobs))
+        finally:
+            await gateway.stop()
+
+
+async def test_proxy_errors(gateway):
+    async with httpx.AsyncClient() as http:
+        unknown = await complete(http, gateway, "nope", [1, 2])
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == 404
+        bad = await http.post(proxy_url(gateway) + "/v1/completions", content=b"{not json", timeout=10)
+        assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+        engine_error = await complete(http, gateway, "base", [1, 2], temperature=-3)
+        assert engine_error.status_code == 400  # the engine's own validation, passed through
+    dead = await start_gateway([f"http://127.0.0.1:{free_port()}"])
+    try:
+        async with httpx.AsyncClient() as http:
+            response = await complete(http, dead, "base", [1, 2])
+        assert response.status_code == 503 and response.json()["error"]["type"] == "ServiceUnavailableError"
+    finally:
+        await dead.stop()
+
+
+async def test_client_cancellation_reaches_the_engine(gateway, engines):
+    async with httpx.AsyncClient() as http:
+        body = {"model": "mlp", "prompt": [3, 4, 5], "max_tokens": 400, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", proxy_url(gateway) + "/v1/completions", json=body, timeout=60) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break
+    server = engines["pod-mlp"]
+    assert await asyncio.to_thread(server.wait_for, lambda: server.engine.num_running == 0)
+    assert server.engine.block_manager.usage == 0
+
+
+# -- Envoy ext_proc ----------------------------------------------------------------------------------
+def headers_message(path: str, end_of_stream: bool, extra=()) -> ep.ProcessingRequest:
+    values = [(":method", "POST" if not end_of_stream else "GET"), (":path", path), ("content-type", "application/json"),
+              *extra]
+    return ep.ProcessingRequest(request_headers=ep.HttpHeaders(
+        headers=base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in values]),
+        end_of_stream=end_of_stream))
+
+
+def body_messages(body: dict, chunks: int = 2) -> list[ep.ProcessingRequest]:
+    raw = json.dumps(body).encode()
+    cut = len(raw) // chunks
+    parts = [raw[i * cut:(i + 1) * cut if i < chunks - 1 else None] for i in range(chunks)]
+    return [ep.ProcessingRequest(request_body=ep.HttpBody(body=p, end_of_stream=i == chunks - 1))
+            for i, p in enumerate(parts)]
+
+
+def ext_proc(gateway, messages: list[ep.ProcessingRequest]) -> list[ep.ProcessingResponse]:
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.ports['ext_proc']}") as channel:
+        return list(ep_grpc.ExternalProcessorStub(channel).Process(iter(messages)))
+
+
+def destination(response: ep.ProcessingResponse) -> tuple[str, str]:
+    """(header value, dynamic metadata value) of a routing answer."""
+    phase = response.WhichOneof("response")
+    common = getattr(response, phase).response
+    header = {h.header.key: h.header.raw_value.decode() for h in common.header_mutation.set_headers}
+    metadata = response.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    return header["x-gateway-destination-endpoint"], metadata.string_value
+
+
+async def test_ext_proc_sets_destination_header_and_metadata(gateway, engines):
+    body = {"model": "mlp", "prompt": PROMPTS[0], "max_tokens": 4}
+    messages = [headers_message("/v1/completions", False), *body_messages(body, chunks=3),
+                ep.ProcessingRequest(response_headers=ep.HttpHeaders()),
+                ep.ProcessingRequest(response_body=ep.HttpBody(body=b"{}", end_of_stream=True))]
+    responses = await asyncio.to_thread(ext_proc, gateway, messages)
+    kinds = [r.WhichOneof("response") for r in responses]
+    assert kinds == ["request_headers", "request_body", "request_body", "request_body", "response_headers",
+                     "response_body"]
+    header, metadata = destination(responses[3])
+    assert header == metadata and header.split(",")[0] == address(engines["pod-mlp"])
+    assert responses[3].request_body.response.clear_route_cache
+    # Base-model requests may go anywhere, with the other pods as fallbacks after a comma.
+    responses = await asyncio.to_thread(ext_proc, gateway, [headers_message("/v1/completions", False),
+                                                            *body_messages({"model": "base", "prompt": "hi"}, 1)])
+    header, _ = destination(responses[-1])
+    assert sorted(header.split(",")) == sorted(address(s) for s in engines.values())
+
+
+async def test_ext_proc_immediate_responses(gateway, engines):
+    responses = await asyncio.to_thread(ext_proc, gateway, [headers_message("/v1/completions", False),
+                                                            *body_messages({"model": "nope", "prompt": "x"}, 1)])
+    immediate = responses[-1].immediate_response
+    assert immediate.status.code == 404 and json.loads(immediate.body)["error"]["code"] == 404
+    # GET /v1/models has no body: routed on its headers alone.
+    header, _ = destination((await asyncio.to_thread(ext_proc, gateway, [headers_message("/v1/models", True)]))[0])
+    assert header.split(",")[0] in {address(s) for s in engines.values()}
+    dead = await start_gateway([f"http://127.0.0.1:{free_port()}"])
+    try:
+        responses = await asyncio.to_thread(ext_proc, dead, [headers_message("/v1/completions", False),
+                                                             *body_messages({"model": "base", "prompt": "x"}, 1)])
+        assert responses[-1].immediate_response.status.code == 503
+    finally:
+        await dead.stop()
+
+
+async def test_ext_proc_health(gateway):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    def check():
+        with grpc.insecure_channel(f"127.0.0.1:{gateway.ports['ext_proc']}") as channel:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
+    assert await asyncio.to_thread(check) == health_pb2.HealthCheckResponse.SERVING

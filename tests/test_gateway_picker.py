@@ -1,0 +1,146 @@
+"""The endpoint picker's filters and scorers, on endpoints with known state (no network)."""
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState, parse_engine_metrics
+from kubeinfer.gateway.prefix import chunk_hashes
+from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingError, RoutingRequest
+from kubeinfer.gateway.request_info import parse_request
+
+
+def endpoint(address: str, *, waiting=0, running=0, kv=0.0, adapters=(), running_adapters=(), waiting_adapters=(),
+             max_loras=4, placed=()) -> Endpoint:
+    e = Endpoint(address=address, placed_adapters=frozenset(placed))
+    e.record_scrape(EngineState(waiting=waiting, running=running, kv_usage=kv,
+                                running_adapters=frozenset(running_adapters),
+                                waiting_adapters=frozenset(waiting_adapters), max_loras=max_loras),
+                    frozenset({"base", *adapters}), frozenset({"base"}))
+    return e
+
+
+def picker(*endpoints: Endpoint, **config) -> Picker:
+    pool = EndpointPool()
+    pool.set_members(list(endpoints))
+    return Picker(pool, PickerConfig(**config), rng=random.Random(0))
+
+
+def pick(p: Picker, model="base", prompt="", sheddable=False) -> str:
+    return p.pick(RoutingRequest(model, prompt, sheddable)).endpoint.address
+
+
+def test_only_ready_endpoints_serving_the_model_are_picked():
+    stale = endpoint("stale:1", adapters=["ad"])
+    stale.last_scrape = time.monotonic() - 60  # numbers a minute old are not trusted
+    failing = endpoint("failing:1", adapters=["ad"])
+    for _ in range(3):
+        failing.record_failure()
+    p = picker(endpoint("a:1"), endpoint("b:1", adapters=["ad"]), stale, failing)
+    assert {pick(p, "ad") for _ in range(5)} == {"b:1"}
+    with pytest.raises(RoutingError) as error:
+        pick(p, "nope")
+    assert error.value.status == 404 and "does not exist" in error.value.message
+    only_stale = picker(endpoint("a:1"), stale)
+    with pytest.raises(RoutingError) as error:
+        pick(only_stale, "ad")
+    assert error.value.status == 503  # known model, but nobody ready serves it now
+    with pytest.raises(RoutingError) as error:
+        pick(picker(stale), "base")
+    assert error.value.status == 503
+
+
+def test_placed_adapter_counts_as_served_while_it_loads():
+    p = picker(endpoint("a:1"), endpoint("b:1", placed=["new"]))
+    assert pick(p, "new") == "b:1"
+
+
+def test_queue_then_kv_cache():
+    assert pick(picker(endpoint("a:1", waiting=3), endpoint("b:1", waiting=1), endpoint("c:1", waiting=2))) == "b:1"
+    assert pick(picker(endpoint("a:1", kv=0.5), endpoint("b:1", kv=0.1), endpoint("c:1", kv=0.3))) == "b:1"
+
+
+def test_a_burst_spreads_over_idle_endpoints():
+    """Our own dispatches count as queue until the next scrape, so a burst does not pile onto one pod."""
+    p = picker(*(endpoint(f"e{i}:1") for i in range(3)))
+    counts = {}
+    for _ in range(12):
+        address = pick(p)
+        counts[address] = counts.get(address, 0) + 1
+    assert sorted(counts.values()) == [4, 4, 4]
+
+
+def test_lora_affinity_order():
+    def best(*endpoints):
+        return pick(picker(*endpoints, weights={"lora": 1.0}), "ad")
+    loaded = dict(adapters=["ad"])
+    assert best(endpoint("waiting:1", **loaded, running_adapters=["x"], max_loras=1, waiting_adapters=["ad"]),
+                endpoint("active:1", **loaded, running_adapters=["ad"]),
+                endpoint("free:1", **loaded)) == "active:1"
+    assert best(endpoint("waiting:1", **loaded, running_adapters=["x"], max_loras=1, waiting_adapters=["ad"]),
+                endpoint("free:1", **loaded)) == "free:1"
+    assert best(endpoint("full:1", **loaded, running_adapters=["x"], max_loras=1),
+                endpoint("waiting:1", **loaded, running_adapters=["x"], max_loras=1, waiting_adapters=["ad"])) == "waiting:1"
+
+
+def test_prefix_affinity_brings_a_long_prompt_back():
+    p = picker(*(endpoint(f"e{i}:1") for i in range(4)))
+    system = "You are a helpful assistant who answers in detail. " * 20
+    first = pick(p, prompt=system + "question one")
+    # Later requests with the same long prefix return to it, despite the queue it now has.
+    assert [pick(p, prompt=system + f"question {i}") for i in range(3)] == [first] * 3
+    # The prefix belongs to the model: the same text under an adapter shares no KV blocks.
+    assert p.prefix_index.match_fraction(first, chunk_hashes("base", system)) == 1.0
+    assert p.prefix_index.match_fraction(first, chunk_hashes("ad", system)) == 0.0
+
+
+def test_saturation_sheds_sheddable_requests_only():
+    p = picker(endpoint("a:1", waiting=9), endpoint("b:1", kv=0.95), queue_threshold=5, kv_threshold=0.8)
+    with pytest.raises(RoutingError) as error:
+        pick(p, sheddable=True)
+    assert error.value.status == 429
+    assert pick(p) in {"a:1", "b:1"}  # critical requests still go somewhere
+    # An unsaturated endpoint takes sheddable work and is preferred for all.
+    p = picker(endpoint("a:1", waiting=9), endpoint("b:1", waiting=1, kv=0.7), queue_threshold=5, kv_threshold=0.8)
+    assert pick(p, sheddable=True) == "b:1" and pick(p) == "b:1"
+
+
+def test_decision_lists_fallbacks():
+    p = picker(endpoint("a:1", waiting=0), endpoint("b:1", waiting=1), endpoint("c:1", waiting=2), fallbacks=2)
+    decision = p.pick(RoutingRequest("base"))
+    assert decision.destination == "a:1,b:1,c:1" and decision.scores["total"] > 0
+
+
+def test_bad_config_is_refused():
+    with pytest.raises(ValueError, match="unknown scorer"):
+        PickerConfig(weights={"queue": 1, "vibes": 2})
+
+
+def test_parse_request():
+    request = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', {})
+    assert (request.model, request.prompt, request.sheddable) == ("m", "<user>hi", False)
+    assert parse_request(b'{"model": "m", "prompt": "x"}', {"x-gateway-inference-priority": "-1"}).sheddable
+    assert parse_request(b'{"model": "m", "prompt": "x"}', {}, {"m": -2}).sheddable
+    assert not parse_request(b'{"model": "m", "prompt": "x"}', {"x-gateway-inference-priority": "3"}, {"m": -2}).sheddable
+    assert parse_request(b"", {}).model == ""  # GET: any endpoint
+    for body, message in [(b"{nope", "not valid JSON"), (b"[1]", "JSON object"), (b'{"prompt": "x"}', "model")]:
+        with pytest.raises(RoutingError, match=message) as error:
+            parse_request(body, {})
+        assert error.value.status == 400
+    with pytest.raises(RoutingError, match="integer"):
+        parse_request(b'{"model": "m"}', {"x-gateway-inference-priority": "high"})
+
+
+def test_parse_engine_metrics():
+    text = "\n".join([
+        '# TYPE vllm:num_requests_waiting gauge', 'vllm:num_requests_waiting{model_name="m"} 3.0',
+        '# TYPE vllm:num_requests_running gauge', 'vllm:num_requests_running{model_name="m"} 2.0',
+        '# TYPE vllm:kv_cache_usage_perc gauge', 'vllm:kv_cache_usage_perc{model_name="m"} 0.25',
+        '# TYPE vllm:lora_requests_info gauge',
+        'vllm:lora_requests_info{max_lora="2",model_name="m",running_lora_adapters="a,b",waiting_lora_adapters=""} 1.7e9',
+        ""])
+    state = parse_engine_metrics(text)
+    assert (state.waiting, state.running, state.kv_usage, state.max_loras) == (3, 2, 0.25, 2)
+    assert state.running_adapters == {"a", "b"} and state.waiting_adapters == frozenset()
