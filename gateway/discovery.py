@@ -80,7 +80,7 @@ class KubernetesDiscovery:
 
     def __init__(self, pool: EndpointPool, *, namespace: str | None, selector: dict[str, str] | None = None,
                  inference_pool: str | None = None, target_port: int = 8000, api_client=None,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, watch_timeout: float = 60.0) -> None:
         if not selector and not inference_pool:
             raise ValueError("Kubernetes discovery needs --selector or --inference-pool")
         if inference_pool and not namespace:
@@ -89,6 +89,7 @@ class KubernetesDiscovery:
         self.inference_pool, self.target_port = inference_pool, target_port
         self.api_client = api_client
         self.on_change = on_change
+        self.watch_timeout = watch_timeout  # a quiet watch is re-opened after this long (and stop() takes effect)
         self._stop = threading.Event()
         self._pods: dict[str, dict] = {}
 
@@ -130,7 +131,9 @@ class KubernetesDiscovery:
                 listing = self._list(core, label_selector)
                 self._pods = {p["metadata"]["name"]: p for p in listing.get("items", [])}
                 self._publish()
-                stream = watch.Watch().stream(self._lister(core), label_selector=label_selector, timeout_seconds=60,
+                stream = watch.Watch().stream(self._lister(core), label_selector=label_selector,
+                                              timeout_seconds=max(1, int(self.watch_timeout)),
+                                              _request_timeout=self.watch_timeout + 1,
                                               resource_version=(listing.get("metadata") or {}).get("resourceVersion"))
                 for event in stream:
                     if self._stop.is_set():

@@ -1,0 +1,102 @@
+"""Gateway endpoint discovery against a Kubernetes API emulator (kmock) on loopback: an InferencePool's
+selector and port, only Running + Ready + active pods, adapter placement from the pod annotation, and
+membership that follows pod changes through the watch."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import kmock
+import pytest
+from kubernetes import client as k8s_client
+
+from kubeinfer.gateway.discovery import KubernetesDiscovery, endpoint_of, parse_address, pool_selector
+from kubeinfer.gateway.endpoints import EndpointPool
+
+VERBS = {"create", "get", "list", "watch", "patch", "delete"}
+NS = "serving"
+MODEL_LABELS = {"serving.kubeinfer.io/inference-model": "llama"}
+
+
+def pod(name: str, ip: str, *, role="active", ready=True, phase="Running", adapters=None, labels=None) -> dict:
+    annotations = {"serving.kubeinfer.io/adapters": adapters} if adapters is not None else {}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NS, "annotations": annotations,
+                         "labels": {**MODEL_LABELS, "serving.kubeinfer.io/role": role, **(labels or {})}},
+            "spec": {"containers": [{"name": "engine", "image": "engine"}]},
+            "status": {"phase": phase, "podIP": ip,
+                       "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+
+
+def test_endpoint_of_filters_pods():
+    selector = dict(MODEL_LABELS)
+    assert endpoint_of(pod("a", "10.0.0.1", adapters="x, y"), selector, 8000).placed_adapters == {"x", "y"}
+    assert endpoint_of(pod("a", "10.0.0.1"), selector, 8000).address == "10.0.0.1:8000"
+    assert endpoint_of(pod("a", "fd00::1"), selector, 8000).address == "[fd00::1]:8000"
+    for rejected in (pod("a", "10.0.0.1", role="standby"), pod("a", "10.0.0.1", ready=False),
+                     pod("a", "10.0.0.1", phase="Pending"), pod("a", "", ready=True),
+                     pod("a", "10.0.0.1", labels={"serving.kubeinfer.io/inference-model": "other"})):
+        assert endpoint_of(rejected, selector, 8000) is None
+    terminating = pod("a", "10.0.0.1")
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert endpoint_of(terminating, selector, 8000) is None
+    assert pool_selector({"spec": {"selector": {"matchLabels": {"a": "b"}}, "targetPorts": [{"number": 9000}]}}) == \
+        ({"a": "b"}, 9000)
+    assert pool_selector({"spec": {"selector": {"a": "b"}, "targetPortNumber": 8001}}) == ({"a": "b"}, 8001)
+    assert parse_address("http://localhost:8000/") == "localhost:8000"
+    with pytest.raises(ValueError, match="host and a port"):
+        parse_address("http://no-port")
+
+
+async def wait_for(condition, timeout: float = 10.0) -> bool:
+    for _ in range(int(timeout / 0.05)):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return condition()
+
+
+async def test_discovery_follows_pods_of_an_inference_pool():
+    async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
+        k8s.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
+        k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
+            kind="InferencePool", namespaced=True, verbs=VERBS)
+        url = str(server.url).rstrip("/")
+        async with httpx.AsyncClient(base_url=url) as api:
+            await api.post(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools", json={
+                "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                "metadata": {"name": "llama", "namespace": NS},
+                "spec": {"selector": {"matchLabels": {**MODEL_LABELS}}, "targetPorts": [{"number": 8123}],
+                         "endpointPickerRef": {"name": "gateway", "port": {"number": 9002}}}})
+            for item in (pod("p1", "10.0.0.1", adapters="sql"), pod("p2", "10.0.0.2", role="standby"),
+                         pod("p3", "10.0.0.3", ready=False), pod("other", "10.0.0.9", labels={
+                             "serving.kubeinfer.io/inference-model": "mistral"})):
+                assert (await api.post(f"/api/v1/namespaces/{NS}/pods", json=item)).status_code in (200, 201)
+
+            pool = EndpointPool()
+            configuration = k8s_client.Configuration(host=url)
+            discovery = KubernetesDiscovery(pool, namespace=NS, inference_pool="llama",
+                                            api_client=k8s_client.ApiClient(configuration), watch_timeout=1)
+            discovery.start(asyncio.get_running_loop())
+            try:
+                def addresses() -> set[str]:
+                    return {e.address for e in pool}
+
+                assert await wait_for(lambda: addresses() == {"10.0.0.1:8123"})  # the pool's port, active + ready only
+                assert pool.endpoints["10.0.0.1:8123"].placed_adapters == {"sql"}
+
+                async def patch(name: str, body: dict) -> None:
+                    response = await api.patch(f"/api/v1/namespaces/{NS}/pods/{name}", json=body,
+                                               headers={"content-type": "application/merge-patch+json"})
+                    assert response.status_code == 200, response.text
+
+                await patch("p2", {"metadata": {"labels": {"serving.kubeinfer.io/role": "active"}}})  # promoted
+                await patch("p3", {"status": {"conditions": [{"type": "Ready", "status": "True"}]}})  # became ready
+                assert await wait_for(lambda: addresses() == {"10.0.0.1:8123", "10.0.0.2:8123", "10.0.0.3:8123"})
+                await patch("p1", {"metadata": {"annotations": {"serving.kubeinfer.io/adapters": "sql,chat"}}})
+                assert await wait_for(lambda: pool.endpoints["10.0.0.1:8123"].placed_adapters == {"sql", "chat"})
+                await patch("p2", {"status": {"conditions": [{"type": "Ready", "status": "False"}]}})
+                await api.delete(f"/api/v1/namespaces/{NS}/pods/p3")
+                assert await wait_for(lambda: addresses() == {"10.0.0.1:8123"})
+            finally:
+                discovery.stop()
