@@ -1,0 +1,120 @@
+"""`kubeinfer local-stack` (what `make run` runs): the whole serving path on this machine.
+
+Builds (or reuses) the demo model and its LoRA adapters, starts two engine replicas with the adapters
+placed on different replicas, and the gateway in front of them on http://127.0.0.1:8080, then prints
+what to try. Ctrl-C (or SIGTERM) stops everything: the gateway first, then the engines, which drain.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+DEFAULT_DEMO_DIR = Path(".cache/demo-model")
+SERVED_NAME = "demo"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--demo-dir", type=Path, default=DEFAULT_DEMO_DIR, help="where the demo model is (built if missing)")
+    parser.add_argument("--port", type=int, default=8080, help="gateway port")
+    parser.add_argument("--engine-ports", default="8001,8002", help="the two engine replicas' ports")
+    parser.add_argument("--metrics-port", type=int, default=9090, help="gateway metrics port")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+
+
+def placements(adapters: list[Path], replicas: int) -> list[list[Path]]:
+    """Adapters spread round-robin over replicas, so each replica holds different ones."""
+    return [adapters[i::replicas] for i in range(replicas)]
+
+
+def _wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"local-stack: {url} exited with code {process.returncode}; see its log above")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"local-stack: {url} did not become ready within {timeout:.0f} s")
+
+
+def _instructions(port: int, metrics_port: int, engine_urls: list[str], adapters: list[str]) -> str:
+    url = f"http://127.0.0.1:{port}"
+    lines = [
+        "", f"kubeinfer is serving on {url}  (Ctrl-C stops everything)", "",
+        f"  models:   curl -s {url}/v1/models", "",
+    ]
+    for model in [SERVED_NAME, *adapters]:
+        lines += [f"  {model}:", f"    curl -s {url}/v1/completions -H 'Content-Type: application/json' \\",
+                  f"      -d '{{\"model\": \"{model}\", \"prompt\": \"The licensee shall\", \"max_tokens\": 40, "
+                  f"\"temperature\": 0}}'", ""]
+    lines += [
+        "  with the openai client:",
+        "    python - <<'EOF'",
+        "    from openai import OpenAI",
+        f"    client = OpenAI(base_url='{url}/v1', api_key='unused')",
+        f"    for model in {[SERVED_NAME, *adapters]!r}:",
+        "        out = client.completions.create(model=model, prompt='The licensee shall', max_tokens=40, temperature=0)",
+        "        print(model, '->', out.choices[0].text)",
+        "    EOF", "",
+        f"  metrics:  gateway http://127.0.0.1:{metrics_port}/metrics, engines "
+        + ", ".join(u + "/metrics" for u in engine_urls), ""]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kubeinfer.demo_model import build_demo_model
+
+    demo = build_demo_model(args.demo_dir)
+    adapters = sorted(p for p in (demo / "adapters").iterdir() if (p / "adapter_config.json").is_file())
+    ports = [int(p) for p in args.engine_ports.split(",")]
+    kubeinfer = [sys.executable, "-m", "kubeinfer.cli"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    processes: list[subprocess.Popen] = []
+
+    def stop_all(*_) -> None:
+        for process in reversed(processes):  # gateway first, then engines (they drain)
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in reversed(processes):
+            try:
+                process.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        engine_urls = []
+        for port, placed in zip(ports, placements(adapters, len(ports))):
+            modules = [f"{a.name}={a}" for a in placed]
+            command = [*kubeinfer, "serve", str(demo / "base"), "--host", "127.0.0.1", "--port", str(port),
+                       "--served-model-name", SERVED_NAME, "--max-num-seqs", "16", "--log-level", "warning"]
+            if modules:
+                command += ["--lora-modules", *modules, "--max-lora-rank", "64"]
+            processes.append(subprocess.Popen(command, env=env))
+            engine_urls.append(f"http://127.0.0.1:{port}")
+        for url, process in zip(engine_urls, processes):
+            _wait_ready(url, process, args.ready_timeout)
+        processes.append(subprocess.Popen([*kubeinfer, "gateway", "--host", "127.0.0.1", "--port", str(args.port),
+                                           "--ext-proc-port", "0", "--metrics-port", str(args.metrics_port),
+                                           "--endpoints", ",".join(engine_urls), "--log-level", "warning"], env=env))
+        _wait_ready(f"http://127.0.0.1:{args.port}", processes[-1], 60)
+        print(_instructions(args.port, args.metrics_port, engine_urls, [a.name for a in adapters]), flush=True)
+        while all(p.poll() is None for p in processes):
+            time.sleep(0.5)
+        print("local-stack: a component exited; stopping the rest", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nlocal-stack: stopping", flush=True)
+        return 0
+    finally:
+        stop_all()
