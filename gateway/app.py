@@ -15,6 +15,7 @@ from .discovery import KubernetesDiscovery, static_endpoints
 from .endpoints import EndpointPool
 from .extproc import start_extproc_server
 from .metrics import GatewayMetrics
+from .model_priorities import InferenceModelPriorities
 from .picker import Picker, PickerConfig
 from .proxy import build_proxy_app
 from .routing import Router
@@ -48,13 +49,15 @@ class Gateway:
         self.picker = Picker(self.pool, config.picker)
         self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities)
         self.scraper = Scraper(self.pool, config.scrape_interval, config.scrape_timeout)
-        self.discovery = None
+        self.discovery = self.priorities = None
         if config.endpoints:
             self.pool.set_members(static_endpoints(config.endpoints))
         else:
             self.discovery = KubernetesDiscovery(self.pool, namespace=config.namespace, selector=config.selector,
                                                  inference_pool=config.inference_pool, target_port=config.target_port,
                                                  api_client=api_client, on_change=self._forget_departed)
+            self.priorities = InferenceModelPriorities(self.router.discovered_priorities, namespace=config.namespace,
+                                                       api_client=api_client)
         self._tasks: list[asyncio.Task] = []
         self._servers: list[uvicorn.Server] = []
         self.extproc = None
@@ -66,6 +69,8 @@ class Gateway:
     async def start(self) -> None:
         if self.discovery is not None:
             self.discovery.start(asyncio.get_running_loop())
+            self.priorities.api_client = self.discovery.api_client
+            self.priorities.start(asyncio.get_running_loop())
         await self.scraper.scrape_all()  # route on real numbers from the first request on
         self._tasks.append(asyncio.create_task(self.scraper.run()))
         cfg = self.config
@@ -103,6 +108,7 @@ class Gateway:
             await self.extproc.stop(1)
         if self.discovery is not None:
             self.discovery.stop()
+            self.priorities.stop()
         scrape, *servers = self._tasks
         scrape.cancel()
         if servers:

@@ -7,7 +7,7 @@ import logging
 import signal
 
 from .discovery import parse_selector
-from .picker import DEFAULT_WEIGHTS, PickerConfig
+from .picker import DEFAULT_WEIGHTS, POLICIES, PickerConfig
 
 
 def _weights(text: str) -> dict[str, float]:
@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stale-after", type=float, default=5.0, help="seconds before a scrape is not trusted")
     parser.add_argument("--queue-threshold", type=float, default=5.0, help="waiting requests that saturate a pod")
     parser.add_argument("--kv-threshold", type=float, default=0.8, help="KV-cache usage that saturates a pod")
+    parser.add_argument("--routing", choices=POLICIES, default="scored",
+                        help="scored: the endpoint picker; round-robin: rotate over the pods serving the model "
+                             "(a baseline for comparisons)")
     parser.add_argument("--scorer-weights", type=_weights, default=dict(DEFAULT_WEIGHTS),
                         help="e.g. queue=2,kv_cache=1,lora=2,prefix=3")
     parser.add_argument("--model-priority", type=_priority, action="append", default=[], metavar="NAME=INT",
@@ -59,7 +62,8 @@ def config_from_args(args: argparse.Namespace):
         raise SystemExit("kubeinfer gateway: give --endpoints, or --selector / --inference-pool to discover pods")
     try:
         picker = PickerConfig(weights=args.scorer_weights, queue_threshold=args.queue_threshold,
-                              kv_threshold=args.kv_threshold, stale_after=args.stale_after)
+                              kv_threshold=args.kv_threshold, stale_after=args.stale_after,
+                              policy=args.routing)
         selector = parse_selector(args.selector)
     except ValueError as error:
         raise SystemExit(f"kubeinfer gateway: {error}") from None

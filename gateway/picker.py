@@ -9,6 +9,10 @@ The survivors are scored by plugins, each in [0, 1], combined by configurable we
   lora      1.0 adapter active, 0.8 a free adapter slot, 0.6 adapter waiting, 0 otherwise
   prefix    share of the prompt's leading chunks already sent to that endpoint (its likely cached prefix)
 The best endpoint wins; the next ones are fallbacks, for a proxy or Envoy to retry on.
+
+`policy="round-robin"` replaces the scoring with a per-model rotation over the ready endpoints that serve
+the model (what a plain Kubernetes Service would do): the baseline the routing benchmark measures against.
+Admission (404/503, shedding) is the same under both policies, so only the choice of pod differs.
 """
 from __future__ import annotations
 
@@ -16,11 +20,13 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from .endpoints import Endpoint, EndpointPool
 from .prefix import PrefixIndex, chunk_hashes
 
 DEFAULT_WEIGHTS = {"queue": 2.0, "kv_cache": 1.0, "lora": 2.0, "prefix": 3.0}
+POLICIES = ("scored", "round-robin")
 
 
 class RoutingError(Exception):
@@ -46,8 +52,11 @@ class PickerConfig:
     stale_after: float = 5.0  # seconds after which a scrape is no longer trusted
     max_failures: int = 3  # consecutive failed scrapes that take an endpoint out
     fallbacks: int = 2
+    policy: str = "scored"  # or "round-robin": the load-blind baseline
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
         unknown = set(self.weights) - set(SCORERS)
         if unknown:
             raise ValueError(f"unknown scorer(s) {', '.join(sorted(unknown))}; known: {', '.join(SCORERS)}")
@@ -61,6 +70,12 @@ class Context:
     candidates: list[Endpoint]
     hashes: list[bytes]
     prefix_index: PrefixIndex
+
+    @cached_property
+    def queue_range(self) -> tuple[float, float]:
+        """Computed once per pick, not once per endpoint: that would make a pick quadratic in pool size."""
+        queues = [e.queue for e in self.candidates]
+        return min(queues), max(queues)
 
 
 @dataclass
@@ -77,8 +92,7 @@ class Decision:
 
 # -- scorers: (endpoint, context) -> [0, 1] ----------------------------------------------------------
 def score_queue(endpoint: Endpoint, ctx: Context) -> float:
-    queues = [e.queue for e in ctx.candidates]
-    low, high = min(queues), max(queues)
+    low, high = ctx.queue_range
     return 1.0 if high == low else (high - endpoint.queue) / (high - low)
 
 
@@ -112,6 +126,7 @@ class Picker:
         self.config = config or PickerConfig()
         self.prefix_index = prefix_index or PrefixIndex()
         self.rng = rng or random.Random()
+        self._turns: dict[str, int] = {}  # round-robin position, per model
 
     def ready_endpoints(self) -> list[Endpoint]:
         now = time.monotonic()
@@ -135,6 +150,8 @@ class Picker:
                 raise RoutingError(429, f"every endpoint serving `{request.model}` is saturated; "
                                         "sheddable requests are refused until load drops")
             candidates = serving
+        if self.config.policy == "round-robin":
+            return self._rotate(request.model, serving)
         ctx = Context(request, candidates, chunk_hashes(request.model, request.prompt), self.prefix_index)
         ranked = []
         for endpoint in candidates:
@@ -146,3 +163,12 @@ class Picker:
         best.dispatched_since_scrape += 1
         self.prefix_index.remember(best.address, ctx.hashes)
         return Decision(best, [r[2] for r in ranked[1:1 + self.config.fallbacks]], {**ranked[0][3], "total": ranked[0][0]})
+
+    def _rotate(self, model: str, serving: list[Endpoint]) -> Decision:
+        """Round-robin: blind to load, cache and adapters, but never to which endpoints serve the model."""
+        turn = self._turns.get(model, 0)
+        self._turns[model] = turn + 1
+        start = turn % len(serving)
+        order = serving[start:] + serving[:start]
+        order[0].dispatched_since_scrape += 1  # keeps the gateway's own queue accounting policy-independent
+        return Decision(order[0], order[1:1 + self.config.fallbacks], {})

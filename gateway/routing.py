@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import ChainMap
 from collections.abc import Mapping
 
 from .metrics import GatewayMetrics
@@ -14,13 +15,14 @@ class Router:
                  model_priorities: Mapping[str, int] | None = None) -> None:
         self.picker = picker
         self.metrics = metrics or GatewayMetrics(picker)
-        self.model_priorities = dict(model_priorities or {})
+        self.model_priorities = dict(model_priorities or {})  # configured: wins
+        self.discovered_priorities: dict[str, int] = {}  # from InferenceModels in the cluster
 
     def route(self, raw_body: bytes, headers: Mapping[str, str]) -> tuple[RoutingRequest, Decision]:
         """Raises RoutingError with the HTTP status to answer (400, 404, 429, 503)."""
         request = None
         try:
-            request = parse_request(raw_body, headers, self.model_priorities)
+            request = parse_request(raw_body, headers, ChainMap(self.model_priorities, self.discovered_priorities))
             start = time.perf_counter()
             decision = self.picker.pick(request)
             self.metrics.pick_duration.observe(time.perf_counter() - start)

@@ -100,3 +100,58 @@ async def test_discovery_follows_pods_of_an_inference_pool():
                 assert await wait_for(lambda: addresses() == {"10.0.0.1:8123"})
             finally:
                 discovery.stop()
+
+
+def test_priorities_of_inference_models():
+    from kubeinfer.gateway.model_priorities import priorities_of
+
+    models = [{"metadata": {"name": "llama"}, "spec": {"model": {"servedName": "llama-3"}, "routing": {"priority": -1},
+                                                         "adapters": [{"name": "sql"}, {"name": "chat"}]}},
+              {"metadata": {"name": "qwen"}, "spec": {}}]
+    assert priorities_of(models) == {"llama-3": -1, "sql": -1, "chat": -1, "qwen": 0}
+
+
+async def test_gateway_in_kubernetes_mode_routes_to_discovered_pods(lora_base_dir):
+    """The whole gateway against kmock: a pod whose IP and port are a real engine on loopback, an
+    InferencePool selecting it, and an InferenceModel whose negative priority makes its requests sheddable."""
+    from server_harness import RunningServer
+
+    from kubeinfer.gateway.app import Gateway, GatewayConfig
+
+    with RunningServer(lora_base_dir, name="llama") as engine:
+        async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
+            k8s.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS)
+            k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
+                kind="InferencePool", namespaced=True, verbs=VERBS)
+            k8s.resources["serving.kubeinfer.io/v1alpha1/inferencemodels"] = kmock.ResourceInfo(
+                kind="InferenceModel", namespaced=True, verbs=VERBS)
+            url = str(server.url).rstrip("/")
+            async with httpx.AsyncClient(base_url=url) as api:
+                await api.post(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools", json={
+                    "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+                    "metadata": {"name": "llama", "namespace": NS},
+                    "spec": {"selector": {"matchLabels": MODEL_LABELS}, "targetPorts": [{"number": engine.port}],
+                             "endpointPickerRef": {"name": "gateway", "port": {"number": 9002}}}})
+                await api.post(f"/api/v1/namespaces/{NS}/pods", json=pod("p1", "127.0.0.1"))
+                await api.post(f"/apis/serving.kubeinfer.io/v1alpha1/namespaces/{NS}/inferencemodels", json={
+                    "apiVersion": "serving.kubeinfer.io/v1alpha1", "kind": "InferenceModel",
+                    "metadata": {"name": "llama", "namespace": NS},
+                    "spec": {"model": {"uri": "pvc://models/llama"}, "routing": {"priority": -1}}})
+            gateway = Gateway(GatewayConfig(host="127.0.0.1", port=0, ext_proc_port=None, metrics_port=None,
+                                            namespace=NS, inference_pool="llama", scrape_interval=0.1),
+                              api_client=k8s_client.ApiClient(k8s_client.Configuration(host=url)))
+            gateway.discovery.watch_timeout = 1
+            gateway.priorities.interval = 0.2
+            await gateway.start()
+            try:
+                assert await wait_for(lambda: bool(gateway.picker.ready_endpoints()))
+                assert await wait_for(lambda: gateway.router.discovered_priorities == {"llama": -1})
+                async with httpx.AsyncClient() as http:
+                    response = await http.post(f"http://127.0.0.1:{gateway.ports['proxy']}/v1/completions", json={
+                        "model": "llama", "prompt": [1, 2, 3], "max_tokens": 2}, timeout=30)
+                assert response.status_code == 200, response.text
+                assert response.headers["x-gateway-destination-endpoint"] == f"127.0.0.1:{engine.port}"
+                parsed, _ = gateway.router.route(b'{"model": "llama", "prompt": "x"}', {})
+                assert parsed.sheddable  # from the InferenceModel's routing priority
+            finally:
+                await gateway.stop()
