@@ -7,6 +7,7 @@ kernel backend plugs in; `TorchAttentionBackend` is the portable reference used 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
         max_len = max(meta.context_lens[:nd])
         keys = gather_context(k_cache, meta.block_tables[:nd], max_len)
         values = gather_context(v_cache, meta.block_tables[:nd], max_len)
-        positions = torch.arange(max_len)
+        positions = torch.arange(max_len, device=q.device)
         mask = positions[None, :] < lens[:, None]
         if meta.sliding_window:
             mask &= positions[None, :] >= (lens[:, None] - meta.sliding_window)
@@ -90,8 +91,8 @@ class TorchAttentionBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # Queries are the last num_queries positions of the context: causal with an offset.
-            q_pos = torch.arange(context_len - num_queries, context_len)[:, None]
-            k_pos = torch.arange(context_len)[None, :]
+            q_pos = torch.arange(context_len - num_queries, context_len, device=q.device)[:, None]
+            k_pos = torch.arange(context_len, device=q.device)[None, :]
             mask = k_pos <= q_pos
             if sliding_window:
                 mask &= k_pos > q_pos - sliding_window
@@ -99,7 +100,29 @@ class TorchAttentionBackend(AttentionBackend):
         return out.squeeze(0).transpose(0, 1)
 
 
+def _triton_backend() -> AttentionBackend:
+    try:  # optional: triton is in the `gpu` extra, and imported only when asked for
+        from .triton_attention import TritonAttentionBackend
+    except ImportError as error:
+        raise ValueError(f"the triton attention backend needs the triton package ({error}); install it with "
+                         "pip install 'kubeinfer[gpu]', or use attention_backend='torch'") from None
+    return TritonAttentionBackend()
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {"torch": TorchAttentionBackend,
+                                                                   "triton": _triton_backend}
+
+
 def get_attention_backend(name: str) -> AttentionBackend:
-    if name == "torch":
-        return TorchAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch (the triton backend is not built yet)")
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]()
+
+
+def check_attention_backend(name: str, device: torch.device) -> str:
+    """Fail at start-up, with what to do, when `name` cannot run on `device`; returns the name."""
+    get_attention_backend(name)  # an unknown name, or triton not installed
+    if name == "triton":
+        from .triton_attention import check_device
+        check_device(device)
+    return name

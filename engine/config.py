@@ -1,6 +1,7 @@
 """Engine configuration: the user's knobs, with defaults resolved against the model and the machine."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 # KV cache memory when the user gives no block count and the device is a CPU (vLLM's CPU default is 4 GiB).
@@ -23,7 +24,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
-    attention_backend: str | None = None
+    attention_backend: str | None = None  # "torch" | "triton"; default: triton on CUDA (when installed), else torch
     seed: int = 0
     tokenizer: str | None = None  # defaults to the model directory
 
@@ -40,3 +41,6 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.attention_backend is None:
+            on_gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
+            self.attention_backend = "triton" if on_gpu else "torch"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .attention import check_attention_backend
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -74,7 +75,7 @@ class LLMEngine:
 
         block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
-        attention_backend = config.attention_backend or "torch"
+        attention_backend = check_attention_backend(config.attention_backend, self.device)
         self.runner = ModelRunner(files, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
                                   block_size=block_size, num_kv_blocks=self.num_kv_blocks,
                                   attention_backend=attention_backend, lora_pool=pool)

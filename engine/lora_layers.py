@@ -7,18 +7,24 @@ adapter) is a view, with no gather or scatter. On the CPU this beat, at every ba
 2048 tokens, both a per-token gather of the slot matrices and one dense matmul over all slots
 masked per token (see benchmarks/bench_lora_delta.py).
 
+On CUDA, when triton is installed, `apply` runs the segmented kernels of triton_lora.py instead.
+
 Our fused projections are the concatenation of PEFT's: qkv_proj = [q; k; v], gate_up_proj = [gate; up];
 each part gets its own delta, and a part the adapter does not target is skipped (it is zero).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .lora_adapter import module_shapes
 from .lora_pool import LoRAPool
 from .models.llama import FUSED_WEIGHTS, ModelSpec
+
+if TYPE_CHECKING:
+    from .triton_lora import SegmentPlan
 
 Rows = slice | torch.Tensor  # a contiguous run of rows, or their indices
 
@@ -49,6 +55,7 @@ class LoRAContext:
         # Snapshot: the pool may reassign slots between steps, never during one.
         self.ranks = {slot: pool.slot_rank[slot] for slot, _ in groups}
         self.targets = {slot: pool.slot_targets[slot] for slot, _ in groups}
+        self.kernel_plan = self._kernel_plan() if pool.device.type == "cuda" else None
 
     @classmethod
     def build(cls, pool: LoRAPool, token_slots: Sequence[int] | torch.Tensor) -> LoRAContext | None:
@@ -66,10 +73,22 @@ class LoRAContext:
             groups.append((slot, slice(first, last + 1) if contiguous else index.to(pool.device)))
         return cls(pool, groups) if groups else None
 
+    def _kernel_plan(self) -> SegmentPlan | None:
+        """Tokens sorted into per-slot segments for the Triton kernels, which serve every adapter of the step
+        with one shrink and one expand launch per projection part (see triton_lora.py)."""
+        try:
+            from .triton_lora import SegmentPlan
+        except ImportError:  # triton is optional (the `gpu` extra): the torch path below still works
+            return None
+        return SegmentPlan.build(self.pool, self.groups, self.ranks, self.targets)
+
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
         """out[t] += delta of token t's adapter on `module` (our name: qkv_proj, o_proj, gate_up_proj, down_proj)."""
         a, b = self.pool.lora_a[layer], self.pool.lora_b[layer]
         parts = self.parts[module]
+        if self.kernel_plan is not None:
+            from .triton_lora import add_lora
+            return add_lora(out, x, a, b, parts, self.kernel_plan, layer)
         for slot, rows in self.groups:
             targets, rank = self.targets[slot], self.ranks[slot]
             xs = None

@@ -29,6 +29,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC API on this port")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
+                        help="attention kernels (default: triton on CUDA when installed, torch on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -75,7 +77,8 @@ def build_state(args: argparse.Namespace):
                           num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
                           seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules or args.lora_placement_file),
                           max_loras=args.max_loras,
-                          max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+                          max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                          attention_backend=args.attention_backend)
     engine = LLMEngine(config)
     for lora_id, (name, path) in enumerate(lora_modules, start=1):
         try:

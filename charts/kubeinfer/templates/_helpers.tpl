@@ -1,0 +1,148 @@
+{{/* Names: object names are "<fullname>-<component>", at most 63 characters. */}}
+{{- define "kubeinfer.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kubeinfer.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels on every object of the release. */}}
+{{- define "kubeinfer.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "kubeinfer.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: kubeinfer
+{{- end }}
+
+{{/* Selector labels of one component: call with (dict "root" $ "component" "operator"). */}}
+{{- define "kubeinfer.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kubeinfer.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "kubeinfer.componentLabels" -}}
+{{ include "kubeinfer.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* "repository:tag" or "repository@digest"; the tag defaults to the chart's appVersion. */}}
+{{- define "kubeinfer.image" -}}
+{{- if .image.digest }}
+{{- printf "%s@%s" .image.repository .image.digest }}
+{{- else }}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* Pod and container security: non-root, no privilege escalation, no capabilities, read-only root. */}}
+{{- define "kubeinfer.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+fsGroup: 65532
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "kubeinfer.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+{{- end }}
+
+{{/* Scheduling and pull settings shared by the operator and gateway pods: call with the component's values. */}}
+{{- define "kubeinfer.podPlacement" -}}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* The namespace whose engine pods the gateway routes to. */}}
+{{- define "kubeinfer.gatewayNamespace" -}}
+{{- default .Release.Namespace .Values.gateway.watchNamespace }}
+{{- end }}
+
+{{/* "k=v,k=v" for --selector, keys sorted so the rendered Deployment is stable. */}}
+{{- define "kubeinfer.gatewaySelector" -}}
+{{- $pairs := list }}
+{{- range $key, $value := .Values.gateway.selector }}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
+{{/* Cluster-scoped objects carry the release namespace too: two releases of the same name never collide. */}}
+{{- define "kubeinfer.clusterName" -}}
+{{- printf "%s-%s-%s" .root.Release.Namespace (include "kubeinfer.fullname" .root) .suffix }}
+{{- end }}
+
+{{/*
+What the operator does in a namespace it reconciles, and nothing more. Verbs follow the handlers:
+kopf patches InferenceModels (finalizers, progress annotations) and their status; the builders'
+objects are created, patched and deleted; pods are only relabelled (active/standby) and annotated
+(adapter placement).
+*/}}
+{{- define "kubeinfer.operatorNamespacedRules" -}}
+- apiGroups: [serving.kubeinfer.io]
+  resources: [inferencemodels, inferencemodels/status, inferencemodels/scale]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, patch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create, patch]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, update, delete]
+{{- end }}
+
+{{/* The gateway only reads: the engine pods it routes to and the InferencePools that select them. */}}
+{{- define "kubeinfer.gatewayRules" -}}
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch]
+# InferenceModels' spec.routing.priority makes a model's requests sheddable.
+- apiGroups: [serving.kubeinfer.io]
+  resources: [inferencemodels]
+  verbs: [get, list, watch]
+{{- end }}

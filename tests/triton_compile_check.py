@@ -1,0 +1,76 @@
+"""Compile every Triton kernel of the engine to GPU machine code without a GPU (triton ships ptxas).
+
+The interpreter checks what the kernels compute, not whether they lower: dot shapes below 16, type
+mismatches or unsupported ops only fail in the compiler. Run as a script, in a process without
+TRITON_INTERPRET (an interpreted kernel cannot be compiled):
+
+    python tests/triton_compile_check.py 80 90      # NVIDIA compute capabilities
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+# Pointer arguments that are not activations (which are bf16, the GPU default dtype).
+POINTER_TYPES = {"block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "slot_ptr": "*i64", "query_start_ptr": "*i32",
+                 "tokens_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i32", "seg_rank_ptr": "*i32",
+                 "s_ptr": "*fp32"}
+SCALAR_TYPES = {"scale_log2": "fp32"}
+
+
+def variants():
+    """(kernel, constexprs) pairs: the shapes the engine launches for Llama-3-8B-like models (GQA 4, head_dim
+    128), a group that is no power of two, MHA with an odd head_dim, and the fp32 (upcast) path."""
+    from kubeinfer.engine import triton_attention as ta
+    from kubeinfer.engine import triton_lora as tlo
+
+    attn = dict(GROUP=4, GROUP_PAD=4, BLOCK_N=64, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, UPCAST=False)
+    return [
+        (ta._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, BLOCK_SIZE=16)),
+        (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=4)),  # decode
+        (ta._paged_attention_kernel, dict(attn, BLOCK_M=64, BLOCK_Q=16)),  # prefill
+        (ta._paged_attention_kernel, dict(attn, GROUP=7, GROUP_PAD=8, BLOCK_M=64, BLOCK_Q=8)),
+        (ta._paged_attention_kernel, dict(attn, GROUP=1, GROUP_PAD=1, BLOCK_M=16, BLOCK_Q=16, HEAD_DIM=80)),
+        (ta._paged_attention_kernel, dict(attn, BLOCK_M=64, BLOCK_Q=16, UPCAST=True)),
+        (tlo._shrink_kernel, dict(BLOCK_T=16, BLOCK_R=16, BLOCK_K=64, UPCAST=False)),
+        (tlo._expand_kernel, dict(BLOCK_T=16, BLOCK_O=64, BLOCK_R=16, UPCAST=False)),
+    ]
+
+
+def signature(kernel, constexprs: dict) -> dict[str, str]:
+    fp32 = constexprs.get("UPCAST") is True and kernel.__name__ == "_paged_attention_kernel"
+    activation = "*fp32" if fp32 else "*bf16"
+    sig = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = POINTER_TYPES.get(name, activation)
+        else:
+            sig[name] = SCALAR_TYPES.get(name, "i32")
+    return sig
+
+
+def main(capabilities: list[int]) -> int:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    failures = 0
+    for capability in capabilities:
+        target = GPUTarget("cuda", capability, 32)
+        for kernel, constexprs in variants():
+            try:
+                triton.compile(ASTSource(fn=kernel, signature=signature(kernel, constexprs), constexprs=constexprs),
+                               target=target)
+                print(f"ok   sm_{capability} {kernel.__name__} {constexprs}")
+            except Exception as error:  # report every failing variant, not only the first
+                failures += 1
+                print(f"FAIL sm_{capability} {kernel.__name__} {constexprs}: {type(error).__name__}: {error}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main([int(c) for c in sys.argv[1:]] or [80, 90]))
