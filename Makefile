@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all bench run proto clean
+.PHONY: setup test test-all bench bench-gpu run proto clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,12 @@ test-all: setup
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
 	$(PY) benchmarks/bench_lora.py
+
+# On a GPU machine, whose own python has CUDA torch and no registry access: install kubeinfer into it
+# first with `python3 -m pip install --no-deps --no-build-isolation -e .`
+GPU_PYTHON ?= python3
+bench-gpu:
+	$(GPU_PYTHON) benchmarks/bench_gpu.py
 
 # Regenerate the gRPC stubs after editing engine/proto/engine.proto (a test checks they are current).
 proto: setup
