@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test,gpu]'
+	$(PIP) install --quiet -e '.[test,gpu,bench]'
 	touch $(STAMP)
 
 test: setup

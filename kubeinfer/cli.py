@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from collections.abc import Callable
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -33,28 +35,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
-def _not_built(issue: int, what: str):
-    def run(_: argparse.Namespace) -> int:
-        print(f"kubeinfer: {what} is not built yet (issue #{issue})", file=sys.stderr)
-        return 2
-    return run
+def _serve(args: argparse.Namespace) -> int:
+    from kubeinfer.engine.serve import main as serve_main
+    return serve_main(args)
 
 
-def _component(sub, name: str, help_text: str, module: str) -> None:
-    """A subcommand whose module provides `add_arguments(parser)` and `run(args) -> int`."""
-    import importlib
-
-    component = importlib.import_module(module)
-    parser = sub.add_parser(name, help=help_text, description=(component.__doc__ or "").strip())
-    component.add_arguments(parser)
-    parser.set_defaults(func=component.run)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kubeinfer", description="Kubernetes-native LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate offline from a local Hugging Face model directory")
+def _generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("model")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     gen.add_argument("--max-tokens", type=int, default=32)
@@ -65,27 +51,60 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu")
     gen.add_argument("--dtype", default=None)
     gen.add_argument("--max-model-len", type=int, default=None)
-    gen.set_defaults(func=_generate)
 
-    rnd = sub.add_parser("random-model", help="write a random-init model + tokenizer (tests, benchmarks)")
+
+def _random_model_arguments(rnd: argparse.ArgumentParser) -> None:
     rnd.add_argument("out")
     rnd.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
     for name in ("hidden-size", "num-layers", "num-heads", "num-kv-heads", "intermediate-size"):
         rnd.add_argument(f"--{name}", type=int, default=None)
-    rnd.set_defaults(func=_random_model)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible engine server (HTTP + optional gRPC)")
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     from kubeinfer.engine.serve import add_serve_arguments
-    add_serve_arguments(srv)
-    srv.set_defaults(func=_serve)
-    _component(sub, "gateway", "endpoint picker: Envoy ext_proc server and OpenAI-compatible proxy",
-               "kubeinfer.gateway.cli")
-    sub.add_parser("operator", help="InferenceModel operator").set_defaults(func=_not_built(6, "the operator"))
+    add_serve_arguments(parser)
+
+
+def _module(name: str) -> Callable[[], tuple[Callable, Callable]]:
+    """A component module exposing `add_arguments(parser)` and `run(args) -> int`, imported only when its
+    subcommand runs: the operator's image has no torch, the engine's no kopf."""
+    def load() -> tuple[Callable, Callable]:
+        module = importlib.import_module(name)
+        return module.add_arguments, module.run
+    return load
+
+
+# name -> (help, loader of (add_arguments, run))
+SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[Callable, Callable]]]] = {
+    "serve": ("OpenAI-compatible engine server (HTTP + optional gRPC)", lambda: (_serve_arguments, _serve)),
+    "gateway": ("endpoint picker: Envoy ext_proc server and OpenAI-compatible proxy", _module("kubeinfer.gateway.cli")),
+    "operator": ("InferenceModel operator (kopf)", _module("kubeinfer.operator.cli")),
+    "local-stack": ("the whole stack on this machine on the demo model (make run)", _module("kubeinfer.local_stack")),
+    "demo-model": ("train the tiny demo model and its two LoRA adapters", _module("kubeinfer.demo_model")),
+    "generate": ("generate offline from a local Hugging Face model directory",
+                 lambda: (_generate_arguments, _generate)),
+    "random-model": ("write a random-init model + tokenizer (tests, benchmarks)",
+                     lambda: (_random_model_arguments, _random_model)),
+}
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Only the chosen subcommand's module is imported (all of them when argv is None)."""
+    parser = argparse.ArgumentParser(prog="kubeinfer", description="Kubernetes-native LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    chosen = next((a for a in argv if a in SUBCOMMANDS), None) if argv is not None else None
+    for name, (help_text, load) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=help_text)
+        if argv is None or name == chosen:
+            add_arguments, run = load()
+            add_arguments(command)
+            command.set_defaults(func=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return args.func(args)
 
 

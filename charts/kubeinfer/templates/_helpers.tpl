@@ -110,27 +110,32 @@ objects are created, patched and deleted; pods are only relabelled (active/stand
 (adapter placement).
 */}}
 {{- define "kubeinfer.operatorNamespacedRules" -}}
+# Exactly the calls the operator makes: it applies owned objects with server-side apply (PATCH, or
+# POST when absent) and leaves their deletion to owner references and the garbage collector.
 - apiGroups: [serving.kubeinfer.io]
-  resources: [inferencemodels, inferencemodels/status, inferencemodels/scale]
-  verbs: [get, list, watch, patch, update]
+  resources: [inferencemodels]
+  verbs: [get, list, watch, patch]
+- apiGroups: [serving.kubeinfer.io]
+  resources: [inferencemodels/status]
+  verbs: [patch]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, create, patch]
 - apiGroups: [""]
   resources: [services]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, list, watch, create, patch, update, delete]
-- apiGroups: [""]
-  resources: [pods]
-  verbs: [get, list, watch, patch]
-- apiGroups: [""]
-  resources: [events]
   verbs: [create, patch]
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list, watch, patch]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
 {{- end }}
 
 {{/* The gateway only reads: the engine pods it routes to and the InferencePools that select them. */}}

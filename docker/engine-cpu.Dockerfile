@@ -1,0 +1,26 @@
+# kubeinfer engine, CPU only: `kubeinfer serve MODEL_DIR ...` (the operator sets the arguments).
+# Build from the repository root:  docker build -f docker/engine-cpu.Dockerfile -t kubeinfer/engine:cpu .
+FROM python:3.11.11-slim-bookworm AS build
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/kubeinfer
+ENV PATH=/opt/kubeinfer/bin:$PATH
+# The CPU wheel first, so `pip install .` finds torch satisfied and never pulls the CUDA build.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+COPY pyproject.toml README.md /src/
+COPY kubeinfer /src/kubeinfer
+COPY engine /src/engine
+COPY gateway /src/gateway
+COPY operator /src/operator
+RUN pip install /src
+
+FROM python:3.11.11-slim-bookworm
+RUN groupadd --gid 1000 kubeinfer && useradd --uid 1000 --gid 1000 --no-create-home --shell /usr/sbin/nologin kubeinfer
+COPY --from=build /opt/kubeinfer /opt/kubeinfer
+# HOME and caches under /tmp: pods run with a read-only root filesystem and an emptyDir on /tmp.
+ENV PATH=/opt/kubeinfer/bin:$PATH HOME=/tmp PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+USER 1000:1000
+WORKDIR /tmp
+EXPOSE 8000 8001
+ENTRYPOINT ["kubeinfer"]
+CMD ["serve", "--help"]

@@ -1,0 +1,85 @@
+"""The objects an InferenceModel owns, as plain dicts: Deployment, Service, PodDisruptionBudget, InferencePool."""
+from __future__ import annotations
+
+from typing import Any
+
+from kubeinfer.operator.config import OperatorConfig
+from kubeinfer.operator.names import (API_VERSION, GRPC_PORT, HTTP_PORT, KIND, MANAGED_BY_LABEL, MANAGER, MODEL_LABEL,
+                                      POOL_GROUP, POOL_VERSION, active_labels, selector_labels)
+from kubeinfer.operator.pod_template import pod_template
+from kubeinfer.operator.spec import InferenceModelSpec
+
+
+def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
+    """Makes the garbage collector delete what we built when the InferenceModel goes; no finalizer needed."""
+    meta = owner["metadata"]
+    if not meta.get("uid"):
+        raise ValueError(f"InferenceModel {meta.get('name')!r} has no metadata.uid; owner references need one")
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(owner: dict[str, Any], spec: InferenceModelSpec) -> dict[str, Any]:
+    return {"name": spec.name, "namespace": owner["metadata"]["namespace"],
+            "labels": {**selector_labels(spec.name), MANAGED_BY_LABEL: MANAGER, MODEL_LABEL: spec.name},
+            "ownerReferences": [owner_reference(owner)]}
+
+
+def deployment(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    """One Deployment of replicas + standby pods; roles are pod labels the operator sets, not template labels."""
+    # A ready standby absorbs one pod missing during a rollout; without one, only surge.
+    max_unavailable = 1 if spec.standby > 0 else 0
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(owner, spec),
+        "spec": {
+            "replicas": spec.pods,
+            "selector": {"matchLabels": selector_labels(spec.name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": max_unavailable}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": spec.engine.startup_timeout_seconds + 600,
+            "template": pod_template(spec, config),
+        },
+    }
+
+
+def service(owner: dict[str, Any], spec: InferenceModelSpec) -> dict[str, Any]:
+    """ClusterIP over active pods only: standby pods never receive traffic."""
+    return {
+        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(owner, spec),
+        "spec": {"type": "ClusterIP", "selector": active_labels(spec.name),
+                 "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                           {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+                            "appProtocol": "kubernetes.io/h2c"}]},
+    }
+
+
+def pod_disruption_budget(owner: dict[str, Any], spec: InferenceModelSpec) -> dict[str, Any]:
+    """Voluntary evictions never take serving capacity below spec.replicas while standby pods can cover it.
+
+    Without standby, `minAvailable: replicas` would block every node drain forever, so one pod at a
+    time may go instead. Crash-looping pods never block a drain (AlwaysAllow).
+    """
+    budget: dict[str, Any] = {"minAvailable": spec.replicas} if spec.standby > 0 else {"maxUnavailable": 1}
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _metadata(owner, spec),
+        "spec": {**budget, "selector": {"matchLabels": selector_labels(spec.name)},
+                 "unhealthyPodEvictionPolicy": "AlwaysAllow"},
+    }
+
+
+def inference_pool(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    """Gateway API Inference Extension v1 pool of the active pods, routed by our endpoint picker."""
+    return {
+        "apiVersion": f"{POOL_GROUP}/{POOL_VERSION}", "kind": "InferencePool", "metadata": _metadata(owner, spec),
+        "spec": {"selector": {"matchLabels": active_labels(spec.name)},
+                 "targetPorts": [{"number": HTTP_PORT}],
+                 "endpointPickerRef": {"group": "", "kind": "Service", "name": config.endpoint_picker_service,
+                                       "port": {"number": config.endpoint_picker_port},
+                                       "failureMode": "FailClose"}},
+    }
+
+
+def desired_objects(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig,
+                    with_pool: bool) -> list[dict[str, Any]]:
+    objects = [deployment(owner, spec, config), service(owner, spec), pod_disruption_budget(owner, spec)]
+    return objects + [inference_pool(owner, spec, config)] if with_pool else objects

@@ -1,0 +1,93 @@
+"""kopf registrations: thin handlers that all end in one coalesced, level-based reconcile pass.
+
+Spec changes (create / update / resume) re-apply the owned objects; pod events (a pod became ready,
+was deleted, lost readiness) and a periodic resync loop redo roles, placement, status and autoscaling.
+No finalizer: owner references make the garbage collector delete what the operator built.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import kopf
+
+from kubeinfer.operator.names import GROUP, MANAGED_BY_LABEL, MANAGER, MODEL_LABEL, PLURAL, VERSION
+from kubeinfer.operator.reconcile import Reconciler
+
+Connect = Callable[[], Awaitable[kopf.ConnectionInfo]]
+SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+RETRY_SECONDS = 10
+
+
+async def connect_default() -> kopf.ConnectionInfo:
+    """In-cluster service account first, then KUBECONFIG (with exec plugins if `kubernetes` is installed)."""
+    logger = logging.getLogger("kubeinfer.operator.login")
+    attempts: list[Callable[..., Any]] = []
+    if os.path.exists(SERVICE_ACCOUNT_TOKEN):
+        attempts.append(kopf.login_with_service_account)
+    try:
+        import kubernetes  # noqa: F401  (optional: understands every kubeconfig auth method)
+        attempts.append(kopf.login_via_client)
+    except ImportError:
+        pass
+    attempts.append(kopf.login_with_kubeconfig)
+    settings = kopf.OperatorSettings()  # login only reads its defaults; our client logs in outside kopf too
+    failures = []
+    for attempt in attempts:
+        try:
+            info = attempt(logger=logger, settings=settings)
+        except Exception as err:  # the next method may still work (e.g. in-cluster, no kubeconfig)
+            failures.append(f"{attempt.__name__}: {err}")
+            continue
+        if info is not None:
+            return info
+    raise kopf.LoginError("no Kubernetes credentials: run in a cluster with a service account, or set KUBECONFIG "
+                          f"({'; '.join(failures) or 'nothing found'})")
+
+
+def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, connect: Connect = connect_default) -> None:
+    """Attach the operator's handlers to `registry` (one per running operator: tests make their own)."""
+    model = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+    interval = reconciler.config.resync_seconds
+
+    @kopf.on.login(registry=registry)
+    async def login(**_: Any) -> kopf.ConnectionInfo:
+        return await connect()
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # Progress lives in annotations: the CRD's structural schema would prune kopf's status fields.
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.kubeinfer.io")
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.kubeinfer.io")
+        settings.posting.level = logging.WARNING  # Events for problems; promotions are our own Events
+
+    @kopf.on.startup(registry=registry)
+    async def start_resync(**_: Any) -> None:
+        # One loop over all models instead of a kopf timer per model: kopf timers put a finalizer on
+        # every InferenceModel, and deleting one would then hang whenever the operator is down.
+        reconciler.start_resync(interval)
+
+    @kopf.on.cleanup(registry=registry)
+    async def close(**_: Any) -> None:
+        await reconciler.stop_resync()
+        await reconciler.client.close()
+
+    @kopf.on.resume(**model, backoff=RETRY_SECONDS)
+    @kopf.on.create(**model, backoff=RETRY_SECONDS)
+    @kopf.on.update(**model, backoff=RETRY_SECONDS)
+    async def spec_changed(namespace: str, name: str, **_: Any) -> None:
+        await reconciler.trigger(namespace, name, apply=True)
+
+    # Deletion is seen on the raw watch stream: kopf.on.delete would need a finalizer to be
+    # reliable, and nothing needs cleaning up but the operator's own memory of the model.
+    @kopf.on.event(**model)
+    async def deleted(type: str, namespace: str, name: str, **_: Any) -> None:  # in the loop, not a thread
+        if type == "DELETED":
+            reconciler.forget(namespace, name)
+
+    @kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER}, registry=registry)
+    async def pod_changed(namespace: str, labels: dict[str, str], **_: Any) -> None:
+        if labels.get(MODEL_LABEL):
+            await reconciler.trigger(namespace, labels[MODEL_LABEL])

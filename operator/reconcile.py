@@ -1,0 +1,213 @@
+"""One level-based pass over an InferenceModel: read the world, compute the desired state, write the difference.
+
+Every pass starts from what the API server says now, never from what an earlier pass did, so any
+pass can be repeated, interrupted or skipped. Passes for one model never overlap: a trigger that
+arrives during a pass makes that pass run once more instead (coalescing bursts of pod events).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubeinfer.operator.autoscale import Autoscaler, HttpQueueDepths, QueueDepthSource
+from kubeinfer.operator.builders import desired_objects
+from kubeinfer.operator.config import OperatorConfig
+from kubeinfer.operator.kube import ApiError, KubeClient
+from kubeinfer.operator.names import (ACTIVE, ADAPTERS_ANNOTATION, API_VERSION, DELETION_COST_ANNOTATION, PLURAL,
+                                      POOL_GROUP, POOL_PLURAL, POOL_VERSION, ROLE_LABEL, selector_labels)
+from kubeinfer.operator.placement import Placement, place_adapters
+from kubeinfer.operator.pods import PodView, pod_view
+from kubeinfer.operator.roles import RolePlan, assign_roles
+from kubeinfer.operator.spec import InferenceModelSpec, SpecError, parse_spec
+from kubeinfer.operator.status import build_status, invalid_status, now_rfc3339
+
+logger = logging.getLogger(__name__)
+DELETION_COST = {ACTIVE: "100"}  # standby pods keep the default 0 and go first on a scale-down
+POOL_CHECK_SECONDS = 60.0
+REAPPLY_SECONDS = 300.0  # re-apply owned objects this often even without a spec change (drift)
+RESYNC_CONCURRENCY = 16
+REFUSED = (400, 403, 422)  # the object itself is wrong or forbidden: retrying cannot help
+
+
+@dataclass
+class ModelState:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    dirty: bool = False
+    autoscale: bool = False  # a resync asked for autoscaling; survives coalescing into a running pass
+    applied: tuple[int, float] | None = None  # (generation, monotonic time) of the last apply
+    invalid_reported: int | None = None  # generation whose InvalidSpec event was recorded
+
+
+class Reconciler:
+    def __init__(self, client: KubeClient, config: OperatorConfig | None = None,
+                 metrics: QueueDepthSource | None = None):
+        self.client = client
+        self.config = config or OperatorConfig()
+        self.metrics = metrics or HttpQueueDepths()
+        self.autoscaler = Autoscaler()
+        self.states: dict[tuple[str, str], ModelState] = defaultdict(ModelState)
+        self._pool_known: tuple[bool, float] | None = None
+        self._resync: asyncio.Task[None] | None = None
+
+    def start_resync(self, interval: float) -> None:
+        self._resync = asyncio.create_task(self._resync_forever(interval))
+
+    async def stop_resync(self) -> None:
+        if self._resync is not None:
+            self._resync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resync
+            self._resync = None
+
+    async def _resync_forever(self, interval: float) -> None:
+        """Every `interval`, a pass with autoscaling over every known model, RESYNC_CONCURRENCY at a time."""
+        limit = asyncio.Semaphore(RESYNC_CONCURRENCY)
+
+        async def one(namespace: str, name: str) -> None:
+            async with limit:
+                try:
+                    await self.trigger(namespace, name, autoscale=True)
+                except Exception:  # one broken model must not stop the others' resync
+                    logger.exception("resync of %s/%s failed", namespace, name)
+        while True:
+            await asyncio.sleep(interval)
+            await asyncio.gather(*(one(ns, name) for ns, name in list(self.states)))
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.states.pop((namespace, name), None)
+        self.autoscaler.forget(f"{namespace}/{name}")
+
+    async def trigger(self, namespace: str, name: str, apply: bool = False, autoscale: bool = False) -> None:
+        """Run a pass for one model now, or make the running one go again."""
+        state = self.states[(namespace, name)]
+        state.dirty = True
+        state.autoscale |= autoscale
+        if apply:
+            state.applied = None
+        if state.lock.locked():
+            return
+        async with state.lock:
+            while state.dirty:
+                state.dirty, wants_autoscale, state.autoscale = False, state.autoscale, False
+                await self._pass(namespace, name, state, wants_autoscale)
+
+    async def _pass(self, namespace: str, name: str, state: ModelState, autoscale: bool) -> None:
+        body = await self.client.get(API_VERSION, PLURAL, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            self.forget(namespace, name)  # owner references let the garbage collector remove what we built
+            return
+        generation = int(body["metadata"].get("generation") or 0)
+        try:
+            spec = parse_spec(name, body.get("spec") or {})
+        except SpecError as err:
+            await self._report_invalid(body, str(err), state, generation)
+            return
+        if state.applied is None or state.applied[0] != generation or \
+                time.monotonic() - state.applied[1] > REAPPLY_SECONDS:
+            try:
+                for obj in desired_objects(body, spec, self.config, await self._pool_crd_exists()):
+                    await self.client.apply(obj)
+            except ApiError as err:
+                if err.status not in REFUSED:
+                    raise  # transient (conflict, throttling, server error): the handler retries
+                await self._report_invalid(body, f"the API server refused an object built from this spec: {err}",
+                                           state, generation)
+                return
+            state.applied = (generation, time.monotonic())
+        pods = [pod_view(p) for p in await self.client.list("v1", "pods", namespace, selector_labels(name))]
+        plan = await self._apply_roles(body, spec, pods)
+        placement = await self._apply_placement(body, spec, pods, plan)
+        await self._write_status(body, build_status(body, spec, pods, plan, placement, now_rfc3339()))
+        if autoscale and spec.autoscaling is not None:
+            await self._autoscale(body, spec, pods, plan)
+
+    async def _report_invalid(self, body: dict[str, Any], message: str, state: ModelState, generation: int) -> None:
+        if state.applied is not None or await self.client.get("apps/v1", "deployments", body["metadata"]["namespace"],
+                                                             body["metadata"]["name"]):
+            message += "; the last valid spec keeps running until this is fixed"
+        previous = (body.get("status") or {}).get("conditions") or []
+        await self._write_status(body, invalid_status(message, previous, generation, now_rfc3339()))
+        if state.invalid_reported != generation:
+            state.invalid_reported = generation
+            await self.client.event(body, "Warning", "InvalidSpec", message)
+
+    async def _pool_crd_exists(self) -> bool:
+        now = time.monotonic()
+        if self._pool_known is None or now - self._pool_known[1] > POOL_CHECK_SECONDS:
+            exists = await self.client.resource_exists(f"{POOL_GROUP}/{POOL_VERSION}", POOL_PLURAL)
+            self._pool_known = (exists, now)
+        return self._pool_known[0]
+
+    async def _patch_pod(self, namespace: str, pod: str, labels: dict[str, Any] | None = None,
+                         annotations: dict[str, Any] | None = None) -> None:
+        meta = {key: value for key, value in (("labels", labels), ("annotations", annotations)) if value is not None}
+        await self.client.patch("v1", "pods", namespace, pod, {"metadata": meta})
+
+    async def _apply_roles(self, body: dict[str, Any], spec: InferenceModelSpec, pods: list[PodView]) -> RolePlan:
+        namespace = body["metadata"]["namespace"]
+        plan = assign_roles(pods, spec.replicas)
+        for pod, role in sorted(plan.changes(pods).items()):
+            await self._patch_pod(namespace, pod, labels={ROLE_LABEL: role},
+                                  annotations={DELETION_COST_ANNOTATION: DELETION_COST.get(role, "0")})
+        if plan.promoted:
+            lost = [p.name for p in pods if p.role == ACTIVE and p.name not in plan.active()]
+            why = f" replacing {', '.join(lost)}" if lost else " (scale-up)"
+            await self.client.event(body, "Normal", "StandbyPromoted",
+                                    f"promoted ready standby pod(s) {', '.join(plan.promoted)} to active{why}")
+        return plan
+
+    async def _apply_placement(self, body: dict[str, Any], spec: InferenceModelSpec, pods: list[PodView],
+                               plan: RolePlan) -> Placement | None:
+        namespace = body["metadata"]["namespace"]
+        by_name = {p.name: p for p in pods}
+        active = plan.active()
+        # Adapters go where requests can be served now; until a pod is ready, on any active pod.
+        targets = [n for n in active if by_name[n].ready] or active
+        current = {p.name: p.adapters for p in pods}
+        placement = None
+        wanted: dict[str, tuple[str, ...]] = {}
+        if spec.adapters and targets:
+            placement = place_adapters([a.name for a in spec.adapters], targets, current,
+                                       spec.adapter_pool.replicas_per_adapter,
+                                       spec.adapter_pool.max_loras_per_replica)
+            wanted.update(placement.assignment)
+        for name, role in plan.roles.items():
+            if role != ACTIVE:
+                wanted[name] = ()  # standby pods hold nothing: adapters load in seconds on promotion
+        known = {a.name for a in spec.adapters}
+        for name in active:  # active pods left out keep what they hold, minus adapters no longer in the spec
+            wanted.setdefault(name, tuple(a for a in current.get(name, ()) if a in known))
+        changed = {n: a for n, a in wanted.items() if tuple(current.get(n, ())) != a}
+        for pod, adapters in sorted(changed.items()):
+            await self._patch_pod(namespace, pod, annotations={ADAPTERS_ANNOTATION: ",".join(adapters)})
+        if changed:
+            summary = "; ".join(f"{pod}: {','.join(a) or '(none)'}" for pod, a in sorted(changed.items()))
+            await self.client.event(body, "Normal", "AdapterPlacementChanged", f"adapters now on: {summary}")
+        return placement
+
+    async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        if (body.get("status") or {}) == status:
+            return
+        meta = body["metadata"]
+        await self.client.patch(API_VERSION, PLURAL, meta["namespace"], meta["name"], {"status": status}, "status")
+
+    async def _autoscale(self, body: dict[str, Any], spec: InferenceModelSpec, pods: list[PodView],
+                         plan: RolePlan) -> None:
+        by_name = {p.name: p for p in pods}
+        serving = [by_name[n] for n in plan.active() if by_name[n].ready]
+        depths = await self.metrics.queue_depths(serving)
+        meta = body["metadata"]
+        wanted = self.autoscaler.decide(f"{meta['namespace']}/{meta['name']}", spec, list(depths.values()),
+                                        time.monotonic())
+        if wanted == spec.replicas:
+            return
+        average = sum(depths.values()) / max(len(depths), 1)
+        await self.client.patch(API_VERSION, PLURAL, meta["namespace"], meta["name"], {"spec": {"replicas": wanted}})
+        await self.client.event(body, "Normal", "Autoscaled",
+                                f"spec.replicas {spec.replicas} -> {wanted}: {average:.1f} requests waiting per "
+                                f"active pod, target {spec.autoscaling.target_queue_depth:g}")
