@@ -26,6 +26,8 @@ test-all: setup
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
 	$(PY) benchmarks/bench_lora.py
+	$(PY) benchmarks/bench_routing.py
+	$(PY) benchmarks/bench_operator.py --write
 
 # On a GPU machine, whose own python has CUDA torch and no registry access: install kubeinfer into it
 # first with `python3 -m pip install --no-deps --no-build-isolation -e .`

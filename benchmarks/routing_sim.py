@@ -1,0 +1,378 @@
+"""A discrete-event simulation of a pool of engine pods, routed by the gateway's real `Picker`.
+
+Each simulated pod is a vLLM-style engine in miniature: continuous batching in steps (chunked prefill
+under a token budget, plus one decode token per running sequence), a step time that grows with the
+uncached prompt tokens prefilled and with the batch size, a KV cache of fixed blocks whose shared
+system-prompt blocks stay cached after use and are evicted least recently used first, and `max_loras`
+adapter slots where activating an adapter costs a load. Routing goes through the same `Picker` the
+gateway runs: every `scrape_interval` the pods' gauges are written into `Endpoint` objects with
+`record_scrape`, as the gateway's scraper does, and between scrapes the picker only knows what it
+dispatched itself. The round-robin baseline is the same `Picker` with `policy="round-robin"`.
+
+Deterministic: the workload, the placement and the picker's tie-breaking are all seeded.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field, replace
+
+from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
+from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingRequest
+
+BASE = "base"
+CHARS_PER_TOKEN = 4  # the gateway hashes 64-character chunks, about one 16-token KV block
+SCRAPE_INTERVAL_S = 0.25  # the gateway's default --scrape-interval
+
+
+@dataclass(frozen=True)
+class PodSpec:
+    """Cost model of one pod: roughly an 8B model in bf16 on one A100-40GB-class GPU (about 100k tokens of
+    KV cache). Only ratios between policies are reported, so the absolute numbers matter little."""
+    kv_blocks: int = 6250
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_batched_tokens: int = 4096  # chunked-prefill budget per step
+    step_overhead_s: float = 0.010  # a decode step with an empty batch: reading the weights once
+    prefill_s_per_token: float = 0.00006
+    decode_s_per_seq: float = 0.0001  # each running sequence's KV is read every step
+    max_loras: int = 4
+    adapter_load_s: float = 0.02  # host memory -> GPU slot
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Chat traffic: each request is a system prompt shared with others (the base model has many, each
+    adapter its own), then a question of its own. Requests arrive in bursts (Poisson burst times,
+    geometric burst sizes); popularity of prompts and adapters is Zipf-like."""
+    requests: int
+    rate: float  # requests per second, over the whole pool
+    burst_mean: float = 6.0
+    base_system_prompts: int = 100
+    adapters: int = 50
+    replicas_per_adapter: int = 16
+    adapter_share: float = 0.5
+    system_tokens: tuple[int, int] = (1000, 4000)
+    question_tokens: tuple[int, int] = (50, 400)
+    output_tokens: tuple[int, int] = (50, 300)
+    zipf: float = 0.8
+    seed: int = 0
+
+
+@dataclass
+class SimRequest:
+    id: int
+    arrival: float
+    model: str
+    system_id: int
+    shared_blocks: int  # full KV blocks of the system prompt: what another request can share
+    prompt_tokens: int
+    output_tokens: int
+    text: str  # what the picker hashes
+    pod: int | None = None  # where it was routed
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cached_tokens: int = 0
+    # engine-side progress
+    to_prefill: int = 0
+    private_blocks: int = 0
+
+
+def system_text(model: str, system_id: int, tokens: int) -> str:
+    head = f"<system {model}/{system_id}> "
+    return (head + "You are a careful assistant. " * (tokens * CHARS_PER_TOKEN // 29 + 1))[:tokens * CHARS_PER_TOKEN]
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    return [1.0 / (k + 1) ** s for k in range(n)]
+
+
+def build_workload(w: Workload, block_size: int = 16) -> list[SimRequest]:
+    rng = random.Random(w.seed)
+    prompts: dict[tuple[str, int], tuple[int, str]] = {}
+
+    def system_prompt(model: str, system_id: int) -> tuple[int, str]:
+        if (model, system_id) not in prompts:
+            tokens = rng.randint(*w.system_tokens)
+            prompts[model, system_id] = tokens, system_text(model, system_id, tokens)
+        return prompts[model, system_id]
+
+    base_weights, adapter_weights = zipf_weights(w.base_system_prompts, w.zipf), zipf_weights(w.adapters, w.zipf)
+    requests, now = [], 0.0
+    while len(requests) < w.requests:
+        now += rng.expovariate(w.rate / w.burst_mean)
+        burst = 1 + int(math.log(1 - rng.random()) / math.log(1 - 1 / w.burst_mean))  # geometric, mean burst_mean
+        for _ in range(min(burst, w.requests - len(requests))):
+            if w.adapters and rng.random() < w.adapter_share:
+                model, system_id = f"adapter-{rng.choices(range(w.adapters), adapter_weights)[0]}", 0
+            else:
+                model, system_id = BASE, rng.choices(range(w.base_system_prompts), base_weights)[0]
+            sys_tokens, sys_text = system_prompt(model, system_id)
+            question = rng.randint(*w.question_tokens)
+            text = sys_text + f"[question {len(requests)}]".ljust(question * CHARS_PER_TOKEN, ".")
+            requests.append(SimRequest(len(requests), now, model, system_id, sys_tokens // block_size,
+                                       sys_tokens + question, rng.randint(*w.output_tokens), text))
+    return requests
+
+
+def place_adapters(pods: int, adapters: int, replicas: int) -> list[list[str]]:
+    """Each adapter on `replicas` consecutive pods of a cycle: pods hold equal numbers, give or take one."""
+    placed: list[list[str]] = [[] for _ in range(pods)]
+    for a in range(adapters):
+        for r in range(min(replicas, pods)):
+            placed[(a * replicas + r) % pods].append(f"adapter-{a}")
+    return placed
+
+
+class Pod:
+    def __init__(self, spec: PodSpec, adapters: list[str]) -> None:
+        self.spec = spec
+        self.models = frozenset([BASE, *adapters])
+        self.waiting: deque[SimRequest] = deque()
+        self.prefilling: list[SimRequest] = []
+        self.decoding: list[tuple[int, int, SimRequest]] = []  # heap by finish step
+        # Prefix cache, per system prompt ("family"): its leading blocks cached. Blocks are freed tail first
+        # (as vLLM frees a sequence's blocks in reverse), so what stays of a family is always a prefix.
+        self.cached: dict[tuple[str, int], int] = {}  # family -> leading blocks cached
+        self.cached_blocks = 0
+        self.refs: dict[tuple[str, int], int] = {}  # family -> running requests using it
+        self.evictable: OrderedDict[tuple[str, int], None] = OrderedDict()  # unreferenced families, LRU first
+        self.evictable_blocks = 0
+        self.private_blocks = 0  # each request's own blocks: its question and its output
+        self.slots: OrderedDict[str, None] = OrderedDict()  # adapters on the GPU, LRU first
+        self.adapter_running: dict[str, int] = {}
+        self.steps = 0
+        self.busy = False
+        self.pending_load_s = 0.0
+        self.prefix_queries = self.prefix_hits = self.adapter_loads = 0
+
+    @property
+    def running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    def state(self) -> EngineState:
+        """What this pod's /metrics would say, parsed as `parse_engine_metrics` does."""
+        used = self.cached_blocks - self.evictable_blocks + self.private_blocks
+        return EngineState(waiting=len(self.waiting), running=self.running, kv_usage=used / self.spec.kv_blocks,
+                           running_adapters=frozenset(a for a, n in self.adapter_running.items() if n),
+                           waiting_adapters=frozenset(r.model for r in self.waiting if r.model != BASE),
+                           max_loras=self.spec.max_loras)
+
+    # -- scheduling ------------------------------------------------------------------------------
+    def _activate(self, adapter: str) -> bool:
+        if adapter == BASE or adapter in self.slots:
+            if adapter in self.slots:
+                self.slots.move_to_end(adapter)
+            return True
+        if len(self.slots) >= self.spec.max_loras:
+            idle = next((a for a in self.slots if not self.adapter_running.get(a)), None)
+            if idle is None:
+                return False  # every slot serves running requests: wait, as vLLM does
+            del self.slots[idle]
+        self.slots[adapter] = None
+        self.pending_load_s += self.spec.adapter_load_s
+        self.adapter_loads += 1
+        return True
+
+    def _admit(self, r: SimRequest) -> bool:
+        """Reserve the request's KV blocks (prompt and output, so no preemption), reusing cached ones."""
+        family = (r.model, r.system_id)
+        hits = self.cached.get(family, 0)
+        private = -(-(r.prompt_tokens + r.output_tokens) // self.spec.block_size) - r.shared_blocks
+        need = r.shared_blocks - hits + private
+        free = self.spec.kv_blocks - self.cached_blocks - self.private_blocks
+        pinned_now = hits if family in self.evictable else 0
+        if free + self.evictable_blocks - pinned_now < need:
+            return False
+        if family in self.evictable:
+            del self.evictable[family]
+            self.evictable_blocks -= hits
+        self.refs[family] = self.refs.get(family, 0) + 1
+        while free < need:  # evict from the least recently used family, its tail blocks first
+            victim = next(iter(self.evictable))
+            take = min(self.cached[victim], need - free)
+            self.cached[victim] -= take
+            self.cached_blocks -= take
+            self.evictable_blocks -= take
+            free += take
+            if not self.cached[victim]:
+                del self.cached[victim], self.evictable[victim]
+        self.cached[family] = r.shared_blocks
+        self.cached_blocks += r.shared_blocks - hits
+        self.private_blocks += private
+        r.private_blocks = private
+        r.cached_tokens = hits * self.spec.block_size
+        r.to_prefill = r.prompt_tokens - r.cached_tokens
+        self.prefix_queries += r.prompt_tokens
+        self.prefix_hits += r.cached_tokens
+        return True
+
+    def _release(self, r: SimRequest) -> None:
+        family = (r.model, r.system_id)
+        self.refs[family] -= 1
+        if not self.refs[family]:
+            self.evictable[family] = None  # most recently used end
+            self.evictable_blocks += self.cached[family]
+        self.private_blocks -= r.private_blocks
+        if r.model != BASE:
+            self.adapter_running[r.model] -= 1
+
+    def _schedule(self) -> None:
+        kept: deque[SimRequest] = deque()
+        while self.waiting and self.running < self.spec.max_num_seqs:
+            r = self.waiting.popleft()
+            if not self._activate(r.model):
+                kept.append(r)  # no adapter slot: let later requests go first
+                continue
+            if not self._admit(r):
+                self.waiting.appendleft(r)  # out of KV: first come, first served
+                break
+            if r.model != BASE:
+                self.adapter_running[r.model] = self.adapter_running.get(r.model, 0) + 1
+            self.prefilling.append(r)
+        kept.extend(self.waiting)
+        self.waiting = kept
+
+    def start_step(self) -> tuple[float, list[tuple[SimRequest, int]]] | None:
+        """Plan one engine step; returns its duration and the prefill chunks it runs, or None when idle."""
+        self._schedule()
+        budget = self.spec.max_batched_tokens - len(self.decoding)
+        chunks = []
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            chunk = min(r.to_prefill, budget)
+            chunks.append((r, chunk))
+            budget -= chunk
+        if not chunks and not self.decoding:
+            self.pending_load_s = 0.0
+            return None
+        s = self.spec
+        prefill_tokens = sum(c for _, c in chunks)
+        duration = (s.step_overhead_s + prefill_tokens * s.prefill_s_per_token + len(self.decoding) * s.decode_s_per_seq
+                    + self.pending_load_s)
+        self.pending_load_s = 0.0
+        return duration, chunks
+
+    def finish_step(self, now: float, chunks: list[tuple[SimRequest, int]]) -> list[SimRequest]:
+        """Apply a step's work at its end: first tokens for completed prefills, one token per decoder."""
+        self.steps += 1
+        done = []
+        while self.decoding and self.decoding[0][0] <= self.steps:
+            r = heapq.heappop(self.decoding)[2]
+            r.finished_at = now
+            self._release(r)
+            done.append(r)
+        for r, chunk in chunks:
+            r.to_prefill -= chunk
+            if r.to_prefill == 0:
+                self.prefilling.remove(r)
+                r.first_token_at = now  # the last prefill chunk samples the first token
+                if r.output_tokens <= 1:
+                    r.finished_at = now
+                    self._release(r)
+                    done.append(r)
+                else:
+                    heapq.heappush(self.decoding, (self.steps + r.output_tokens - 1, r.id, r))
+        return done
+
+
+@dataclass
+class SimResult:
+    policy: str
+    requests: list[SimRequest]
+    prefix_hit_rate: float
+    adapter_loads: int
+    requests_per_pod: list[int] = field(default_factory=list)
+
+    @property
+    def makespan(self) -> float:
+        return max(r.finished_at for r in self.requests) - min(r.arrival for r in self.requests)
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per second over the whole run, first arrival to last completion."""
+        return sum(r.output_tokens for r in self.requests) / self.makespan
+
+    def ttft(self, q: int) -> float:
+        return percentile([r.first_token_at - r.arrival for r in self.requests], q)
+
+
+def per_pod(requests: list[SimRequest], pods: int) -> list[int]:
+    counts = [0] * pods
+    for r in requests:
+        counts[r.pod] += 1
+    return counts
+
+
+def percentile(values: list[float], q: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec(),
+             scrape_interval: float = SCRAPE_INTERVAL_S, picker_config: PickerConfig | None = None,
+             progress=None) -> SimResult:
+    """Run the workload through `pods` simulated engines, routed by the real picker under `policy`."""
+    placement = place_adapters(pods, workload.adapters, workload.replicas_per_adapter)
+    sim_pods = [Pod(spec, adapters) for adapters in placement]
+    endpoints = [Endpoint(f"10.{i // 250}.{i % 250}.1:8000", name=f"pod-{i}") for i in range(pods)]
+    index_of = {e.address: i for i, e in enumerate(endpoints)}
+    pool = EndpointPool()
+    pool.set_members(endpoints)
+    # Staleness is a wall-clock guard for a live gateway; here scrapes run on the simulated clock.
+    config = replace(picker_config or PickerConfig(), policy=policy, stale_after=math.inf)
+    picker = Picker(pool, config, rng=random.Random(workload.seed))
+    requests = build_workload(workload, spec.block_size)
+    largest = max(r.prompt_tokens + r.output_tokens for r in requests)
+    if largest > spec.kv_blocks * spec.block_size:
+        raise ValueError(f"a request of {largest} tokens can never fit in {spec.kv_blocks} KV blocks of "
+                         f"{spec.block_size}: raise PodSpec.kv_blocks or shorten Workload.system_tokens")
+
+    def scrape() -> None:
+        for endpoint, pod in zip(endpoints, sim_pods):
+            endpoint.record_scrape(pod.state(), pod.models, frozenset([BASE]))
+
+    events: list[tuple[float, int, str, object]] = []  # (time, tie-break, kind, payload)
+    counter = 0
+
+    def push(t: float, kind: str, payload: object) -> None:
+        nonlocal counter
+        counter += 1
+        heapq.heappush(events, (t, counter, kind, payload))
+
+    def start(pod: Pod, now: float) -> None:
+        planned = pod.start_step()
+        pod.busy = planned is not None
+        if planned:
+            push(now + planned[0], "step", (pod, planned[1]))
+
+    for r in requests:
+        push(r.arrival, "arrival", r)
+    scrape()
+    push(scrape_interval, "scrape", None)
+    finished = 0
+    while finished < len(requests):
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "arrival":
+            decision = picker.pick(RoutingRequest(payload.model, payload.text))
+            payload.pod = index_of[decision.endpoint.address]
+            pod = sim_pods[payload.pod]
+            pod.waiting.append(payload)
+            if not pod.busy:
+                start(pod, now)
+        elif kind == "step":
+            pod, chunks = payload
+            done = pod.finish_step(now, chunks)
+            finished += len(done)
+            if progress is not None and done:
+                progress.update(len(done))
+            start(pod, now)
+        else:
+            scrape()
+            push(now + scrape_interval, "scrape", None)
+    queries = sum(p.prefix_queries for p in sim_pods)
+    return SimResult(policy, requests, sum(p.prefix_hits for p in sim_pods) / queries,
+                     sum(p.adapter_loads for p in sim_pods), per_pod(requests, pods))
