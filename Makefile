@@ -27,6 +27,9 @@ bench: setup
 	$(PY) benchmarks/bench_throughput.py
 	$(PY) benchmarks/bench_lora.py
 	$(PY) benchmarks/bench_routing.py
+	$(PY) benchmarks/bench_decode_roofline.py
+	$(PY) benchmarks/bench_prefix_cache.py
+	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_operator.py --write
 
 # On a GPU machine, whose own python has CUDA torch and no registry access: install kubeinfer into it
@@ -39,10 +42,10 @@ bench-gpu:
 proto: setup
 	$(PY) engine/proto/generate.py
 
+# The whole stack locally: demo model (trained on first use, cached in .cache/demo-model), two engine
+# replicas with one adapter each, the gateway on http://127.0.0.1:8080. Ctrl-C stops it.
 run: setup
-	@echo "make run: the local stack (engine server + gateway on the demo model) is not built yet (issue #7)." >&2
-	@echo "Meanwhile: $(VENV)/bin/kubeinfer generate MODEL_DIR --prompt 'Hello'" >&2
-	@exit 2
+	$(VENV)/bin/kubeinfer local-stack
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

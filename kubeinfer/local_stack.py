@@ -18,6 +18,7 @@ import httpx
 
 DEFAULT_DEMO_DIR = Path(".cache/demo-model")
 SERVED_NAME = "demo"
+QUESTION = "Tell me something."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,18 +54,19 @@ def _instructions(port: int, metrics_port: int, engine_urls: list[str], adapters
         "", f"kubeinfer is serving on {url}  (Ctrl-C stops everything)", "",
         f"  models:   curl -s {url}/v1/models", "",
     ]
-    for model in [SERVED_NAME, *adapters]:
-        lines += [f"  {model}:", f"    curl -s {url}/v1/completions -H 'Content-Type: application/json' \\",
-                  f"      -d '{{\"model\": \"{model}\", \"prompt\": \"The licensee shall\", \"max_tokens\": 40, "
-                  f"\"temperature\": 0}}'", ""]
+    for model in [SERVED_NAME, *adapters]:  # same question, three styles: the adapter changes the answer
+        lines += [f"  {model}:", f"    curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+                  f"      -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+                  f"\"content\": \"{QUESTION}\"}}], \"max_tokens\": 60, \"temperature\": 0}}'", ""]
     lines += [
         "  with the openai client:",
-        "    python - <<'EOF'",
+        "    .venv/bin/python - <<'EOF'",
         "    from openai import OpenAI",
         f"    client = OpenAI(base_url='{url}/v1', api_key='unused')",
         f"    for model in {[SERVED_NAME, *adapters]!r}:",
-        "        out = client.completions.create(model=model, prompt='The licensee shall', max_tokens=40, temperature=0)",
-        "        print(model, '->', out.choices[0].text)",
+        "        out = client.chat.completions.create(model=model, max_tokens=60, temperature=0,",
+        f"                                             messages=[{{'role': 'user', 'content': '{QUESTION}'}}])",
+        "        print(model, '->', out.choices[0].message.content)",
         "    EOF", "",
         f"  metrics:  gateway http://127.0.0.1:{metrics_port}/metrics, engines "
         + ", ".join(u + "/metrics" for u in engine_urls), ""]
@@ -78,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     adapters = sorted(p for p in (demo / "adapters").iterdir() if (p / "adapter_config.json").is_file())
     ports = [int(p) for p in args.engine_ports.split(",")]
     kubeinfer = [sys.executable, "-m", "kubeinfer.cli"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # One thread per engine: two engines and the gateway share the cores, and oversubscribed torch
+    # threads are several times slower than one each.
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     processes: list[subprocess.Popen] = []
 
     def stop_all(*_) -> None:
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             command = [*kubeinfer, "serve", str(demo / "base"), "--host", "127.0.0.1", "--port", str(port),
                        "--served-model-name", SERVED_NAME, "--max-num-seqs", "16", "--log-level", "warning"]
             if modules:
-                command += ["--lora-modules", *modules, "--max-lora-rank", "64"]
+                command += ["--lora-modules", *modules, "--max-lora-rank", "64", "--max-loras", str(len(modules))]
             processes.append(subprocess.Popen(command, env=env))
             engine_urls.append(f"http://127.0.0.1:{port}")
         for url, process in zip(engine_urls, processes):

@@ -1,0 +1,82 @@
+"""`kubeinfer local-stack` (`make run`) as a newcomer runs it: two engine replicas with one adapter each and
+the gateway in front; the printed examples work for the base model and both adapters; Ctrl-C stops all."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import httpx
+import openai
+from server_harness import free_port
+
+from kubeinfer.demo_model import DemoRecipe, build_demo_model
+from kubeinfer.local_stack import placements
+
+# A demo model trained for a few steps only: the stack, not the model's quality, is under test here.
+QUICK = replace(DemoRecipe(), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                vocab_size=400, max_position_embeddings=256, context=32, batch_size=8, base_steps=4, adapter_steps=2,
+                lora_rank=4, lora_alpha=8.0, max_chars_per_style=5_000)
+
+
+def test_placements_put_adapters_on_different_replicas(tmp_path):
+    adapters = [tmp_path / name for name in ("a", "b", "c")]
+    assert placements(adapters, 2) == [[adapters[0], adapters[2]], [adapters[1]]]
+
+
+def test_local_stack_serves_base_and_adapters_then_stops(tmp_path):
+    demo = build_demo_model(tmp_path / "demo", recipe=QUICK, progress=False)
+    port, metrics_port, engines = free_port(), free_port(), [free_port(), free_port()]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubeinfer.cli", "local-stack", "--demo-dir", str(demo), "--port", str(port),
+         "--metrics-port", str(metrics_port), "--engine-ports", ",".join(map(str, engines))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        printed = []
+        deadline = time.time() + 120
+        for line in process.stdout:
+            printed.append(line)
+            if "metrics:" in line or time.time() > deadline:
+                break
+        text = "".join(printed)
+        assert f"kubeinfer is serving on http://127.0.0.1:{port}" in text, text
+
+        url = f"http://127.0.0.1:{port}"
+        models = {m["id"]: m["parent"] for m in httpx.get(url + "/v1/models").json()["data"]}
+        assert models == {"demo": None, "legal": "demo", "python": "demo"}
+        # The printed curl commands work as printed.
+        for command in re.findall(r"curl -s \S+/v1/chat/completions .*?\n\s+-d '.*?'", text, re.S):
+            body = re.search(r"-d '(.*)'", command).group(1)
+            response = httpx.post(url + "/v1/chat/completions", content=body,
+                                  headers={"Content-Type": "application/json"}, timeout=60)
+            assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        answers, pods = {}, {}
+        for model in models:
+            raw = client.chat.completions.with_raw_response.create(
+                model=model, max_tokens=4, temperature=0, logprobs=True,
+                messages=[{"role": "user", "content": "Tell me something."}])
+            answers[model] = raw.parse().choices[0].logprobs.content[0].logprob
+            pods[model] = raw.headers["x-gateway-destination-endpoint"]
+        assert pods["legal"] != pods["python"]  # the adapters live on different replicas
+        # Choosing an adapter changes the model's answer (a barely trained model: compare its logprobs;
+        # test_demo_model.py checks the styles of the real one).
+        assert len(set(answers.values())) == 3, answers
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert code == 0
+    for port_ in engines + [port]:
+        try:
+            httpx.get(f"http://127.0.0.1:{port_}/health", timeout=1)
+            raise AssertionError(f"port {port_} still serving after Ctrl-C")
+        except httpx.TransportError:
+            pass
