@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 _EXPORTS = {"LLM": ".llm", "LLMEngine": ".llm_engine", "EngineConfig": ".config", "LoRARequest": ".lora",
             "SamplingParams": ".sampling_params", "RequestOutput": ".outputs", "CompletionOutput": ".outputs",
             "Logprob": ".outputs"}
-__all__ = list(_EXPORTS)
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "LoRARequest", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "Logprob"]
 
 if TYPE_CHECKING:
     from .config import EngineConfig

@@ -11,8 +11,8 @@ import itertools
 import secrets
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ..grpc_health import HealthCheckedServer
 from .async_engine import EngineDeadError, QueueFullError
 from .proto import engine_pb2, engine_pb2_grpc
 from .sampling_params import SamplingParams
@@ -100,32 +100,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         return engine_pb2.ListModelsResponse(models=models)
 
 
-class GrpcServer:
-    """The running gRPC server and its health service, which turns NOT_SERVING when draining."""
-
-    def __init__(self, server: grpc.aio.Server, health_servicer, port: int) -> None:
-        self.server, self.health, self.port = server, health_servicer, port
-
-    async def start_draining(self) -> None:
-        """Report NOT_SERVING so that load balancers stop sending new calls; in-flight calls go on."""
-        for service in ("", SERVICE_NAME):
-            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    async def stop(self, grace: float | None = 1) -> None:
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace)
-
-
-async def start_grpc_server(state, host: str, port: int) -> GrpcServer:
+async def start_grpc_server(state, host: str, port: int) -> HealthCheckedServer:
     """Serve the Engine and Health services on host:port (port 0 picks a free one: see .port)."""
-    server = grpc.aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineService(state), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"[::]:{port}" if host in ("0.0.0.0", "::") else f"{host}:{port}")
-    if not bound:
-        raise OSError(f"cannot listen for gRPC on {host}:{port}")
-    await server.start()
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return GrpcServer(server, health_servicer, bound)
+    return await HealthCheckedServer.start(
+        lambda server: engine_pb2_grpc.add_EngineServicer_to_server(EngineService(state), server),
+        SERVICE_NAME, host, port)

@@ -75,7 +75,8 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self.scraper.run()))
         cfg = self.config
         if cfg.ext_proc_port is not None:
-            self.extproc, self.ports["ext_proc"] = await start_extproc_server(self.router, cfg.host, cfg.ext_proc_port)
+            self.extproc = await start_extproc_server(self.router, cfg.host, cfg.ext_proc_port)
+            self.ports["ext_proc"] = self.extproc.port
         if cfg.port is not None:
             await self._serve_http("proxy", build_proxy_app(self.router), cfg.port)
         if cfg.metrics_port is not None:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import logging
 
-import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from ..grpc_health import HealthCheckedServer
 from .picker import RoutingError
 from .routing import Router
 
@@ -97,16 +96,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 yield _PASS_THROUGH[phase]()
 
 
-async def start_extproc_server(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """ext_proc and gRPC health on host:port; returns the server and the bound port."""
-    server = grpc.aio.server()
-    ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"[::]:{port}" if host in ("0.0.0.0", "::") else f"{host}:{port}")
-    if not bound:
-        raise OSError(f"cannot listen for ext_proc on {host}:{port}")
-    await server.start()
-    for service in ("", "envoy.service.ext_proc.v3.ExternalProcessor"):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+async def start_extproc_server(router: Router, host: str, port: int) -> HealthCheckedServer:
+    """ext_proc and gRPC health on host:port (port 0 picks a free one: see .port)."""
+    return await HealthCheckedServer.start(
+        lambda server: ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server),
+        "envoy.service.ext_proc.v3.ExternalProcessor", host, port)

@@ -1,5 +1,4 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real uvicorn server."""
-import json
 import threading
 
 import httpx
