@@ -60,7 +60,6 @@ class Endpoint:
     last_scrape: float | None = None  # monotonic time of the last successful scrape
     consecutive_failures: int = 0
     dispatched_since_scrape: int = 0  # requests sent there since its last scrape
-    inflight: int = 0  # requests the gateway is proxying to it right now
 
     @property
     def url(self) -> str:

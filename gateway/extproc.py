@@ -26,7 +26,8 @@ from .routing import Router
 logger = logging.getLogger(__name__)
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 502: "BadGatewayError",
+               503: "ServiceUnavailableError"}
 _PASS_THROUGH = {
     "response_headers": lambda: ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
     "response_body": lambda: ep.ProcessingResponse(response_body=ep.BodyResponse()),

@@ -77,22 +77,19 @@ def build_proxy_app(router: Router, client: httpx.AsyncClient | None = None) -> 
         for attempt, endpoint in enumerate([decision.endpoint, *decision.fallbacks][:MAX_ATTEMPTS]):
             upstream = client.build_request("POST", f"{endpoint.url}/v1/{path}", content=body, headers=headers,
                                             params=request.query_params)
-            endpoint.inflight += 1
             try:
                 response = await client.send(upstream, stream=True)
             except httpx.ConnectError as error:  # refused before any byte: safe to retry elsewhere
-                endpoint.inflight -= 1
                 endpoint.record_failure()
                 logger.warning("endpoint %s refused a request (%s); attempt %d", endpoint.address, error, attempt + 1)
                 router.metrics.retries.inc()
                 continue
-            except Exception:
-                endpoint.inflight -= 1
-                raise
+            except httpx.HTTPError as error:  # it took the request, then failed: resending could run it twice
+                router.metrics.errors.labels(routing_request.model, "502").inc()
+                return error_response(502, f"engine endpoint {endpoint.address} failed: {error}")
 
-            async def finish(response=response, endpoint=endpoint) -> None:
+            async def finish(response=response) -> None:
                 await response.aclose()
-                endpoint.inflight -= 1
                 router.metrics.duration.labels(routing_request.model).observe(time.perf_counter() - start)
 
             out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}

@@ -255,3 +255,35 @@ async def test_ext_proc_health(gateway):
         with grpc.insecure_channel(f"127.0.0.1:{gateway.ports['ext_proc']}") as channel:
             return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
     assert await asyncio.to_thread(check) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_an_endpoint_that_fails_mid_request_gives_502_not_a_resend():
+    """An engine that accepts the request and then drops the connection: resending could run the request
+    twice, so the proxy answers 502 instead of retrying elsewhere."""
+    models = json.dumps({"object": "list", "data": [{"id": "base", "parent": None}]}).encode()
+    posts = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        method, path = head.split(b" ")[:2]
+        if method == b"POST":
+            posts.append(path)
+            writer.close()  # took the request, then died
+            return
+        body = models if path == b"/v1/models" else b""
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\ncontent-type: application/json\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        writer.close()
+
+    flaky = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = flaky.sockets[0].getsockname()[1]
+    gateway = await start_gateway([f"http://127.0.0.1:{port}"])
+    try:
+        async with httpx.AsyncClient() as http:
+            response = await complete(http, gateway, "base", [1, 2])
+        assert response.status_code == 502 and "failed" in response.json()["error"]["message"]
+        assert posts == [b"/v1/completions"]  # sent once, not resent
+    finally:
+        await gateway.stop()
+        flaky.close()
