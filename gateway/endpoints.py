@@ -80,6 +80,13 @@ class Endpoint:
         waiting = self.state.waiting if self.state else 0.0
         return waiting + self.dispatched_since_scrape
 
+    @property
+    def active(self) -> float:
+        """Requests in its running batch, plus what we sent since the scrape: the load an engine that
+        admits everything at once (no waiting queue) still has."""
+        running = self.state.running if self.state else 0.0
+        return running + self.dispatched_since_scrape
+
     def record_scrape(self, state: EngineState, models: frozenset[str], base_models: frozenset[str]) -> None:
         self.state, self.models, self.base_models = state, models, base_models
         self.last_scrape = time.monotonic()

@@ -5,6 +5,7 @@ model (base or adapter); prefer those not saturated (queue or KV cache over a th
 request meeting a fully saturated pool is refused (429) instead of queueing behind critical traffic.
 The survivors are scored by plugins, each in [0, 1], combined by configurable weights:
   queue     fewer waiting requests (min-max normalised over the candidates, counting our own dispatches)
+  active    fewer running requests (same normalisation): an engine that admits everything has no queue
   kv_cache  more free KV cache
   lora      1.0 adapter active, 0.8 a free adapter slot, 0.6 adapter waiting, 0 otherwise
   prefix    share of the prompt's leading chunks already sent to that endpoint (its likely cached prefix)
@@ -25,7 +26,9 @@ from functools import cached_property
 from .endpoints import Endpoint, EndpointPool
 from .prefix import PrefixIndex, chunk_hashes
 
-DEFAULT_WEIGHTS = {"queue": 2.0, "kv_cache": 1.0, "lora": 2.0, "prefix": 3.0}
+# prefix outweighs queue + active together, so a long shared prompt goes home even when home has one
+# more request in flight than its peers (measured in benchmarks/routing_sim.py: no cost in TTFT there).
+DEFAULT_WEIGHTS = {"queue": 2.0, "active": 1.0, "kv_cache": 1.0, "lora": 2.0, "prefix": 4.0}
 POLICIES = ("scored", "round-robin")
 
 
@@ -77,6 +80,11 @@ class Context:
         queues = [e.queue for e in self.candidates]
         return min(queues), max(queues)
 
+    @cached_property
+    def active_range(self) -> tuple[float, float]:
+        active = [e.active for e in self.candidates]
+        return min(active), max(active)
+
 
 @dataclass
 class Decision:
@@ -94,6 +102,11 @@ class Decision:
 def score_queue(endpoint: Endpoint, ctx: Context) -> float:
     low, high = ctx.queue_range
     return 1.0 if high == low else (high - endpoint.queue) / (high - low)
+
+
+def score_active(endpoint: Endpoint, ctx: Context) -> float:
+    low, high = ctx.active_range
+    return 1.0 if high == low else (high - endpoint.active) / (high - low)
 
 
 def score_kv_cache(endpoint: Endpoint, ctx: Context) -> float:
@@ -116,7 +129,7 @@ def score_prefix(endpoint: Endpoint, ctx: Context) -> float:
 
 
 SCORERS: dict[str, Callable[[Endpoint, Context], float]] = {
-    "queue": score_queue, "kv_cache": score_kv_cache, "lora": score_lora, "prefix": score_prefix}
+    "queue": score_queue, "active": score_active, "kv_cache": score_kv_cache, "lora": score_lora, "prefix": score_prefix}
 
 
 class Picker:

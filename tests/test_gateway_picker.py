@@ -62,6 +62,11 @@ def test_queue_then_kv_cache():
     assert pick(picker(endpoint("a:1", kv=0.5), endpoint("b:1", kv=0.1), endpoint("c:1", kv=0.3))) == "b:1"
 
 
+def test_running_load_counts_when_no_engine_has_a_queue():
+    """Engines that admit everything into their batch show no waiting queue: running requests decide."""
+    assert pick(picker(endpoint("a:1", running=6), endpoint("b:1", running=1), endpoint("c:1", running=3))) == "b:1"
+
+
 def test_a_burst_spreads_over_idle_endpoints():
     """Our own dispatches count as queue until the next scrape, so a burst does not pile onto one pod."""
     p = picker(*(endpoint(f"e{i}:1") for i in range(3)))
