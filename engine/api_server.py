@@ -65,6 +65,17 @@ class ServerState:
         taken = [*lora.registered, *lora.retiring] if lora else []
         self._lora_ids = itertools.count(max(taken, default=0) + 1)
 
+    def authorized(self, authorization: str) -> bool:
+        """Whether an `Authorization` value (HTTP header or gRPC metadata) carries the API key, if one is set."""
+        return not self.api_key or secrets.compare_digest(authorization.encode(), f"Bearer {self.api_key}".encode())
+
+    def lora_id_of(self, model: str) -> int | None:
+        """The adapter id a `model` name runs (0: the base model); None when this server does not serve it."""
+        if model == self.served_model_name:
+            return 0
+        adapter = self.engine.lora.find(model) if self.engine.lora else None
+        return adapter.lora_int_id if adapter else None
+
     def new_lora_id(self) -> int:
         """A fresh lora_int_id for an adapter loaded while serving (route or placement)."""
         return next(self._lora_ids)
@@ -95,10 +106,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
+        if request.url.path.startswith("/v1") and not state.authorized(request.headers.get("authorization", "")):
+            return error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
         return await call_next(request)
 
     @app.get("/health")
@@ -152,12 +161,10 @@ def check_serving(state: ServerState, body: SamplingFields) -> int:
     """The adapter id the request runs (0: the base model); 404 for a model this server does not serve."""
     if state.draining:
         raise APIError(503, "draining: this server is shutting down; retry on another replica")
-    if body.model == state.served_model_name:
-        return 0
-    adapter = state.engine.lora.find(body.model) if state.engine.lora else None
-    if adapter is None:
+    lora_id = state.lora_id_of(body.model)
+    if lora_id is None:
         raise APIError(404, f"The model `{body.model}` does not exist.", "model")
-    return adapter.lora_int_id
+    return lora_id
 
 
 def param_of(message: str) -> str | None:

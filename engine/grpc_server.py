@@ -38,22 +38,17 @@ class EngineService(engine_pb2_grpc.EngineServicer):
 
     async def _check_access(self, context: grpc.aio.ServicerContext) -> None:
         state = self.state
-        if state.api_key:
-            given = dict(context.invocation_metadata()).get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key "
-                                    "(send metadata 'authorization: Bearer KEY')")
+        if not state.authorized(dict(context.invocation_metadata()).get("authorization", "")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key "
+                                "(send metadata 'authorization: Bearer KEY')")
         if state.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this server is shutting down")
 
     async def _lora_id(self, model: str, context) -> int:
-        state = self.state
-        if not model or model == state.served_model_name:
-            return 0
-        adapter = state.engine.lora.find(model) if state.engine.lora else None
-        if adapter is None:
+        lora_id = self.state.lora_id_of(model) if model else 0  # empty: the base model
+        if lora_id is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"The model `{model}` does not exist.")
-        return adapter.lora_int_id
+        return lora_id
 
     async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         await self._check_access(context)

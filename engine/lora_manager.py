@@ -25,10 +25,6 @@ class LoRAManager:
         self.registered: dict[int, LoRARequest] = {}  # by lora_int_id
         self.retiring: dict[int, LoRARequest] = {}  # unloaded, still used by sequences in flight
 
-    @property
-    def max_loras(self) -> int:
-        return self.pool.max_loras
-
     def read(self, request: LoRARequest) -> LoRAAdapter:
         """Load and validate the adapter's files; raises LoRALoadError with what to fix. Thread-safe."""
         return load_adapter(request.lora_path, self.spec, self.max_lora_rank, lora_id=request.lora_int_id,

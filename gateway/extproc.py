@@ -53,9 +53,13 @@ def routed(phase: str, destination: str) -> ep.ProcessingResponse:
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
+def error_body(status: int, message: str) -> dict:
+    """OpenAI's error shape, as the engines answer: clients handle the gateway's refusals the same way."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": None, "code": status}}
+
+
 def refused(error: RoutingError) -> ep.ProcessingResponse:
-    body = {"error": {"message": error.message, "type": ERROR_TYPES.get(error.status, "APIError"), "param": None,
-                      "code": error.status}}
+    body = error_body(error.status, error.message)
     headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type",
                                                                        raw_value=b"application/json"))]
     if error.status == 429:

@@ -14,7 +14,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .extproc import ERROR_TYPES
+from .extproc import error_body
 from .picker import RoutingError
 from .routing import Router
 
@@ -25,8 +25,7 @@ MAX_ATTEMPTS = 2  # the pick, then one retry on a fallback
 
 
 def error_response(status: int, message: str) -> JSONResponse:
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": None, "code": status}}
-    return JSONResponse(body, status_code=status, headers={"Retry-After": "1"} if status == 429 else None)
+    return JSONResponse(error_body(status, message), status_code=status, headers={"Retry-After": "1"} if status == 429 else None)
 
 
 class UpstreamStream(StreamingResponse):
