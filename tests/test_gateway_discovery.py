@@ -56,18 +56,29 @@ async def wait_for(condition, timeout: float = 10.0) -> bool:
     return condition()
 
 
+def declare(k8s) -> None:
+    """The resources the gateway reads, for kmock's discovery."""
+    k8s.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
+    k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
+        kind="InferencePool", namespaced=True, verbs=VERBS)
+
+
+async def create_pool(api: httpx.AsyncClient, port: int) -> None:
+    """An InferencePool named llama selecting MODEL_LABELS, its engines on `port`."""
+    response = await api.post(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools", json={
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "llama", "namespace": NS},
+        "spec": {"selector": {"matchLabels": dict(MODEL_LABELS)}, "targetPorts": [{"number": port}],
+                 "endpointPickerRef": {"name": "gateway", "port": {"number": 9002}}}})
+    assert response.status_code in (200, 201), response.text
+
+
 async def test_discovery_follows_pods_of_an_inference_pool():
     async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
-        k8s.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS, subresources={"status"})
-        k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
-            kind="InferencePool", namespaced=True, verbs=VERBS)
+        declare(k8s)
         url = str(server.url).rstrip("/")
         async with httpx.AsyncClient(base_url=url) as api:
-            await api.post(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools", json={
-                "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-                "metadata": {"name": "llama", "namespace": NS},
-                "spec": {"selector": {"matchLabels": {**MODEL_LABELS}}, "targetPorts": [{"number": 8123}],
-                         "endpointPickerRef": {"name": "gateway", "port": {"number": 9002}}}})
+            await create_pool(api, 8123)
             for item in (pod("p1", "10.0.0.1", adapters="sql"), pod("p2", "10.0.0.2", role="standby"),
                          pod("p3", "10.0.0.3", ready=False), pod("other", "10.0.0.9", labels={
                              "serving.kubeinfer.io/inference-model": "mistral"})):
@@ -120,18 +131,12 @@ async def test_gateway_in_kubernetes_mode_routes_to_discovered_pods(lora_base_di
 
     with RunningServer(lora_base_dir, name="llama") as engine:
         async with kmock.KubernetesEmulator() as k8s, kmock.Server(k8s) as server:
-            k8s.resources["v1/pods"] = kmock.ResourceInfo(kind="Pod", namespaced=True, verbs=VERBS)
-            k8s.resources["inference.networking.k8s.io/v1/inferencepools"] = kmock.ResourceInfo(
-                kind="InferencePool", namespaced=True, verbs=VERBS)
+            declare(k8s)
             k8s.resources["serving.kubeinfer.io/v1alpha1/inferencemodels"] = kmock.ResourceInfo(
                 kind="InferenceModel", namespaced=True, verbs=VERBS)
             url = str(server.url).rstrip("/")
             async with httpx.AsyncClient(base_url=url) as api:
-                await api.post(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools", json={
-                    "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-                    "metadata": {"name": "llama", "namespace": NS},
-                    "spec": {"selector": {"matchLabels": MODEL_LABELS}, "targetPorts": [{"number": engine.port}],
-                             "endpointPickerRef": {"name": "gateway", "port": {"number": 9002}}}})
+                await create_pool(api, engine.port)
                 await api.post(f"/api/v1/namespaces/{NS}/pods", json=pod("p1", "127.0.0.1"))
                 await api.post(f"/apis/serving.kubeinfer.io/v1alpha1/namespaces/{NS}/inferencemodels", json={
                     "apiVersion": "serving.kubeinfer.io/v1alpha1", "kind": "InferenceModel",
