@@ -2,7 +2,7 @@
 
 On a random-init model of a real shape (Llama-3.2-1B by default; Llama-3-8B with --shape llama-3-8b):
   * decode tokens/s at batch 1, against the HBM roofline (bytes read per step / copy bandwidth measured
-    in this run), and transformers `generate` at batch 1;
+    in this run), and transformers `generate` at batch 1; the same with `enforce_eager` (no CUDA graphs);
   * offline throughput at 64-256 concurrent sequences, and transformers `generate` (one static batch)
     and `generate_batch` (its continuous batching, where this transformers has it) on the same requests;
   * TTFT and inter-token latency under Poisson arrivals at several request rates (engine only).
@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--rates", default="4,16,64", help="request rates (req/s) for the latency runs")
     parser.add_argument("--rate-requests", type=int, default=200)
     parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
+    parser.add_argument("--skip-eager", action="store_true", help="no batch-1 decode run without CUDA graphs")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     parser.add_argument("--smoke", action="store_true", help="check every path on the CPU with a tiny model")
     args = parser.parse_args()
     if args.smoke:
@@ -179,18 +181,32 @@ def main() -> None:
     max_len = args.prompt_len + max(args.output_len, args.decode_len)
 
     bandwidth = copy_bandwidth(device, nbytes=1 << (24 if args.smoke else 30))
-    llm = LLM(str(model_dir), device=device, dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
-              max_num_seqs=max(batch_sizes), enable_prefix_caching=False, kv_cache_memory_bytes=_kv_budget(device),
-              max_num_batched_tokens=max(4096, max(batch_sizes)))
-    backend = llm.engine.runner.backend.name
-    warm = random_prompts(17, args.prompt_len, vocab, seed=99)  # compiles the kernels' variants before timing
-    llm.generate([{"prompt_token_ids": p} for p in warm], greedy(4))
+    def engine(**overrides) -> LLM:
+        memory = (dict(gpu_memory_utilization=args.gpu_memory_utilization) if device == "cuda"
+                  else dict(kv_cache_memory_bytes=64 << 20))
+        llm = LLM(str(model_dir), device=device, dtype=str(dtype).removeprefix("torch."), max_model_len=max_len,
+                  max_num_seqs=max(batch_sizes), enable_prefix_caching=False,
+                  max_num_batched_tokens=max(4096, max(batch_sizes)), **memory, **overrides)
+        warm = random_prompts(17, args.prompt_len, vocab, seed=99)  # compiles the kernels' variants before timing
+        llm.generate([{"prompt_token_ids": p} for p in warm], greedy(4))
+        return llm
 
     prompt = random_prompts(1, args.prompt_len, vocab, seed=1)[0]
+    eager_decode = None
+    if not args.skip_eager:
+        llm = engine(enforce_eager=True)
+        eager_decode = engine_decode_rate(llm, prompt, args.decode_len)
+        print(f"batch-1 decode without CUDA graphs: {eager_decode:.1f} tok/s")
+        del llm
+        _free(device)
+    llm = engine()
+    backend = llm.engine.runner.backend.name
+    graphs = llm.engine.runner.graphs
     decode = engine_decode_rate(llm, prompt, args.decode_len)
     roofline = bandwidth / decode_bytes_per_token(model_dir, dtype, args.prompt_len + args.decode_len // 2)
     print(f"batch-1 decode: {decode:.1f} tok/s = {decode / roofline:.0%} of the {roofline:.0f} tok/s roofline "
-          f"({bandwidth / 1e12:.2f} TB/s copy bandwidth); backend {backend}")
+          f"({bandwidth / 1e12:.2f} TB/s copy bandwidth); backend {backend}, "
+          f"CUDA graphs {'for batch sizes ' + str(graphs.sizes) if graphs else 'off'}")
     throughput = {b: engine_throughput(llm, random_prompts(b, args.prompt_len, vocab, seed=b), args.output_len)
                   for b in batch_sizes}
     for b, rate in throughput.items():
@@ -201,8 +217,7 @@ def main() -> None:
         print(f"{r:g} req/s: TTFT p50 {lat['ttft_p50'] * 1e3:.0f} ms, p90 {lat['ttft_p90'] * 1e3:.0f} ms, "
               f"ITL {lat['itl_mean'] * 1e3:.1f} ms")
     del llm
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    _free(device)
 
     hf_decode = hf_static = hf_cb = None
     if not args.skip_hf:
@@ -221,18 +236,20 @@ def main() -> None:
             print(f"transformers, {b} sequences: generate {hf_static[b]:.0f} tok/s, generate_batch "
                   f"{'n/a' if hf_cb[b] is None else f'{hf_cb[b]:.0f} tok/s'}")
     if not args.smoke:
-        record(args, shape, backend, bandwidth, decode, roofline, throughput, latency, hf_decode, hf_static, hf_cb)
+        record(args, shape, backend, bandwidth, decode, eager_decode, roofline, throughput, latency, hf_decode,
+               hf_static, hf_cb)
 
 
-def _kv_budget(device: str) -> int:
-    """KV cache bytes: 40% of the free GPU memory (the model is loaded after this is decided), 64 MiB on CPU."""
-    if device == "cpu":
-        return 64 << 20
-    free, _ = torch.cuda.mem_get_info()
-    return int(free * 0.4)
+def _free(device: str) -> None:
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
-def record(args, shape, backend, bandwidth, decode, roofline, throughput, latency, hf_decode, hf_static, hf_cb) -> None:
+def record(args, shape, backend, bandwidth, decode, eager_decode, roofline, throughput, latency, hf_decode, hf_static,
+           hf_cb) -> None:
     gpu = torch.cuda.get_device_name()
 
     def ratio(mine: float, peer: float | None) -> str:
@@ -242,6 +259,9 @@ def record(args, shape, backend, bandwidth, decode, roofline, throughput, latenc
              "|---|---|---|---|---|---|",
              f"| batch-1 decode (tok/s) | {decode:.1f} ({decode / roofline:.0%} of roofline {roofline:.0f}) | "
              f"{hf_decode or 0:.1f} | {ratio(decode, hf_decode)} | | |"]
+    if eager_decode:
+        table.append(f"| batch-1 decode, `enforce_eager` (tok/s) | {eager_decode:.1f} | {hf_decode or 0:.1f} | "
+                     f"{ratio(eager_decode, hf_decode)} | | |")
     for b, rate in throughput.items():
         static, cb = (hf_static or {}).get(b), (hf_cb or {}).get(b)
         table.append(f"| {b} sequences (output tok/s) | {rate:.0f} | {static or 0:.0f} | {ratio(rate, static)} | "
@@ -251,7 +271,8 @@ def record(args, shape, backend, bandwidth, decode, roofline, throughput, latenc
             f"{v['itl_mean'] * 1e3:.1f} ms |" for r, v in latency.items()]
     body = "\n".join([
         f"Command: `python benchmarks/bench_gpu.py --shape {shape} --batch-sizes {args.batch_sizes}` "
-        f"(`make bench-gpu`). GPU: {gpu}, torch {torch.__version__}, bf16, attention backend `{backend}`; "
+        f"(`make bench-gpu`). GPU: {gpu}, torch {torch.__version__}, bf16, attention backend `{backend}`, "
+        f"CUDA graphs for decode unless `enforce_eager`, gpu_memory_utilization {args.gpu_memory_utilization}; "
         f"copy bandwidth measured in this run {bandwidth / 1e12:.2f} TB/s.",
         f"Model: random-init {shape} shape. Requests: {args.prompt_len}-token prompts, {args.output_len} output "
         f"tokens (batch-1 decode: {args.decode_len}), greedy, all submitted at once; transformers runs one static "

@@ -23,14 +23,36 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] padded with 0
     num_decodes: int  # the first num_decodes sequences have exactly one query token
     sliding_window: int | None = None
+    query_start_tensor: torch.Tensor | None = None  # [B + 1] int32 query_start_loc on the device (kernels read it)
+    max_prefill_len: int = 0  # the longest query among the sequences after the decodes
 
     @property
     def num_seqs(self) -> int:
-        return len(self.context_lens)
+        return self.context_lens_tensor.shape[0]
+
+    @classmethod
+    def build(cls, slots: list[int], query_start_loc: list[int], context_lens: list[int], block_tables: torch.Tensor,
+              num_decodes: int, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+        """A step's metadata from host lists, with the device copies every backend may read."""
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=device),
+            block_tables=block_tables.to(device),
+            num_decodes=num_decodes,
+            sliding_window=sliding_window,
+            query_start_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            max_prefill_len=max((query_start_loc[i + 1] - query_start_loc[i]
+                                 for i in range(num_decodes, len(context_lens))), default=0),
+        )
 
 
 class AttentionBackend:
     name = "base"
+    # Whether a decode step can be captured in a CUDA graph: no host reads of the metadata's lists, no
+    # host-to-device copies, shapes fixed by the batch size alone.
+    supports_cuda_graphs = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

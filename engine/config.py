@@ -18,7 +18,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+    kv_cache_memory_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES  # the CPU's KV budget; on CUDA see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # this engine's share of GPU memory: weights, activations and KV cache
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
     enable_prefix_caching: bool = True
     enable_lora: bool = False
     max_loras: int = 4
@@ -37,6 +39,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
                      "max_loras", "max_lora_rank"):
             positive(name)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

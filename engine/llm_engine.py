@@ -17,6 +17,7 @@ from .attention import check_attention_backend
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .kv_cache_sizing import GiB, kv_cache_bytes, measure_gpu, num_kv_blocks
 from .lora import LoRARequest
 from .lora_manager import LoRAManager
 from .model_loader import inspect_model_dir, resolve_dtype
@@ -74,13 +75,11 @@ class LLMEngine:
         pool = self.lora.pool if self.lora else None
 
         block_size = config.block_size
-        self.num_kv_blocks = config.num_kv_blocks or self._default_num_blocks()
-        attention_backend = check_attention_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(files, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
-                                  block_size=block_size, num_kv_blocks=self.num_kv_blocks,
-                                  attention_backend=attention_backend, lora_pool=pool)
-        self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.runner, self.num_kv_blocks = self._load_and_size_kv_cache(pool, budget)
+        self.runner.allocate_kv_cache(self.num_kv_blocks)
+        self._capture_decode_graphs()
+        self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.block_manager,
                                    pool)
         self.requests: dict[str, Request] = {}
@@ -90,10 +89,47 @@ class LLMEngine:
         logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
                     self.device, self.dtype, self.num_kv_blocks, block_size)
 
-    def _default_num_blocks(self) -> int:
-        per_block = ModelRunner.kv_bytes_per_block(self.spec, self.config.block_size, self.dtype)
-        enough = self.config.max_num_seqs * -(-self.max_model_len // self.config.block_size)
-        return max(1, min(enough, self.config.kv_cache_memory_bytes // per_block))
+    def _load_and_size_kv_cache(self, pool, step_tokens: int) -> tuple[ModelRunner, int]:
+        """Loads the model; the KV block count is the user's, else what GPU memory allows after a
+        profiled worst-case step (CUDA), else what kv_cache_memory_bytes holds (CPU)."""
+        config = self.config
+
+        def load() -> ModelRunner:
+            return ModelRunner(self.model_files, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
+                               block_size=config.block_size,
+                               attention_backend=check_attention_backend(config.attention_backend, self.device),
+                               lora_pool=pool)
+
+        per_block = ModelRunner.kv_bytes_per_block(self.spec, config.block_size, self.dtype)
+        if config.num_kv_blocks:
+            return load(), config.num_kv_blocks
+        if self.device.type != "cuda":
+            enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+            return load(), max(1, min(enough, config.kv_cache_memory_bytes // per_block))
+
+        def load_and_profile() -> ModelRunner:
+            runner = load()
+            runner.profile_run(step_tokens, config.max_num_seqs)
+            return runner
+
+        profile, runner = measure_gpu(self.device, load_and_profile)
+        kv_bytes = kv_cache_bytes(profile, config.gpu_memory_utilization)
+        blocks = num_kv_blocks(kv_bytes, per_block, block_size=config.block_size, max_model_len=self.max_model_len)
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB for weights and the profiled step, %.2f GiB other; "
+                    "KV cache %.2f GiB (gpu_memory_utilization %.2f)", profile.total / GiB, profile.torch_peak / GiB,
+                    profile.non_torch_growth / GiB, kv_bytes / GiB, config.gpu_memory_utilization)
+        return runner, blocks
+
+    def _capture_decode_graphs(self) -> None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if not self.runner.backend.supports_cuda_graphs:
+            logger.info("CUDA graphs off: the %s attention backend runs eagerly", self.runner.backend.name)
+            return
+        started = time.monotonic()
+        self.runner.capture_decode_graphs(self.config.max_num_seqs)
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.runner.graphs.sizes,
+                    time.monotonic() - started)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from .attention import AttentionBackend
-from .models.llama import FUSED_WEIGHTS, CausalLM, ModelSpec
+from .models.llama import FUSED_WEIGHTS, CausalLM, ModelSpec, use_triton_kernels
 from .rope import RotaryEmbedding
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -106,6 +106,8 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
         if isinstance(module, RotaryEmbedding):
             module.build(device)
     _load_weights(model, files.weight_files)
+    if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
+        use_triton_kernels(model)
     return model.eval()
 
 

@@ -59,6 +59,7 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.fused = False  # rotate in place with one Triton kernel (set by use_triton_kernels)
         self.build(torch.device("cpu"))
 
     def build(self, device: torch.device) -> None:
@@ -83,6 +84,9 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
+        if self.fused:
+            from .triton_norm import apply_rotary
+            return apply_rotary(q, k, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)

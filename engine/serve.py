@@ -35,7 +35,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV-cache blocks (default: sized from --gpu-memory-utilization on CUDA, 4 GiB on CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="this engine's share of GPU memory for weights, activations and the KV cache")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="bound on queued requests; beyond it clients get 429 with Retry-After")
@@ -78,7 +82,8 @@ def build_state(args: argparse.Namespace):
                           seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules or args.lora_placement_file),
                           max_loras=args.max_loras,
                           max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                          attention_backend=args.attention_backend)
+                          attention_backend=args.attention_backend,
+                          gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
     engine = LLMEngine(config)
     for lora_id, (name, path) in enumerate(lora_modules, start=1):
         try:

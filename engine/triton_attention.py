@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import AttentionBackend, AttentionMetadata
+from .attention import AttentionBackend
 
 # Read when the kernels are decorated (at import), exactly as Triton does: setting it later changes nothing.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -198,33 +198,21 @@ def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 class TritonAttentionBackend(AttentionBackend):
     """The paged-attention backend for GPUs: one KV-write launch and at most two attention launches
-    (decodes, then prefills) per layer."""
+    (decodes, then prefills) per layer. It reads only device tensors and host integers from the
+    metadata, so decode steps can be captured in CUDA graphs."""
     name = "triton"
-
-    def __init__(self) -> None:
-        self._meta: AttentionMetadata | None = None
-        self._query_start: torch.Tensor | None = None
-        self._longest_prefill = 0
+    supports_cuda_graphs = True
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        self._prepare(meta, q.device)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         nd, num_seqs = meta.num_decodes, meta.num_seqs
-        args = (q, k_cache, v_cache, meta.block_tables, self._query_start, meta.context_lens_tensor)
+        if meta.query_start_tensor is None:
+            raise ValueError("the triton backend needs AttentionMetadata.query_start_tensor")
+        args = (q, k_cache, v_cache, meta.block_tables, meta.query_start_tensor, meta.context_lens_tensor)
         common = dict(scale=scale, sliding_window=meta.sliding_window, out=out)
         if nd:
             paged_attention(*args, first_seq=0, num_seqs=nd, max_query_len=1, **common)
         if num_seqs > nd:
-            paged_attention(*args, first_seq=nd, num_seqs=num_seqs - nd, max_query_len=self._longest_prefill, **common)
+            paged_attention(*args, first_seq=nd, num_seqs=num_seqs - nd, max_query_len=meta.max_prefill_len, **common)
         return out
-
-    def _prepare(self, meta: AttentionMetadata, device: torch.device) -> None:
-        # Every layer of a step sees the same metadata object: copy query_start_loc to the device once per step.
-        if meta is self._meta:
-            return
-        starts = meta.query_start_loc
-        self._meta = meta
-        self._query_start = torch.tensor(starts, dtype=torch.int32, device=device)
-        self._longest_prefill = max((starts[i + 1] - starts[i] for i in range(meta.num_decodes, meta.num_seqs)),
-                                    default=0)

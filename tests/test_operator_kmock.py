@@ -187,7 +187,8 @@ async def test_invalid_spec_builds_nothing_and_says_why():
             return c.get("reason") == "InvalidSpec" and c
         ready = await eventually(refused)
         assert ready["status"] == "False" and "--port" in ready["message"]
-        assert (await cluster.events("InvalidSpec"))[0]["type"] == "Warning"
+        # kopf posts events in the background: the condition may land first.
+        assert (await eventually(lambda: cluster.events("InvalidSpec")))[0]["type"] == "Warning"
         for api_version, plural in (("apps/v1", "deployments"), ("v1", "services"),
                                     ("policy/v1", "poddisruptionbudgets")):
             assert await cluster.get(api_version, plural, "bad") is None
@@ -234,13 +235,16 @@ async def test_autoscaling_promotes_standby_then_scales_down_after_delay(depth):
         cluster.metrics.every = depth
         await eventually(lambda: _spec_replicas(cluster, "auto", 3))
         await eventually(lambda: _role_is(cluster, "auto", standby, "active"))  # no new pod needed to scale up
-        assert (await cluster.events("Autoscaled"))[0]["message"].startswith("spec.replicas 1 -> 3")
+        assert (await eventually(lambda: cluster.events("Autoscaled")))[0]["message"].startswith("spec.replicas 1 -> 3")
         deployment = await eventually(lambda: _deployment_replicas(cluster, "auto", 4))
         assert deployment
         cluster.metrics.every = 0.0
         await eventually(lambda: _spec_replicas(cluster, "auto", 1), timeout=20)
-        replicas_seen = [e["message"].split(":")[0] for e in await cluster.events("Autoscaled")]
-        assert "spec.replicas 3 -> 2" in replicas_seen and "spec.replicas 2 -> 1" in replicas_seen
+
+        async def scaled_down_in_steps():
+            seen = [e["message"].split(":")[0] for e in await cluster.events("Autoscaled")]
+            return "spec.replicas 3 -> 2" in seen and "spec.replicas 2 -> 1" in seen
+        await eventually(scaled_down_in_steps)
 
 
 async def _spec_replicas(cluster: Cluster, name: str, n: int) -> bool:

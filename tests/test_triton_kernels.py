@@ -155,9 +155,7 @@ def test_backend_step_writes_then_attends(device):
     k = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device)
     v = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device)
     context_lens = [ctx for ctx, _ in SEQUENCES]
-    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), query_start_loc=b["starts"],
-                             context_lens=context_lens, context_lens_tensor=torch.tensor(context_lens, device=device),
-                             block_tables=b["tables"], num_decodes=NUM_DECODES)
+    meta = AttentionMetadata.build(slots, b["starts"], context_lens, b["tables"], NUM_DECODES, None, device)
     want_k, want_v = b["k_cache"].clone(), b["v_cache"].clone()
     want_k.view(-1, kv_heads, head_dim)[meta.slot_mapping] = k
     want_v.view(-1, kv_heads, head_dim)[meta.slot_mapping] = v
@@ -290,6 +288,8 @@ def test_engine_on_triton_matches_transformers(device, model_dirs, hf_models):
     llm = LLM(model_dirs["qwen3"], device=device, dtype="float32", attention_backend="triton", block_size=4,
               num_kv_blocks=14, max_num_batched_tokens=16)
     assert llm.engine.runner.backend.name == "triton"
+    model = llm.engine.runner.model
+    assert model.model.norm.fused and model.model.rotary.fused  # the fused norm and rotary kernels run too
     assert engine_greedy(llm) == want
     assert llm.engine.scheduler.num_preemptions > 0
 

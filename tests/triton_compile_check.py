@@ -14,8 +14,8 @@ import sys
 # Pointer arguments that are not activations (which are bf16, the GPU default dtype).
 POINTER_TYPES = {"block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "slot_ptr": "*i64", "query_start_ptr": "*i32",
                  "tokens_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i32", "seg_rank_ptr": "*i32",
-                 "s_ptr": "*fp32"}
-SCALAR_TYPES = {"scale_log2": "fp32"}
+                 "s_ptr": "*fp32", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+SCALAR_TYPES = {"scale_log2": "fp32", "eps": "fp32"}
 
 
 def variants():
@@ -23,6 +23,7 @@ def variants():
     128), a group that is no power of two, MHA with an odd head_dim, and the fp32 (upcast) path."""
     from kubeinfer.engine import triton_attention as ta
     from kubeinfer.engine import triton_lora as tlo
+    from kubeinfer.engine import triton_norm as tn
 
     attn = dict(GROUP=4, GROUP_PAD=4, BLOCK_N=64, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, UPCAST=False)
     return [
@@ -34,6 +35,10 @@ def variants():
         (ta._paged_attention_kernel, dict(attn, BLOCK_M=64, BLOCK_Q=16, UPCAST=True)),
         (tlo._shrink_kernel, dict(BLOCK_T=16, BLOCK_R=16, BLOCK_K=64, UPCAST=False)),
         (tlo._expand_kernel, dict(BLOCK_T=16, BLOCK_O=64, BLOCK_R=16, UPCAST=False)),
+        (tn._rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True)),
+        (tn._rms_norm_kernel, dict(N=2048, BLOCK=2048, HAS_RESIDUAL=False)),
+        (tn._rotary_kernel, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, KV_HEADS_PAD=8, HALF=64, HALF_PAD=64)),
+        (tn._rotary_kernel, dict(NUM_HEADS=28, NUM_KV_HEADS=4, HEADS_PAD=32, KV_HEADS_PAD=4, HALF=40, HALF_PAD=64)),
     ]
 
 

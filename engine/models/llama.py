@@ -28,8 +28,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # one Triton kernel instead of ~8 torch ops (set by use_triton_kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalises x; given `residual`, normalises s = x + residual and returns (normalised, s)."""
+        if self.fused:
+            from ..triton_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -131,9 +142,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec, layer_idx)
 
-    def forward(self, x, positions, kv_cache, meta, lora: LoRAContext | None = None):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(self, x, residual, positions, kv_cache, meta, lora: LoRAContext | None = None):
+        """x: the previous layer's output (the embeddings at the first layer); residual: the running sum
+        of the outputs before it (None at the first layer). Returns this layer's (output, residual); the
+        residual adds are done inside the norms, where a fused kernel does them for free."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta, lora)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, lora), residual
 
 
 class DecoderModel(nn.Module):
@@ -161,11 +180,20 @@ class CausalLM(nn.Module):
         """Runs the step's flat tokens; returns logits [len(logits_indices), vocab] for the rows
         that sample (the last computed token of each sequence that completes its prompt or decodes).
         `lora` routes each token to its adapter's delta; None runs the base model alone."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta, lora)
-        x = self.model.norm(x[logits_indices])
+            x, residual = layer(x, residual, positions, kv_cache, meta, lora)
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
         return self.lm_head(x).float()
+
+
+def use_triton_kernels(model: CausalLM) -> None:
+    """Fused Triton RMSNorm (with its residual add) and rotary embedding, for the GPU path. Qwen3's
+    per-head q/k norms stay in torch: they run on strided [T, heads, head_dim] views."""
+    for layer in model.model.layers:
+        layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
+    model.model.norm.fused = True
+    model.model.rotary.fused = True
 
 
 # Checkpoint names that load into a slice of one of our fused parameters: (ours, theirs, slice index).
