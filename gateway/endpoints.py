@@ -2,12 +2,20 @@
 
 Load comes from the engine's own Prometheus metrics (vLLM's names, so any vLLM-compatible engine can
 sit behind this gateway) and its `/v1/models`; placement comes from the pod annotation the operator
-writes. Between scrapes the gateway counts what it dispatched itself, so a burst does not all land on
-the pod that looked idlest at the last scrape.
+writes. Between scrapes the gateway adds what it dispatched itself, so a burst does not all land on
+the pod that looked idlest at the last scrape:
+
+  * a request dispatched after the last scrape *started* is "unseen": that scrape could not count it.
+    It stays unseen until a scrape that started after it, however many scrapes end meanwhile;
+  * in proxy mode the gateway also sees each request end. One that ends while still unseen is simply
+    dropped; one the last scrape counted as running is subtracted from that count until the next scrape.
+    So between scrapes the load is exact when this gateway is the pod's only client.
+Behind Envoy (ext_proc) the gateway does not see requests end, and only the first rule applies.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,7 +67,9 @@ class Endpoint:
     base_models: frozenset[str] = frozenset()
     last_scrape: float | None = None  # monotonic time of the last successful scrape
     consecutive_failures: int = 0
-    dispatched_since_scrape: int = 0  # requests sent there since its last scrape
+    scrape_started: float = float("-inf")  # when the scrape behind `state` began
+    unseen: Counter[float] = field(default_factory=Counter)  # dispatch times of requests no scrape could count
+    finished_since_scrape: int = 0  # requests the last scrape counted that have ended since
 
     @property
     def url(self) -> str:
@@ -75,23 +85,47 @@ class Endpoint:
                 and self.consecutive_failures < max_failures)
 
     @property
+    def num_unseen(self) -> int:
+        return sum(self.unseen.values())
+
+    @property
     def queue(self) -> float:
-        """Waiting requests, plus what we sent since the scrape (not yet visible in it)."""
+        """Waiting requests, plus those we sent that the last scrape could not see yet."""
         waiting = self.state.waiting if self.state else 0.0
-        return waiting + self.dispatched_since_scrape
+        return waiting + self.num_unseen
 
     @property
     def active(self) -> float:
-        """Requests in its running batch, plus what we sent since the scrape: the load an engine that
-        admits everything at once (no waiting queue) still has."""
+        """Requests in its running batch, less those that ended since the scrape, plus the unseen ones:
+        the load an engine that admits everything at once (no waiting queue) still has."""
         running = self.state.running if self.state else 0.0
-        return running + self.dispatched_since_scrape
+        return max(0.0, running - self.finished_since_scrape) + self.num_unseen
 
-    def record_scrape(self, state: EngineState, models: frozenset[str], base_models: frozenset[str]) -> None:
+    def record_dispatch(self, now: float | None = None) -> float:
+        """A request was sent here; returns its dispatch time, the ticket `record_finish` takes."""
+        sent = time.monotonic() if now is None else now
+        self.unseen[sent] += 1
+        return sent
+
+    def record_finish(self, sent: float) -> None:
+        """The request dispatched at `sent` has ended (its response is complete, failed or abandoned)."""
+        if self.unseen[sent] > 0:  # no scrape saw it: it never was load anyone counted
+            self.unseen[sent] -= 1
+            if not self.unseen[sent]:
+                del self.unseen[sent]
+        else:
+            self.finished_since_scrape += 1
+
+    def record_scrape(self, state: EngineState, models: frozenset[str], base_models: frozenset[str],
+                      started: float | None = None) -> None:
+        """A scrape that began at `started` (default: now) succeeded; it counts every request sent before."""
         self.state, self.models, self.base_models = state, models, base_models
         self.last_scrape = time.monotonic()
+        self.scrape_started = self.last_scrape if started is None else started
         self.consecutive_failures = 0
-        self.dispatched_since_scrape = 0
+        self.finished_since_scrape = 0
+        for sent in [sent for sent in self.unseen if sent < self.scrape_started]:
+            del self.unseen[sent]
 
     def record_failure(self) -> None:
         self.consecutive_failures += 1

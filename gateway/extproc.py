@@ -6,7 +6,10 @@ body: we parse the OpenAI JSON, pick an endpoint and reply with the header
 `x-gateway-destination-endpoint: ip:port[,fallback,...]` plus the same value in dynamic metadata
 (namespace `envoy.lb`), which Envoy's original-destination cluster dials. When no endpoint can take
 the request we answer with an ImmediateResponse (503, 404, 429 or 400) carrying OpenAI's error shape.
-Every other phase is passed through unchanged.
+Every other phase is passed through unchanged. When the filter also sends the response phases
+(`response_header_mode: SEND`, `response_body_mode: STREAMED`, as the Inference Extension's EPP asks
+for), the end of the response body, or the stream closing after the response began, tells the picker
+the request is over; without them it stays counted until the next scrape of its pod.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from ..grpc_health import HealthCheckedServer
-from .picker import RoutingError
+from .picker import Decision, RoutingError
 from .routing import Router
 
 logger = logging.getLogger(__name__)
@@ -73,32 +76,46 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def decide(self, phase: str, headers: dict[str, str], body: bytes) -> ep.ProcessingResponse:
+    def decide(self, phase: str, headers: dict[str, str], body: bytes) -> tuple[ep.ProcessingResponse, Decision | None]:
         try:
             _, decision = self.router.route(body, headers)
         except RoutingError as error:
-            return refused(error)
-        return routed(phase, decision.destination)
+            return refused(error), None
+        return routed(phase, decision.destination), decision
 
     async def Process(self, request_iterator, context):
         headers: dict[str, str] = {}
         body = bytearray()
-        async for message in request_iterator:
-            phase = message.WhichOneof("request")
-            if phase == "request_headers":
-                headers = header_map(message.request_headers.headers)
-                if message.request_headers.end_of_stream:  # no body follows (GET): route on headers alone
-                    yield self.decide(phase, headers, b"")
-                else:
-                    yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
-            elif phase == "request_body":
-                body += message.request_body.body
-                if message.request_body.end_of_stream:
-                    yield self.decide(phase, headers, bytes(body))
-                else:  # streamed body mode: chunks pass; the decision comes with the last one
-                    yield ep.ProcessingResponse(request_body=ep.BodyResponse())
-            elif phase in _PASS_THROUGH:
-                yield _PASS_THROUGH[phase]()
+        decision: Decision | None = None
+        response_began = False
+        try:
+            async for message in request_iterator:
+                phase = message.WhichOneof("request")
+                if phase == "request_headers":
+                    headers = header_map(message.request_headers.headers)
+                    if message.request_headers.end_of_stream:  # no body follows (GET): route on headers alone
+                        reply, decision = self.decide(phase, headers, b"")
+                        yield reply
+                    else:
+                        yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
+                elif phase == "request_body":
+                    body += message.request_body.body
+                    if message.request_body.end_of_stream:
+                        reply, decision = self.decide(phase, headers, bytes(body))
+                        yield reply
+                    else:  # streamed body mode: chunks pass; the decision comes with the last one
+                        yield ep.ProcessingResponse(request_body=ep.BodyResponse())
+                elif phase in _PASS_THROUGH:
+                    response_began = response_began or phase.startswith("response")
+                    yield _PASS_THROUGH[phase]()
+                    ended = ((phase == "response_body" and message.response_body.end_of_stream)
+                             or phase == "response_trailers")
+                    if ended and decision is not None:
+                        decision.endpoint.record_finish(decision.sent)
+                        decision = None
+        finally:  # the stream closed: after a response began, the request is over (done or abandoned)
+            if decision is not None and response_began:
+                decision.endpoint.record_finish(decision.sent)
 
 
 async def start_extproc_server(router: Router, host: str, port: int) -> HealthCheckedServer:

@@ -91,6 +91,7 @@ class Decision:
     endpoint: Endpoint
     fallbacks: list[Endpoint]
     scores: dict[str, float]
+    sent: float = 0.0  # the dispatch ticket: hand it to endpoint.record_finish when the request ends
 
     @property
     def destination(self) -> str:
@@ -173,9 +174,10 @@ class Picker:
             ranked.append((total, self.rng.random(), endpoint, scores))  # random breaks ties: bursts spread
         ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)
         best = ranked[0][2]
-        best.dispatched_since_scrape += 1
+        sent = best.record_dispatch()
         self.prefix_index.remember(best.address, ctx.hashes)
-        return Decision(best, [r[2] for r in ranked[1:1 + self.config.fallbacks]], {**ranked[0][3], "total": ranked[0][0]})
+        return Decision(best, [r[2] for r in ranked[1:1 + self.config.fallbacks]], {**ranked[0][3], "total": ranked[0][0]},
+                        sent)
 
     def _rotate(self, model: str, serving: list[Endpoint]) -> Decision:
         """Round-robin: blind to load, cache and adapters, but never to which endpoints serve the model."""
@@ -183,5 +185,5 @@ class Picker:
         self._turns[model] = turn + 1
         start = turn % len(serving)
         order = serving[start:] + serving[:start]
-        order[0].dispatched_since_scrape += 1  # keeps the gateway's own queue accounting policy-independent
-        return Decision(order[0], order[1:1 + self.config.fallbacks], {})
+        sent = order[0].record_dispatch()  # keeps the gateway's own load accounting policy-independent
+        return Decision(order[0], order[1:1 + self.config.fallbacks], {}, sent)

@@ -4,6 +4,8 @@ It answers `/v1/models` with the union of its endpoints' models and forwards eve
 streamed responses included, to the endpoint the picker chose. A request is retried once on the next
 endpoint when the first refuses the connection before any byte of the response, so a pod that just died
 loses nothing. A client that goes away closes the upstream stream, which aborts the engine's request.
+Every request's end is reported to its endpoint (`record_finish`), so the picker's load figures drop
+the moment a response completes, not at the next scrape.
 """
 from __future__ import annotations
 
@@ -74,20 +76,24 @@ def build_proxy_app(router: Router, client: httpx.AsyncClient | None = None) -> 
             return error_response(error.status, error.message)
         start = time.perf_counter()
         for attempt, endpoint in enumerate([decision.endpoint, *decision.fallbacks][:MAX_ATTEMPTS]):
+            sent = decision.sent if attempt == 0 else endpoint.record_dispatch()
             upstream = client.build_request("POST", f"{endpoint.url}/v1/{path}", content=body, headers=headers,
                                             params=request.query_params)
             try:
                 response = await client.send(upstream, stream=True)
             except httpx.ConnectError as error:  # refused before any byte: safe to retry elsewhere
+                endpoint.record_finish(sent)
                 endpoint.record_failure()
                 logger.warning("endpoint %s refused a request (%s); attempt %d", endpoint.address, error, attempt + 1)
                 router.metrics.retries.inc()
                 continue
             except httpx.HTTPError as error:  # it took the request, then failed: resending could run it twice
+                endpoint.record_finish(sent)
                 router.metrics.errors.labels(routing_request.model, "502").inc()
                 return error_response(502, f"engine endpoint {endpoint.address} failed: {error}")
 
-            async def finish(response=response) -> None:
+            async def finish(response=response, endpoint=endpoint, sent=sent) -> None:
+                endpoint.record_finish(sent)  # the request no longer loads the engine: the picker knows at once
                 await response.aclose()
                 router.metrics.duration.labels(routing_request.model).observe(time.perf_counter() - start)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import httpx
 
@@ -24,6 +25,7 @@ class Scraper:
         self.client = client or httpx.AsyncClient(timeout=timeout)
 
     async def scrape(self, endpoint: Endpoint) -> bool:
+        started = time.monotonic()  # requests dispatched from now on are not in what this scrape reads
         try:
             health, metrics, models = await asyncio.gather(
                 self.client.get(endpoint.url + "/health"), self.client.get(endpoint.url + "/metrics"),
@@ -40,7 +42,7 @@ class Scraper:
             endpoint.record_failure()
             return False
         endpoint.record_scrape(state, frozenset(c["id"] for c in cards),
-                               frozenset(c["id"] for c in cards if not c.get("parent")))
+                               frozenset(c["id"] for c in cards if not c.get("parent")), started=started)
         return True
 
     async def scrape_all(self) -> None:

@@ -77,6 +77,41 @@ def test_a_burst_spreads_over_idle_endpoints():
     assert sorted(counts.values()) == [4, 4, 4]
 
 
+def test_a_scrape_that_started_before_a_dispatch_does_not_forget_it():
+    """The scrape reads the pod before our request reaches it: the request stays counted after it lands."""
+    e = endpoint("a:1", running=2)
+    before = time.monotonic()
+    sent = e.record_dispatch(now=before + 1.0)  # sent while a scrape that began at `before` was in flight
+    e.record_scrape(EngineState(running=2), e.models, e.base_models, started=before)
+    assert e.num_unseen == 1 and e.queue == 1 and e.active == 3
+    e.record_scrape(EngineState(running=3), e.models, e.base_models, started=sent + 0.5)  # this one saw it
+    assert e.num_unseen == 0 and e.active == 3
+
+
+def test_finished_requests_stop_counting_before_the_next_scrape():
+    e = endpoint("a:1", running=0)
+    unseen = e.record_dispatch()
+    e.record_finish(unseen)  # ended before any scrape saw it
+    assert e.num_unseen == 0 and e.active == 0 and e.finished_since_scrape == 0
+    seen = e.record_dispatch()
+    e.record_scrape(EngineState(running=4), e.models, e.base_models, started=seen + 1e-6)
+    e.record_finish(seen)  # the scrape counted it among the 4 running; it is over now
+    assert e.active == 3
+    for _ in range(6):  # more ends than the scrape showed (some were waiting): never below zero
+        e.record_finish(seen)
+    assert e.active == 0
+    e.record_scrape(EngineState(running=1), e.models, e.base_models)
+    assert e.finished_since_scrape == 0 and e.active == 1
+
+
+def test_finished_requests_free_their_endpoint_for_the_next_pick():
+    p = picker(endpoint("a:1"), endpoint("b:1"))
+    first = p.pick(RoutingRequest("base"))
+    first.endpoint.record_finish(first.sent)
+    assert p.pick(RoutingRequest("base")).endpoint.num_unseen == 1  # both idle again: either may win
+    assert sorted(e.num_unseen for e in p.pool) == [0, 1]
+
+
 def test_lora_affinity_order():
     def best(*endpoints):
         return pick(picker(*endpoints, weights={"lora": 1.0}), "ad")
