@@ -75,16 +75,19 @@ def build_state(args: argparse.Namespace):
     lora_modules = parse_lora_modules(args.lora_modules)
     if bool(args.lora_placement_file) != bool(args.lora_catalog_dir):
         raise SystemExit("kubeinfer serve: --lora-placement-file and --lora-catalog-dir go together")
-    config = EngineConfig(model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
-                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                          num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                          seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules or args.lora_placement_file),
-                          max_loras=args.max_loras,
-                          max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                          attention_backend=args.attention_backend,
-                          gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
-    engine = LLMEngine(config)
+    try:  # a bad flag, model directory or GPU memory budget: one line that says what to change
+        config = EngineConfig(model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
+                              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                              seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules or args.lora_placement_file),
+                              max_loras=args.max_loras,
+                              max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                              attention_backend=args.attention_backend,
+                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+        engine = LLMEngine(config)
+    except ValueError as error:
+        raise SystemExit(f"kubeinfer serve: {error}") from None
     for lora_id, (name, path) in enumerate(lora_modules, start=1):
         try:
             engine.add_lora(LoRARequest(name, lora_id, path))

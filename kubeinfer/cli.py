@@ -35,11 +35,6 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(args)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from kubeinfer.engine.serve import main as serve_main
-    return serve_main(args)
-
-
 def _generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("model")
     gen.add_argument("--prompt", action="append", required=True, help="repeat for a batch")

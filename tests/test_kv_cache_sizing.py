@@ -70,3 +70,14 @@ def test_engine_sizes_its_cache_from_gpu_memory(llama_dir):
     total = torch.cuda.mem_get_info()[1]
     assert small.engine.num_kv_blocks * per_block <= 0.2 * total
     assert small.engine.num_kv_blocks * per_block > 0.1 * total  # a tiny model: most of the share is cache
+
+
+def test_serve_refuses_a_bad_share_in_one_line(llama_dir):
+    import argparse
+
+    from kubeinfer.engine.serve import add_serve_arguments, build_state
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    with pytest.raises(SystemExit, match=r"^kubeinfer serve: gpu_memory_utilization must be a fraction in \(0, 1\]"):
+        build_state(parser.parse_args([llama_dir, "--gpu-memory-utilization", "1.5"]))
