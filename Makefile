@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all bench bench-gpu run proto clean
+.PHONY: setup test test-all bench bench-gpu test-gpu run proto clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ bench: setup
 GPU_PYTHON ?= python3
 bench-gpu:
 	$(GPU_PYTHON) benchmarks/bench_gpu.py
+
+# The GPU path's tests, compiled kernels and captured graphs included (their CUDA cases skip without a GPU).
+GPU_TESTS := tests/test_triton_kernels.py tests/test_triton_fused.py tests/test_cuda_graphs.py tests/test_kv_cache_sizing.py
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -rs $(GPU_TESTS)
 
 # Regenerate the gRPC stubs after editing engine/proto/engine.proto (a test checks they are current).
 proto: setup

@@ -328,16 +328,18 @@ def sim_part(args: argparse.Namespace) -> tuple[str, list[dict]]:
         workload = Workload(requests=args.sim_requests_per_pod * pods, rate=args.sim_rate_per_pod * pods,
                             base_system_prompts=pods, adapters=pods // 2, seed=args.seed)
         results = {}
-        for policy in ("round-robin", "scored"):
-            with tqdm(total=workload.requests, desc=f"simulation, {pods} pods, {policy}", unit="req") as bar:
-                results[policy] = simulate(pods, workload, policy, spec, progress=bar)
-        picker, rr = results["scored"], results["round-robin"]
-        for name, r in (("picker", picker), ("round-robin", rr)):
+        for name, policy, report_ends in (("round-robin", "round-robin", False), ("picker", "scored", False),
+                                          ("picker, ends reported", "scored", True)):
+            with tqdm(total=workload.requests, desc=f"simulation, {pods} pods, {name}", unit="req") as bar:
+                results[name] = simulate(pods, workload, policy, spec, progress=bar, report_ends=report_ends)
+        picker, rr, exact = results["picker"], results["round-robin"], results["picker, ends reported"]
+        for name, r in (("picker", picker), ("picker, ends reported", exact), ("round-robin", rr)):
             rows.append(f"| {pods} | {name} | {r.ttft(50) * 1e3:.0f} | {r.ttft(95) * 1e3:.0f} | {r.throughput:,.0f} | "
                         f"{r.prefix_hit_rate:.0%} | {r.adapter_loads} | {min(r.requests_per_pod)}-"
                         f"{max(r.requests_per_pod)} |")
         figures.append({"pods": pods, "p50": rr.ttft(50) / picker.ttft(50), "p95": rr.ttft(95) / picker.ttft(95),
-                        "throughput": picker.throughput / rr.throughput})
+                        "throughput": picker.throughput / rr.throughput,
+                        "ends_p50": picker.ttft(50) / exact.ttft(50), "ends_p95": picker.ttft(95) / exact.ttft(95)})
     w = Workload(requests=0, rate=0)
     text = "\n".join([
         f"A discrete-event model of each pod (routing_sim.py): continuous batching with chunked prefill "
@@ -347,7 +349,9 @@ def sim_part(args: argparse.Namespace) -> tuple[str, list[dict]]:
         f"max_num_seqs {spec.max_num_seqs}, {spec.max_loras} adapter slots, {spec.adapter_load_s * 1e3:.0f} ms to "
         "load an adapter into one (roughly an 8B model on one A100-40GB). Routed by the real `Picker` (default "
         "weights; scraped state written into its `Endpoint`s every "
-        f"{SCRAPE_INTERVAL_S} s) or by its round-robin policy. Workload "
+        f"{SCRAPE_INTERVAL_S} s) or by its round-robin policy. \"picker\" hears nothing between scrapes but its "
+        "own dispatches (Envoy ext_proc without response phases); \"picker, ends reported\" also hears each "
+        "request end (the proxy, or ext_proc with response phases). Workload "
         f"per pool of N pods: {args.sim_requests_per_pod} requests per pod at {args.sim_rate_per_pod} requests/s per "
         f"pod in bursts (mean {w.burst_mean:.0f}); half on the base model with one of N system prompts, half on "
         f"N/2 adapters (each on {w.replicas_per_adapter} pods, so 8 per pod for 4 slots) with a system prompt each; "
@@ -361,7 +365,9 @@ def sim_part(args: argparse.Namespace) -> tuple[str, list[dict]]:
             f"{f['pods']} pods: TTFT p50 {f['p50']:.1f}x lower, p95 {f['p95']:.1f}x lower, throughput "
             f"{f['throughput']:.2f}x" for f in figures) + ". The picker concentrates each system prompt on few pods, "
         "so the uneven request counts are the price of the cache hits; its queue scorer and saturation threshold "
-        "keep that from turning into queueing."])
+        "keep that from turning into queueing. Hearing each request end, against counting dispatches until the "
+        "next scrape: " + "; ".join(f"{f['pods']} pods: TTFT p50 {f['ends_p50']:.2f}x, p95 {f['ends_p95']:.2f}x lower"
+                                    for f in figures) + "."])
     return text, figures
 
 

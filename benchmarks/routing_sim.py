@@ -7,7 +7,7 @@ system-prompt blocks stay cached after use and are evicted least recently used f
 adapter slots where activating an adapter costs a load. Routing goes through the same `Picker` the
 gateway runs: every `scrape_interval` the pods' gauges are written into `Endpoint` objects with
 `record_scrape`, as the gateway's scraper does, and between scrapes the picker only knows what it
-dispatched itself. The round-robin baseline is the same `Picker` with `policy="round-robin"`.
+dispatched itself (and, with `report_ends`, which of those requests have ended). The round-robin baseline is the same `Picker` with `policy="round-robin"`.
 
 Deterministic: the workload, the placement and the picker's tie-breaking are all seeded.
 """
@@ -73,6 +73,7 @@ class SimRequest:
     output_tokens: int
     text: str  # what the picker hashes
     pod: int | None = None  # where it was routed
+    sent: float = 0.0  # the picker's dispatch ticket
     first_token_at: float | None = None
     finished_at: float | None = None
     cached_tokens: int = 0
@@ -314,8 +315,10 @@ def percentile(values: list[float], q: int) -> float:
 
 def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec(),
              scrape_interval: float = SCRAPE_INTERVAL_S, picker_config: PickerConfig | None = None,
-             progress=None) -> SimResult:
-    """Run the workload through `pods` simulated engines, routed by the real picker under `policy`."""
+             progress=None, report_ends: bool = False) -> SimResult:
+    """Run the workload through `pods` simulated engines, routed by the real picker under `policy`.
+    `report_ends`: the gateway hears when each request ends (proxy mode, or ext_proc with response
+    phases); otherwise its own dispatches count until a scrape sees them (ext_proc without)."""
     placement = place_adapters(pods, workload.adapters, workload.replicas_per_adapter)
     sim_pods = [Pod(spec, adapters) for adapters in placement]
     endpoints = [Endpoint(f"10.{i // 250}.{i % 250}.1:8000", name=f"pod-{i}") for i in range(pods)]
@@ -324,7 +327,8 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
     pool.set_members(endpoints)
     # Staleness is a wall-clock guard for a live gateway; here scrapes run on the simulated clock.
     config = replace(picker_config or PickerConfig(), policy=policy, stale_after=math.inf)
-    picker = Picker(pool, config, rng=random.Random(workload.seed))
+    clock = [0.0]  # the simulated time: it stamps dispatches and scrapes alike
+    picker = Picker(pool, config, rng=random.Random(workload.seed), clock=lambda: clock[0])
     requests = build_workload(workload, spec.block_size)
     largest = max(r.prompt_tokens + r.output_tokens for r in requests)
     if largest > spec.kv_blocks * spec.block_size:
@@ -333,7 +337,7 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
 
     def scrape() -> None:
         for endpoint, pod in zip(endpoints, sim_pods):
-            endpoint.record_scrape(pod.state(), pod.models, frozenset([BASE]))
+            endpoint.record_scrape(pod.state(), pod.models, frozenset([BASE]), started=clock[0])
 
     events: list[tuple[float, int, str, object]] = []  # (time, tie-break, kind, payload)
     counter = 0
@@ -356,9 +360,10 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
     finished = 0
     while finished < len(requests):
         now, _, kind, payload = heapq.heappop(events)
+        clock[0] = now
         if kind == "arrival":
             decision = picker.pick(RoutingRequest(payload.model, payload.text))
-            payload.pod = index_of[decision.endpoint.address]
+            payload.pod, payload.sent = index_of[decision.endpoint.address], decision.sent
             pod = sim_pods[payload.pod]
             pod.waiting.append(payload)
             if not pod.busy:
@@ -367,6 +372,9 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
             pod, chunks = payload
             done = pod.finish_step(now, chunks)
             finished += len(done)
+            if report_ends:
+                for request in done:
+                    endpoints[request.pod].record_finish(request.sent)
             if progress is not None and done:
                 progress.update(len(done))
             start(pod, now)

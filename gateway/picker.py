@@ -135,8 +135,12 @@ SCORERS: dict[str, Callable[[Endpoint, Context], float]] = {
 
 class Picker:
     def __init__(self, pool: EndpointPool, config: PickerConfig | None = None,
-                 prefix_index: PrefixIndex | None = None, rng: random.Random | None = None) -> None:
+                 prefix_index: PrefixIndex | None = None, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` stamps dispatches; scrapes (`Endpoint.record_scrape(started=...)`) must use the same one.
+        A simulation passes its own."""
         self.pool = pool
+        self.clock = clock
         self.config = config or PickerConfig()
         self.prefix_index = prefix_index or PrefixIndex()
         self.rng = rng or random.Random()
@@ -174,7 +178,7 @@ class Picker:
             ranked.append((total, self.rng.random(), endpoint, scores))  # random breaks ties: bursts spread
         ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)
         best = ranked[0][2]
-        sent = best.record_dispatch()
+        sent = best.record_dispatch(self.clock())
         self.prefix_index.remember(best.address, ctx.hashes)
         return Decision(best, [r[2] for r in ranked[1:1 + self.config.fallbacks]], {**ranked[0][3], "total": ranked[0][0]},
                         sent)
@@ -185,5 +189,5 @@ class Picker:
         self._turns[model] = turn + 1
         start = turn % len(serving)
         order = serving[start:] + serving[:start]
-        sent = order[0].record_dispatch()  # keeps the gateway's own load accounting policy-independent
+        sent = order[0].record_dispatch(self.clock())  # keeps the gateway's own load accounting policy-independent
         return Decision(order[0], order[1:1 + self.config.fallbacks], {}, sent)

@@ -182,6 +182,11 @@ def test_simulation_is_deterministic_and_the_picker_beats_round_robin_on_shared_
     assert picked.prefix_hit_rate > rr.prefix_hit_rate + 0.2
     assert picked.ttft(50) < rr.ttft(50) / 2 and picked.ttft(95) < rr.ttft(95) / 2
     assert picked.adapter_loads < rr.adapter_loads / 2  # LoRA affinity: fewer slot swaps
+    # Hearing each request end (proxy mode) changes what the picker knows between scrapes, not the outcome class.
+    exact = sim.simulate(12, workload, "scored", report_ends=True)
+    assert [r.first_token_at for r in sim.simulate(12, workload, "scored", report_ends=True).requests] == \
+        [r.first_token_at for r in exact.requests]
+    assert exact.ttft(50) < rr.ttft(50) / 2 and exact.prefix_hit_rate > rr.prefix_hit_rate + 0.2
 
 
 def test_a_request_that_can_never_fit_is_refused_up_front():
