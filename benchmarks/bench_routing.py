@@ -450,8 +450,9 @@ def main() -> None:
 
     command = "python benchmarks/bench_routing.py"
     defaults = {"requests": 40, "rate": 3.0, "rounds": 2, "sim_pods": [100, 300], "seed": 0}
+    given = {k: getattr(args, k) for k, v in defaults.items() if getattr(args, k) != v}
     command += "".join(f" --{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"
-                       for k, v in defaults.items() if getattr(args, k) != v)
+                       for k, v in given.items())
     machine = (f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python "
                f"{platform.python_version()}")
     body = "\n".join([
