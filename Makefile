@@ -25,6 +25,7 @@ test-all: setup
 
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
+	$(PY) benchmarks/bench_throughput.py --dtype bfloat16
 	$(PY) benchmarks/bench_lora.py
 	$(PY) benchmarks/bench_routing.py
 	$(PY) benchmarks/bench_decode_roofline.py

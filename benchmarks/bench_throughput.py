@@ -36,9 +36,9 @@ def workload(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return [([rng.randrange(10, 8000) for _ in range(rng.randint(16, 256))], rng.randint(16, 128)) for _ in range(count)]
 
 
-def run_engine(model_dir: str, work, max_num_seqs: int) -> float:
+def run_engine(model_dir: str, work, max_num_seqs: int, dtype: str) -> float:
     # No prefix caching: the timed pass must not reuse the warm-up's blocks.
-    llm = LLM(model_dir, max_num_seqs=max_num_seqs, enable_prefix_caching=False)
+    llm = LLM(model_dir, max_num_seqs=max_num_seqs, enable_prefix_caching=False, dtype=dtype)
     prompts = [{"prompt_token_ids": p} for p, _ in work]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in work]
     # Warm-up on the whole workload: the first pass also pays for the first touch of the KV cache's pages.
@@ -88,6 +88,8 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=48)
     parser.add_argument("--skip-generate-batch", action="store_true")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="for the engine and transformers alike (bf16 pays on CPUs with AVX512-BF16 or AMX)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -95,14 +97,14 @@ def main() -> None:
     if not (model_dir / "config.json").exists():
         build_random_model(model_dir, "llama", tokenizer=False, initializer_range=0.02, **MODEL_SHAPE)
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     params = sum(p.numel() for p in hf.parameters())
     work = workload(args.requests)
     useful = sum(n for _, n in work)
     print(f"model: {params / 1e6:.1f}M params, {args.requests} requests, {useful} output tokens, "
           f"{sum(len(p) for p, _ in work)} prompt tokens; torch threads {torch.get_num_threads()}")
 
-    engine_s = run_engine(str(model_dir), work, args.max_num_seqs)
+    engine_s = run_engine(str(model_dir), work, args.max_num_seqs, args.dtype)
     print(f"kubeinfer engine          {engine_s:7.2f} s  {useful / engine_s:8.1f} tok/s")
     run_hf_generate(hf, [(work[0][0], 4)], 1)  # warm-up
     hf_s = run_hf_generate(hf, work, args.hf_batch)
@@ -118,15 +120,19 @@ def main() -> None:
     table = ["| system | time (s) | output tok/s | engine speed-up | how |", "|---|---|---|---|---|"]
     table += [f"| {name} | {s:.2f} | {useful / s:.1f} | {s / engine_s:.2f}x | {how} |" for name, s, how in rows]
     body = "\n".join([
-        f"Command: `python benchmarks/bench_throughput.py --requests {args.requests} --hf-batch {args.hf_batch}` "
-        f"(`make bench`). Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, float32.",
+        f"Command: `python benchmarks/bench_throughput.py --requests {args.requests} --hf-batch {args.hf_batch} "
+        f"--dtype {args.dtype}` (`make bench`). Machine: {platform.machine()}, {os.cpu_count()} cores, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads, {args.dtype} for both.",
         f"Model: random-init Llama, {params / 1e6:.1f}M parameters ({MODEL_SHAPE['num_layers']} layers, hidden "
         f"{MODEL_SHAPE['hidden_size']}, GQA {MODEL_SHAPE['num_heads']}/{MODEL_SHAPE['num_kv_heads']} heads). "
         f"Workload: {args.requests} requests, prompts 16-256 tokens, outputs 16-128 tokens "
         f"({useful} output tokens in all), greedy, all submitted at once.",
         "", *table])
-    update_results("offline-throughput", "Offline throughput vs transformers (CPU)", body)
+    if args.dtype == "float32":
+        update_results("offline-throughput", "Offline throughput vs transformers (CPU)", body)
+    else:
+        update_results(f"offline-throughput-{args.dtype}", f"Offline throughput vs transformers (CPU, {args.dtype})",
+                       body)
 
 
 if __name__ == "__main__":

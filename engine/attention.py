@@ -102,6 +102,8 @@ class TorchAttentionBackend(AttentionBackend):
         mask = positions[None, :] < lens[:, None]
         if meta.sliding_window:
             mask &= positions[None, :] >= (lens[:, None] - meta.sliding_window)
+        if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+            return _grouped_decode(q, keys, values, mask, scale)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
                                              attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
         return out.squeeze(2)
@@ -116,13 +118,35 @@ class TorchAttentionBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # Queries are the last num_queries positions of the context: causal with an offset.
+            dtype = query.dtype
+            query, keys, values = (t.to(_masked_sdpa_dtype(query)) for t in (query, keys, values))
             q_pos = torch.arange(context_len - num_queries, context_len, device=q.device)[:, None]
             k_pos = torch.arange(context_len, device=q.device)[None, :]
             mask = k_pos <= q_pos
             if sliding_window:
                 mask &= k_pos > q_pos - sliding_window
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                                 enable_gqa=True).to(dtype)
         return out.squeeze(0).transpose(0, 1)
+
+
+def _grouped_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Decode attention as two batched matmuls per KV head group, softmax in fp32. On the CPU, torch's
+    masked SDPA is slow in half precision; its matmuls are not (bf16 GEMMs run about 3x fp32's speed)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, group, L]
+    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(batch, num_heads, head_dim)
+
+
+def _masked_sdpa_dtype(q: torch.Tensor) -> torch.dtype:
+    """fp32 for masked attention of half-precision tensors on the CPU: torch's CPU kernel for that case
+    is about twice as slow in bf16 as the same attention widened to fp32 (and less exact)."""
+    return torch.float32 if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) else q.dtype
 
 
 def _triton_backend() -> AttentionBackend:
