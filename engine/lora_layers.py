@@ -24,7 +24,7 @@ from .lora_pool import LoRAPool
 from .models.llama import FUSED_WEIGHTS, ModelSpec
 
 if TYPE_CHECKING:
-    from .triton_lora import SegmentPlan
+    from .triton_lora import SegmentPlan, TokenPlan
 
 Rows = slice | torch.Tensor  # a contiguous run of rows, or their indices
 
@@ -48,14 +48,18 @@ def fused_parts(spec: ModelSpec) -> dict[str, list[tuple[str, int, int]]]:
 class LoRAContext:
     """One step's routing of tokens to adapter slots; the model calls `apply` after each projection."""
 
-    def __init__(self, pool: LoRAPool, groups: list[tuple[int, Rows]]) -> None:
+    def __init__(self, pool: LoRAPool, groups: list[tuple[int, Rows]], kernel_plan=None) -> None:
+        """`kernel_plan`: a ready plan for the Triton kernels (a CUDA-graph step's TokenPlan); by default
+        one is built from `groups` on CUDA, and the torch path runs elsewhere."""
         self.pool = pool
         self.groups = groups  # (slot, rows) for every slot but 0 present in the batch
         self.parts = fused_parts(pool.spec)
         # Snapshot: the pool may reassign slots between steps, never during one.
         self.ranks = {slot: pool.slot_rank[slot] for slot, _ in groups}
         self.targets = {slot: pool.slot_targets[slot] for slot, _ in groups}
-        self.kernel_plan = self._kernel_plan() if pool.device.type == "cuda" else None
+        if kernel_plan is None and pool.device.type == "cuda":
+            kernel_plan = self._kernel_plan()
+        self.kernel_plan: SegmentPlan | TokenPlan | None = kernel_plan
 
     @classmethod
     def build(cls, pool: LoRAPool, token_slots: Sequence[int] | torch.Tensor) -> LoRAContext | None:

@@ -56,6 +56,10 @@ class LoRAPool:
         # delta skips what the occupant leaves at zero and the next occupant clears only what it must.
         self.slot_rank = [0] * slots
         self.slot_targets: list[frozenset[tuple[int, str]]] = [frozenset()] * slots
+        # The same on the device, as one table: rank_table[i, slot] is the rank the slot's occupant has
+        # on module_keys[i] (0 when it does not target it), for kernels that look ranks up per token.
+        self.module_keys = [(layer, name) for layer in range(spec.num_layers) for name in shapes]
+        self.rank_table = torch.zeros(len(self.module_keys), slots, dtype=torch.int32, device=device)
         self._slot_owner: list[int | None] = [None] * slots
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # least recently used first
 
@@ -186,6 +190,7 @@ class LoRAPool:
         slot, entry.slot = entry.slot, None
         self._slot_owner[slot] = None
         self.slot_rank[slot] = 0
+        self.rank_table[:, slot] = 0
         return slot
 
     @torch.no_grad()
@@ -201,4 +206,6 @@ class LoRAPool:
             b[:, w.rank:].zero_()
         self.slot_targets[slot] = frozenset(adapter.weights)
         self.slot_rank[slot] = adapter.rank
+        self.rank_table[:, slot] = torch.tensor([adapter.weights[key].rank if key in adapter.weights else 0
+                                                 for key in self.module_keys], dtype=torch.int32)
         self._slot_owner[slot] = adapter.id

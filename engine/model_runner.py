@@ -94,7 +94,8 @@ class ModelRunner:
                              "attention_backend='triton', or enforce_eager=True")
         graphs = DecodeGraphs(self.model, self.kv_caches, sizes=capture_sizes(max_num_seqs),
                               max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-                              vocab_size=self.spec.vocab_size, device=self.device, sliding_window=self.sliding_window)
+                              vocab_size=self.spec.vocab_size, device=self.device, sliding_window=self.sliding_window,
+                              lora_pool=self.lora_pool)
         with torch.inference_mode():
             graphs.capture(capture)
         self.graphs = graphs
@@ -121,33 +122,38 @@ class ModelRunner:
                 sampling_seqs.append(seq)
         return inputs, sampling_seqs
 
-    def lora_context(self, batch: ScheduledBatch) -> LoRAContext | None:
-        """Each token's adapter slot, grouped; None when no sequence in the step uses an adapter."""
+    def _adapter_slots(self, batch: ScheduledBatch) -> list[int] | None:
+        """Each scheduled sequence's adapter slot (0: base model); None when no sequence uses an adapter."""
         if self.lora_pool is None or not any(seq.lora_id for seq, _ in batch.entries):
             return None
+        return [self.lora_pool.slot_of(seq.lora_id) for seq, _ in batch.entries]
+
+    def _token_slots(self, batch: ScheduledBatch) -> list[int]:
         token_slots: list[int] = []
         for seq, num_new in batch.entries:
             token_slots.extend([self.lora_pool.slot_of(seq.lora_id)] * num_new)
-        return LoRAContext.build(self.lora_pool, token_slots)
+        return token_slots
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
         inputs, sampling_seqs = self.prepare(batch)
-        lora = self.lora_context(batch)
-        if self._graph_can_run(inputs, lora):
+        lora_slots = self._adapter_slots(batch)
+        if self._graph_can_run(inputs, lora_slots):
             rows = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.context_lens,
-                                   inputs.block_tables)
+                                   inputs.block_tables, lora_slots)
             logits = rows[inputs.logits_indices]  # a prompt's one-token middle chunk computes but does not sample
         else:
+            lora = None if lora_slots is None else LoRAContext.build(self.lora_pool, self._token_slots(batch))
             logits = self._run_eager(inputs, lora)
         if not sampling_seqs:
             return [], SampleResult([], [])
         return sampling_seqs, sample(logits.cpu(), sampling_seqs)
 
-    def _graph_can_run(self, inputs: StepInputs, lora: LoRAContext | None) -> bool:
-        """Decode-only steps without adapters, no larger than the largest graph."""
-        return (self.graphs is not None and lora is None and inputs.num_decodes == len(inputs.context_lens)
-                and self.graphs.padded_size(inputs.num_decodes) is not None)
+    def _graph_can_run(self, inputs: StepInputs, lora_slots: list[int] | None) -> bool:
+        """Decode-only steps no larger than the largest graph, with adapters only where graphs for them exist."""
+        return (self.graphs is not None and inputs.num_decodes == len(inputs.context_lens)
+                and self.graphs.padded_size(inputs.num_decodes) is not None
+                and (lora_slots is None or bool(self.graphs.lora_replays)))
 
     def _run_eager(self, inputs: StepInputs, lora: LoRAContext | None) -> torch.Tensor:
         dev = self.device

@@ -122,7 +122,32 @@ class SegmentPlan:
         return self.tokens.numel()
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, plan: SegmentPlan, seg_rank: torch.Tensor, *,
+class TokenPlan:
+    """The plan of a decode step replayed from a CUDA graph: one segment per token (a decode has one),
+    on static device buffers, so the launches never change shape. The caller writes each token's slot
+    into `seg_slot` (0: no adapter, and padding); `refresh`, run inside the step, looks every token's rank
+    on every module up in the pool's device rank table. Same interface as SegmentPlan."""
+
+    def __init__(self, pool: LoRAPool, token_slots: torch.Tensor) -> None:
+        num_tokens, device = token_slots.numel(), token_slots.device
+        self.pool = pool
+        self.tokens = torch.arange(num_tokens, dtype=torch.int32, device=device)
+        self.seg_start = torch.arange(num_tokens + 1, dtype=torch.int32, device=device)
+        self.seg_slot = token_slots  # int64 [N], a view of the caller's static buffer
+        self.token_ranks = torch.zeros(len(pool.module_keys), num_tokens, dtype=torch.int32, device=device)
+        self.seg_rank = dict(zip(pool.module_keys, self.token_ranks.unbind(0)))
+        self.targeted = frozenset(pool.module_keys)  # which modules the step needs is unknown at capture
+        self.longest = 1
+
+    def refresh(self) -> None:
+        torch.index_select(self.pool.rank_table, 1, self.seg_slot, out=self.token_ranks)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, plan: SegmentPlan | TokenPlan, seg_rank: torch.Tensor, *,
                 block_t: int = 16, block_r: int = 16, block_k: int = 64) -> torch.Tensor:
     """s[i] = x[tokens[i]] @ A[slot(i), :rank].T as fp32 [N, max_rank] (columns past a segment's rank unset)."""
     x = unit_last_stride(x)
@@ -137,7 +162,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, plan: SegmentPlan, seg_rank: t
     return s
 
 
-def lora_expand(out: torch.Tensor, s: torch.Tensor, b: torch.Tensor, plan: SegmentPlan, seg_rank: torch.Tensor, *,
+def lora_expand(out: torch.Tensor, s: torch.Tensor, b: torch.Tensor, plan: SegmentPlan | TokenPlan, seg_rank: torch.Tensor, *,
                 block_t: int = 16, block_o: int = 64, block_r: int = 16) -> None:
     """out[tokens[i]] += s[i, :rank] @ B[slot(i), :, :rank].T in place; `out` may be a column slice."""
     if out.stride(-1) != 1 or b.stride(-1) != 1:
@@ -151,7 +176,7 @@ def lora_expand(out: torch.Tensor, s: torch.Tensor, b: torch.Tensor, plan: Segme
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
-             parts: Sequence[tuple[str, int, int]], plan: SegmentPlan, layer: int) -> torch.Tensor:
+             parts: Sequence[tuple[str, int, int]], plan: SegmentPlan | TokenPlan, layer: int) -> torch.Tensor:
     """LoRAContext.apply on the kernels: out[:, part columns] += each token's adapter delta, part by part."""
     for name, offset, width in parts:
         if (layer, name) not in plan.targeted:

@@ -72,7 +72,7 @@ def test_decode_graphs_with_a_sliding_window(device, tmp_path):
     assert graphs.num_replays > 0
 
 
-def test_mixed_and_lora_steps_stay_eager(model_dirs):
+def test_which_steps_replay_a_graph(model_dirs):
     from kubeinfer.engine import LLM
     from kubeinfer.engine.cuda_graphs import DecodeGraphs, replay_eagerly
     from kubeinfer.engine.model_runner import StepInputs
@@ -86,8 +86,36 @@ def test_mixed_and_lora_steps_stay_eager(model_dirs):
     decode = StepInputs(context_lens=[5, 6], num_decodes=2)
     assert runner._graph_can_run(decode, None)
     assert not runner._graph_can_run(StepInputs(context_lens=[5, 9], num_decodes=1), None)  # a prefill in the step
-    assert not runner._graph_can_run(decode, lora=object())  # adapters: their segments change every step
     assert not runner._graph_can_run(StepInputs(context_lens=[5] * 5, num_decodes=5), None)  # beyond the largest graph
+    assert not runner._graph_can_run(decode, [1, 0])  # adapters, and no graphs were captured for them
+    runner.graphs.lora_replays[2] = lambda: None
+    assert runner._graph_can_run(decode, [1, 0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_graphs_with_adapters_match_peft(device, lora_base_dir, lora_adapters, lora_base_reference):
+    """Mixed base/adapter decode batches replayed from the LoRA graphs (one kernel segment per token)."""
+    from lora_helpers import ADAPTERS, MAX_TOKENS, PROMPTS
+
+    from kubeinfer.engine import LLM, SamplingParams
+
+    prompts, loras, want = [], [], []
+    for p, prompt in enumerate(PROMPTS):
+        for name in [None, *ADAPTERS]:
+            prompts.append({"prompt_token_ids": prompt})
+            loras.append(lora_adapters[name][0] if name else None)
+            want.append(lora_adapters[name][1][p] if name else lora_base_reference[p])
+    # Two device slots for three adapters: slots are reassigned between steps, which graphs must follow.
+    llm = LLM(str(lora_base_dir), device=device, dtype="float32", attention_backend="triton", enable_lora=True,
+              max_loras=2, max_lora_rank=8, block_size=4, max_num_seqs=6, enforce_eager=True)
+    graphs = _capture(llm, device)
+    assert sorted(graphs.lora_replays) == graphs.sizes
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, [params] * len(prompts), lora_request=loras)]
+    assert got == want
+    assert graphs.num_lora_replays > 0
+    base_only = llm.generate(prompts[:1], params)[0].outputs[0].token_ids  # the plain graphs again
+    assert base_only == want[0] and graphs.num_replays > graphs.num_lora_replays
 
 
 def test_capture_needs_the_kv_cache(model_dirs):

@@ -223,6 +223,23 @@ def test_lru_evicts_idle_adapters_only(spec):
     assert sorted(pool.cached_names()) == ["a1", "a3", "a4"] and pool.can_activate(1)
 
 
+def test_device_rank_table_follows_slot_reuse(spec):
+    """The table the CUDA-graph LoRA kernels read: each slot's rank per (layer, module), 0 where untargeted."""
+    pool = LoRAPool(spec, max_loras=1, max_lora_rank=4, max_cpu_loras=2)
+    pool.add(_fake(spec, 1, modules=("q_proj", "down_proj"), rank=3))
+    pool.add(_fake(spec, 2, modules=("v_proj",), rank=2))
+
+    def column(slot):
+        return {key: int(r) for key, r in zip(pool.module_keys, pool.rank_table[:, slot]) if r}
+
+    slot = pool.acquire(1)
+    assert column(slot) == {(layer, m): 3 for layer in range(spec.num_layers) for m in ("q_proj", "down_proj")}
+    assert not pool.rank_table[:, 0].any()  # slot 0, the base model, never has a rank
+    pool.release(1)
+    assert pool.acquire(2) == slot  # the same slot, reused: nothing of adapter 1 may remain
+    assert column(slot) == {(layer, "v_proj"): 2 for layer in range(spec.num_layers)}
+
+
 def test_max_cpu_loras_bounds_host_memory(spec):
     loads = []
 
