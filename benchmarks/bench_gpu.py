@@ -5,7 +5,9 @@ On a random-init model of a real shape (Llama-3.2-1B by default; Llama-3-8B with
     in this run), and transformers `generate` at batch 1; the same with `enforce_eager` (no CUDA graphs);
   * offline throughput at 64-256 concurrent sequences, and transformers `generate` (one static batch)
     and `generate_batch` (its continuous batching, where this transformers has it) on the same requests;
-  * TTFT and inter-token latency under Poisson arrivals at several request rates (engine only).
+  * TTFT and inter-token latency under Poisson arrivals at several request rates (engine only);
+  * multi-LoRA: random rank-16 adapters on all seven projections, mixed round-robin in one batch,
+    against the base model in the same engine, with CUDA graphs and without.
 Results go to benchmarks/RESULTS.md with the GPU named. Without CUDA it refuses; `--smoke` runs every
 path on the CPU with a tiny model (no results written), so the script itself can be checked anywhere.
 
@@ -27,9 +29,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 from results import update_results  # noqa: E402
 
-from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
-from kubeinfer.engine.random_model import build_random_model  # noqa: E402
+from kubeinfer.engine import LLM, LoRARequest, SamplingParams  # noqa: E402
+from kubeinfer.engine.random_model import build_random_adapter, build_random_model  # noqa: E402
 
+LORA_RANK = 16
 LLAMA3 = dict(vocab_size=128256, max_position_embeddings=4096, rope_theta=500000.0)
 SHAPES = {
     "llama-3.2-1b": dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, intermediate_size=8192,
@@ -91,9 +94,9 @@ def engine_decode_rate(llm: LLM, prompt: list[int], output_len: int) -> float:
     return (output_len - 1) / (out.metrics["last_token_time"] - out.metrics["first_token_time"])
 
 
-def engine_throughput(llm: LLM, prompts: list[list[int]], output_len: int) -> float:
+def engine_throughput(llm: LLM, prompts: list[list[int]], output_len: int, loras=None) -> float:
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(output_len))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(output_len), lora_request=loras)
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
     return len(prompts) * output_len / elapsed
@@ -162,6 +165,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="engine figures only")
     parser.add_argument("--skip-eager", action="store_true", help="no batch-1 decode run without CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    parser.add_argument("--lora-adapters", type=int, default=4, help="adapters in the multi-LoRA runs (0: skip them)")
     parser.add_argument("--smoke", action="store_true", help="check every path on the CPU with a tiny model")
     args = parser.parse_args()
     if args.smoke:
@@ -218,6 +222,24 @@ def main() -> None:
               f"ITL {lat['itl_mean'] * 1e3:.1f} ms")
     del llm
     _free(device)
+    lora = {}
+    if args.lora_adapters:
+        lora_batch = min(batch_sizes)
+        prompts = random_prompts(lora_batch, args.prompt_len, vocab, seed=11)
+        adapters = [LoRARequest(f"bench-{i}", i + 1, str(build_random_adapter(
+            Path(".cache") / f"{model_dir.name}-lora-{i}", model_dir, rank=LORA_RANK, seed=i)))
+            for i in range(args.lora_adapters)]
+        routed = [adapters[i % len(adapters)] for i in range(lora_batch)]
+        for eager in (False, True):
+            llm = engine(enable_lora=True, max_loras=len(adapters), max_lora_rank=LORA_RANK, enforce_eager=eager)
+            llm.generate([{"prompt_token_ids": p} for p in prompts[:len(adapters)]], greedy(4), lora_request=adapters)
+            if not eager:
+                lora["base"] = engine_throughput(llm, prompts, args.output_len)
+            lora["eager" if eager else "mixed"] = engine_throughput(llm, prompts, args.output_len, routed)
+            del llm
+            _free(device)
+        print(f"multi-LoRA, {lora_batch} sequences: base {lora['base']:.0f} tok/s, {len(adapters)} adapters mixed "
+              f"{lora['mixed']:.0f} tok/s, mixed without CUDA graphs {lora['eager']:.0f} tok/s")
 
     hf_decode = hf_static = hf_cb = None
     if not args.skip_hf:
@@ -237,7 +259,7 @@ def main() -> None:
                   f"{'n/a' if hf_cb[b] is None else f'{hf_cb[b]:.0f} tok/s'}")
     if not args.smoke:
         record(args, shape, backend, bandwidth, decode, eager_decode, roofline, throughput, latency, hf_decode,
-               hf_static, hf_cb)
+               hf_static, hf_cb, lora)
 
 
 def _free(device: str) -> None:
@@ -249,7 +271,7 @@ def _free(device: str) -> None:
 
 
 def record(args, shape, backend, bandwidth, decode, eager_decode, roofline, throughput, latency, hf_decode, hf_static,
-           hf_cb) -> None:
+           hf_cb, lora) -> None:
     gpu = torch.cuda.get_device_name()
 
     def ratio(mine: float, peer: float | None) -> str:
@@ -269,6 +291,15 @@ def record(args, shape, backend, bandwidth, decode, eager_decode, roofline, thro
     lat = ["| request rate | TTFT p50 | TTFT p90 | inter-token latency |", "|---|---|---|---|"]
     lat += [f"| {r:g} req/s | {v['ttft_p50'] * 1e3:.0f} ms | {v['ttft_p90'] * 1e3:.0f} ms | "
             f"{v['itl_mean'] * 1e3:.1f} ms |" for r, v in latency.items()]
+    lora_text = []
+    if lora:
+        lora_text = [
+            "", f"Multi-LoRA ({args.lora_adapters} random rank-{LORA_RANK} adapters on all seven projections, "
+            f"{min(int(b) for b in args.batch_sizes.split(','))} sequences routed round-robin over them):", "",
+            "| run | output tok/s | vs base model |", "|---|---|---|",
+            f"| base model, LoRA enabled | {lora['base']:.0f} | 1.00x |",
+            f"| adapters mixed in one batch | {lora['mixed']:.0f} | {ratio(lora['mixed'], lora['base'])} |",
+            f"| adapters mixed, `enforce_eager` | {lora['eager']:.0f} | {ratio(lora['eager'], lora['base'])} |"]
     body = "\n".join([
         f"Command: `python benchmarks/bench_gpu.py --shape {shape} --batch-sizes {args.batch_sizes}` "
         f"(`make bench-gpu`). GPU: {gpu}, torch {torch.__version__}, bf16, attention backend `{backend}`, "
@@ -277,7 +308,8 @@ def record(args, shape, backend, bandwidth, decode, eager_decode, roofline, thro
         f"Model: random-init {shape} shape. Requests: {args.prompt_len}-token prompts, {args.output_len} output "
         f"tokens (batch-1 decode: {args.decode_len}), greedy, all submitted at once; transformers runs one static "
         "batch of the same requests.", "", *table, "",
-        f"Latency under Poisson arrivals ({args.rate_requests} requests per rate, engine only):", "", *lat])
+        f"Latency under Poisson arrivals ({args.rate_requests} requests per rate, engine only):", "", *lat,
+        *lora_text])
     update_results(f"gpu-{shape}", f"GPU: {shape} on {gpu}", body)
 
 
