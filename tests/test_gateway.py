@@ -354,3 +354,36 @@ async def test_an_endpoint_that_fails_mid_request_gives_502_not_a_resend():
     finally:
         await gateway.stop()
         flaky.close()
+
+
+async def test_the_scraper_reads_models_less_often_than_load():
+    """/metrics every scrape; /v1/models on the first, then on its own interval, or when the metrics name an
+    adapter the gateway has not seen on that pod (one just loaded)."""
+    from collections import Counter
+
+    from kubeinfer.gateway.endpoints import Endpoint
+    from kubeinfer.gateway.scraper import Scraper
+
+    calls, running = Counter(), {"adapters": ""}
+
+    def pod(request: httpx.Request) -> httpx.Response:
+        calls[request.url.path] += 1
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text=f'vllm:num_requests_waiting{{model_name="base"}} 0\n'
+                                            f'vllm:lora_requests_info{{max_lora="2",running_lora_adapters='
+                                            f'"{running["adapters"]}",waiting_lora_adapters=""}} 1.7e9\n')
+        if request.url.path == "/v1/models":
+            names = ["base", *filter(None, running["adapters"].split(","))]
+            return httpx.Response(200, json={"data": [{"id": n, "parent": None if n == "base" else "base"}
+                                                      for n in names]})
+        return httpx.Response(200)
+
+    endpoint = Endpoint("10.0.0.1:8000")
+    scraper = Scraper(None, client=httpx.AsyncClient(transport=httpx.MockTransport(pod)), models_interval=3600)
+    for _ in range(5):
+        assert await scraper.scrape(endpoint)
+    assert (calls["/metrics"], calls["/v1/models"]) == (5, 1) and endpoint.models == {"base"}
+    running["adapters"] = "fresh"
+    assert await scraper.scrape(endpoint)
+    assert calls["/v1/models"] == 2 and endpoint.serves("fresh") and endpoint.base_models == {"base"}
+    await scraper.close()
