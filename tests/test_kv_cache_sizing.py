@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_triton_kernels import DEVICES  # also sets TRITON_INTERPRET=1 without CUDA, before triton loads
+
 from kubeinfer.engine.kv_cache_sizing import GiB, GpuMemoryProfile, kv_cache_bytes, num_kv_blocks
 
 H100 = 80 * GiB
@@ -46,16 +48,17 @@ def test_blocks_must_hold_one_sequence_of_max_model_len():
         num_kv_blocks(1 * GiB, per_block, block_size=16, max_model_len=131072)
 
 
-def test_profile_run_leaves_the_served_cache_untouched(model_dirs):
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=DEVICES[0].marks)])
+def test_profile_run_leaves_the_served_cache_untouched(model_dirs, backend):
     """The profiling step uses a scratch cache: the served cache and what later steps compute are unchanged."""
     from kubeinfer.engine import LLM, SamplingParams
 
-    llm = LLM(model_dirs["qwen2"], dtype="float32", max_num_seqs=4, num_kv_blocks=64)
+    llm = LLM(model_dirs["qwen2"], dtype="float32", max_num_seqs=4, num_kv_blocks=64, attention_backend=backend)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     before = llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}], params)[0].outputs[0].token_ids
     runner = llm.engine.runner
     cache_before = [k.clone() for k, _ in runner.kv_caches]
-    runner.profile_run(num_tokens=300, max_num_seqs=4)  # 4 prompts of 75 tokens, beyond the served cache's size
+    runner.profile_run(num_tokens=150, max_num_seqs=4)  # 4 prompts of 37-38 tokens
     runner.profile_run(num_tokens=3, max_num_seqs=8)  # fewer tokens than sequences
     assert all(torch.equal(k, want) for (k, _), want in zip(runner.kv_caches, cache_before))
     assert llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}], params)[0].outputs[0].token_ids == before
