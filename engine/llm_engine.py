@@ -6,6 +6,7 @@ The offline `LLM` and the servers both drive this class.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -77,8 +78,10 @@ class LLMEngine:
         block_size = config.block_size
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.runner, self.num_kv_blocks = self._load_and_size_kv_cache(pool, budget)
-        self.runner.allocate_kv_cache(self.num_kv_blocks)
-        self._capture_decode_graphs()
+        with _out_of_memory_says("allocating the KV cache", "lower --gpu-memory-utilization or --num-kv-blocks"):
+            self.runner.allocate_kv_cache(self.num_kv_blocks)
+        with _out_of_memory_says("capturing CUDA graphs", "pass --enforce-eager, or lower --max-num-seqs"):
+            self._capture_decode_graphs()
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.block_manager,
                                    pool)
@@ -109,7 +112,8 @@ class LLMEngine:
 
         def load_and_profile() -> ModelRunner:
             runner = load()
-            runner.profile_run(step_tokens, config.max_num_seqs)
+            with _out_of_memory_says("the profiling step", "lower --max-num-batched-tokens or --max-num-seqs"):
+                runner.profile_run(step_tokens, config.max_num_seqs)
             return runner
 
         profile, runner = measure_gpu(self.device, load_and_profile)
@@ -354,6 +358,15 @@ class LLMEngine:
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@contextlib.contextmanager
+def _out_of_memory_says(what: str, remedy: str):
+    """A CUDA out-of-memory error at start-up becomes a ValueError that says what ran out and what to change."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError as error:
+        raise ValueError(f"{what} ran out of GPU memory ({str(error).splitlines()[0]}); {remedy}") from None
 
 
 def _load_tokenizer(path: str):

@@ -84,3 +84,12 @@ def test_serve_refuses_a_bad_share_in_one_line(llama_dir):
     add_serve_arguments(parser)
     with pytest.raises(SystemExit, match=r"^kubeinfer serve: gpu_memory_utilization must be a fraction in \(0, 1\]"):
         build_state(parser.parse_args([llama_dir, "--gpu-memory-utilization", "1.5"]))
+
+
+def test_running_out_of_gpu_memory_at_start_up_says_what_to_change():
+    from kubeinfer.engine.llm_engine import _out_of_memory_says
+
+    with pytest.raises(ValueError, match=r"^the profiling step ran out of GPU memory \(CUDA out of memory\. Tried to "
+                                         r"allocate 2\.00 GiB\); lower --max-num-batched-tokens$"):
+        with _out_of_memory_says("the profiling step", "lower --max-num-batched-tokens"):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")
