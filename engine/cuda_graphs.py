@@ -28,7 +28,6 @@ import torch
 from .attention import AttentionMetadata
 
 MAX_CAPTURED_BATCH = 512  # beyond this a decode step is compute-bound and a graph saves nothing that matters
-Capture = Callable[[Callable[[], None]], Callable[[], None]]
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURED_BATCH) -> list[int]:

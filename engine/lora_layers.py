@@ -84,7 +84,7 @@ class LoRAContext:
             from .triton_lora import SegmentPlan
         except ImportError:  # triton is optional (the `gpu` extra): the torch path below still works
             return None
-        return SegmentPlan.build(self.pool, self.groups, self.ranks, self.targets)
+        return SegmentPlan.build(self.pool, self.groups, self.targets)
 
     def apply(self, out: torch.Tensor, x: torch.Tensor, layer: int, module: str) -> torch.Tensor:
         """out[t] += delta of token t's adapter on `module` (our name: qkv_proj, o_proj, gate_up_proj, down_proj)."""

@@ -128,12 +128,6 @@ class ModelRunner:
             return None
         return [self.lora_pool.slot_of(seq.lora_id) for seq, _ in batch.entries]
 
-    def _token_slots(self, batch: ScheduledBatch) -> list[int]:
-        token_slots: list[int] = []
-        for seq, num_new in batch.entries:
-            token_slots.extend([self.lora_pool.slot_of(seq.lora_id)] * num_new)
-        return token_slots
-
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
         inputs, sampling_seqs = self.prepare(batch)
@@ -143,7 +137,7 @@ class ModelRunner:
                                    inputs.block_tables, lora_slots)
             logits = rows[inputs.logits_indices]  # a prompt's one-token middle chunk computes but does not sample
         else:
-            lora = None if lora_slots is None else LoRAContext.build(self.lora_pool, self._token_slots(batch))
+            lora = None if lora_slots is None else LoRAContext.build(self.lora_pool, _per_token(lora_slots, batch))
             logits = self._run_eager(inputs, lora)
         if not sampling_seqs:
             return [], SampleResult([], [])
@@ -166,3 +160,8 @@ class ModelRunner:
         return self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
                           torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches, meta,
                           torch.tensor(inputs.logits_indices, dtype=torch.long, device=dev), lora)
+
+
+def _per_token(per_sequence: list[int], batch: ScheduledBatch) -> list[int]:
+    """Each sequence's value repeated for each of its tokens in the step."""
+    return [value for value, (_, num_new) in zip(per_sequence, batch.entries) for _ in range(num_new)]

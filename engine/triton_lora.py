@@ -93,27 +93,26 @@ class SegmentPlan:
     """One step's adapter tokens sorted into per-slot segments, on the device, built once per step."""
     tokens: torch.Tensor  # [N] int32 rows of the batch, grouped by slot
     seg_start: torch.Tensor  # [S + 1] int32
-    seg_slot: torch.Tensor  # [S] int32
+    seg_slot: torch.Tensor  # [S] int64
     seg_rank: dict[tuple[int, str], torch.Tensor]  # (layer, PEFT module) -> [S] int32 rank, 0 = not targeted
     targeted: frozenset[tuple[int, str]]  # (layer, module) pairs some segment's adapter targets
     longest: int  # tokens in the largest segment (the grid's second dimension)
 
     @classmethod
-    def build(cls, pool: LoRAPool, groups: Sequence[tuple[int, slice | torch.Tensor]], ranks: dict[int, int],
+    def build(cls, pool: LoRAPool, groups: Sequence[tuple[int, slice | torch.Tensor]],
               targets: dict[int, frozenset[tuple[int, str]]]) -> SegmentPlan:
-        """From LoRAContext's snapshot: groups of (slot, rows), and each slot's rank and targets."""
+        """From LoRAContext's snapshot: groups of (slot, rows), and the (layer, module) pairs each slot targets."""
         device = pool.device
         rows = [torch.arange(r.start, r.stop) if isinstance(r, slice) else r.cpu() for _, r in groups]
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + len(r))
-        modules = [(layer, name) for layer, by_name in enumerate(pool.lora_a) for name in by_name]
-        table = [[ranks[slot] if key in targets[slot] else 0 for slot, _ in groups] for key in modules]
-        rank_table = torch.tensor(table, dtype=torch.int32).to(device)  # one copy for the whole step
+        seg_slot = torch.tensor([slot for slot, _ in groups], dtype=torch.long, device=device)
+        ranks = pool.rank_table.index_select(1, seg_slot)  # [modules, S], read on the device
         return cls(tokens=torch.cat(rows).to(device=device, dtype=torch.int32),
                    seg_start=torch.tensor(starts, dtype=torch.int32, device=device),
-                   seg_slot=torch.tensor([slot for slot, _ in groups], dtype=torch.int32, device=device),
-                   seg_rank=dict(zip(modules, rank_table.unbind(0))),
+                   seg_slot=seg_slot,
+                   seg_rank=dict(zip(pool.module_keys, ranks.unbind(0))),
                    targeted=frozenset().union(*(targets[slot] for slot, _ in groups)),
                    longest=max(len(r) for r in rows))
 
@@ -162,8 +161,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, plan: SegmentPlan | TokenPlan,
     return s
 
 
-def lora_expand(out: torch.Tensor, s: torch.Tensor, b: torch.Tensor, plan: SegmentPlan | TokenPlan, seg_rank: torch.Tensor, *,
-                block_t: int = 16, block_o: int = 64, block_r: int = 16) -> None:
+def lora_expand(out: torch.Tensor, s: torch.Tensor, b: torch.Tensor, plan: SegmentPlan | TokenPlan,
+                seg_rank: torch.Tensor, *, block_t: int = 16, block_o: int = 64, block_r: int = 16) -> None:
     """out[tokens[i]] += s[i, :rank] @ B[slot(i), :, :rank].T in place; `out` may be a column slice."""
     if out.stride(-1) != 1 or b.stride(-1) != 1:
         raise ValueError("lora_expand needs unit stride along the last dimension of out and B")

@@ -221,7 +221,7 @@ def test_lora_kernels_match_the_torch_path(route, dtype, device, lora_spec):
             torch_ctx = LoRAContext.build(pool, rows)
             torch_ctx.kernel_plan = None  # the torch path, even on CUDA where the kernels are the default
             kernel_ctx = LoRAContext.build(pool, rows)
-            kernel_ctx.kernel_plan = SegmentPlan.build(pool, kernel_ctx.groups, kernel_ctx.ranks, kernel_ctx.targets)
+            kernel_ctx.kernel_plan = SegmentPlan.build(pool, kernel_ctx.groups, kernel_ctx.targets)
             width = sum(w for _, _, w in torch_ctx.parts[module])
             in_features = {"o_proj": 96, "down_proj": 80}.get(module, 64)
             x = torch.randn(len(rows), in_features, generator=gen).to(device=device, dtype=dtype)

@@ -13,7 +13,7 @@ import sys
 
 # Pointer arguments that are not activations (which are bf16, the GPU default dtype).
 POINTER_TYPES = {"block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "slot_ptr": "*i64", "query_start_ptr": "*i32",
-                 "tokens_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i32", "seg_rank_ptr": "*i32",
+                 "tokens_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i64", "seg_rank_ptr": "*i32",
                  "s_ptr": "*fp32", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
 SCALAR_TYPES = {"scale_log2": "fp32", "eps": "fp32"}
 
