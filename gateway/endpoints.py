@@ -67,7 +67,6 @@ class Endpoint:
     base_models: frozenset[str] = frozenset()
     last_scrape: float | None = None  # monotonic time of the last successful scrape
     consecutive_failures: int = 0
-    scrape_started: float = float("-inf")  # when the scrape behind `state` began
     unseen: Counter[float] = field(default_factory=Counter)  # dispatch times of requests no scrape could count
     finished_since_scrape: int = 0  # requests the last scrape counted that have ended since
 
@@ -121,10 +120,10 @@ class Endpoint:
         """A scrape that began at `started` (default: now) succeeded; it counts every request sent before."""
         self.state, self.models, self.base_models = state, models, base_models
         self.last_scrape = time.monotonic()
-        self.scrape_started = self.last_scrape if started is None else started
+        started = self.last_scrape if started is None else started
         self.consecutive_failures = 0
         self.finished_since_scrape = 0
-        for sent in [sent for sent in self.unseen if sent < self.scrape_started]:
+        for sent in [sent for sent in self.unseen if sent < started]:
             del self.unseen[sent]
 
     def record_failure(self) -> None:
