@@ -1,15 +1,22 @@
 """Envoy external processing (ext_proc) server: the Gateway API Inference Extension's endpoint picker.
 
-Envoy streams each HTTP request to us (`envoy.service.ext_proc.v3.ExternalProcessor/Process`). Configure
-the filter with `request_body_mode: BUFFERED` so that the request headers wait for our answer on the
-body: we parse the OpenAI JSON, pick an endpoint and reply with the header
+Envoy streams each HTTP request to us (`envoy.service.ext_proc.v3.ExternalProcessor/Process`). We parse
+the OpenAI JSON body, pick an endpoint and answer with the header
 `x-gateway-destination-endpoint: ip:port[,fallback,...]` plus the same value in dynamic metadata
 (namespace `envoy.lb`), which Envoy's original-destination cluster dials. When no endpoint can take
 the request we answer with an ImmediateResponse (503, 404, 429 or 400) carrying OpenAI's error shape.
-Every other phase is passed through unchanged. When the filter also sends the response phases
-(`response_header_mode: SEND`, `response_body_mode: STREAMED`, as the Inference Extension's EPP asks
-for), the end of the response body, or the stream closing after the response began, tells the picker
-the request is over; without them it stays counted until the next scrape of its pod.
+A subset hint from the data plane (`envoy.lb.subset_hint` filter metadata) limits the pick to its endpoints.
+
+Two body modes, told apart by the `protocol_config` Envoy (1.34+) sends with the first message:
+  * BUFFERED / STREAMED (half duplex): the headers are answered at once, the body chunks pass, and the
+    answer to the last one carries the destination (with BUFFERED, Envoy holds the headers until then);
+  * FULL_DUPLEX_STREAMED, what the Inference Extension's protocol asks for: Envoy sends body chunks
+    without waiting, and forwards only what we send back. The headers' answer waits for the whole body,
+    then carries the destination and Content-Length; the body goes back whole after it. Response body
+    chunks are echoed back as they come.
+When the filter also sends the response phases, the end of the response body, or the stream closing
+after the response began, tells the picker the request is over; without them it stays counted until
+the next scrape of its pod.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import json
 import logging
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
@@ -29,6 +37,9 @@ from .routing import Router
 logger = logging.getLogger(__name__)
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+HEALTH_SERVICES = ("envoy.service.ext_proc.v3.ExternalProcessor", "liveness", "readiness")
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 502: "BadGatewayError",
                503: "ServiceUnavailableError"}
 _PASS_THROUGH = {
@@ -43,11 +54,22 @@ def header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
     return {h.key.lower(): h.value or h.raw_value.decode("utf-8", "replace") for h in headers.headers}
 
 
-def routed(phase: str, destination: str) -> ep.ProcessingResponse:
+def subset_hint(message: ep.ProcessingRequest) -> frozenset[str] | None:
+    """The endpoints the data plane allows for this request, when it says (None: any of the pool)."""
+    namespace = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+    if namespace is None or SUBSET_KEY not in namespace.fields:
+        return None
+    return frozenset(v.string_value for v in namespace.fields[SUBSET_KEY].list_value.values)
+
+
+def routed(phase: str, destination: str, content_length: int | None = None) -> ep.ProcessingResponse:
     """Continue, with the destination header set and the same value in dynamic metadata."""
+    values = [(DESTINATION_HEADER, destination)]
+    if content_length is not None:  # full duplex: Envoy dropped the header, the body we return is this long
+        values.append(("content-length", str(content_length)))
     mutation = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=destination.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)])
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD) for key, value in values])
     common = ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
     metadata = struct_pb2.Struct()
     metadata.update({METADATA_NAMESPACE: {DESTINATION_HEADER: destination}})
@@ -76,38 +98,57 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def decide(self, phase: str, headers: dict[str, str], body: bytes) -> tuple[ep.ProcessingResponse, Decision | None]:
+    def decide(self, phase: str, headers: dict[str, str], body: bytes, subset: frozenset[str] | None,
+               full_duplex: bool = False) -> tuple[list[ep.ProcessingResponse], Decision | None]:
         try:
-            _, decision = self.router.route(body, headers)
+            _, decision = self.router.route(body, headers, subset)
         except RoutingError as error:
-            return refused(error), None
-        return routed(phase, decision.destination), decision
+            return [refused(error)], None
+        if not full_duplex:
+            return [routed(phase, decision.destination)], decision
+        # The headers' answer waited for the body; the body itself goes back whole, after it.
+        return [routed("request_headers", decision.destination, content_length=len(body)),
+                ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
+                    body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+                        body=body, end_of_stream=True)))))], decision
 
     async def Process(self, request_iterator, context):
         headers: dict[str, str] = {}
         body = bytearray()
+        subset: frozenset[str] | None = None
         decision: Decision | None = None
-        response_began = False
+        response_began = request_full_duplex = response_full_duplex = False
         try:
             async for message in request_iterator:
+                if message.HasField("protocol_config"):  # sent with the first message only
+                    request_full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
+                    response_full_duplex = message.protocol_config.response_body_mode == FULL_DUPLEX
                 phase = message.WhichOneof("request")
                 if phase == "request_headers":
-                    headers = header_map(message.request_headers.headers)
+                    headers, subset = header_map(message.request_headers.headers), subset_hint(message)
                     if message.request_headers.end_of_stream:  # no body follows (GET): route on headers alone
-                        reply, decision = self.decide(phase, headers, b"")
-                        yield reply
-                    else:
+                        replies, decision = self.decide(phase, headers, b"", subset)
+                        for reply in replies:
+                            yield reply
+                    elif not request_full_duplex:  # full duplex: the answer waits for the body
                         yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
                 elif phase == "request_body":
                     body += message.request_body.body
                     if message.request_body.end_of_stream:
-                        reply, decision = self.decide(phase, headers, bytes(body))
-                        yield reply
-                    else:  # streamed body mode: chunks pass; the decision comes with the last one
+                        replies, decision = self.decide(phase, headers, bytes(body), subset, request_full_duplex)
+                        for reply in replies:
+                            yield reply
+                    elif not request_full_duplex:  # streamed: chunks pass; the decision comes with the last one
                         yield ep.ProcessingResponse(request_body=ep.BodyResponse())
                 elif phase in _PASS_THROUGH:
                     response_began = response_began or phase.startswith("response")
-                    yield _PASS_THROUGH[phase]()
+                    if phase == "response_body" and response_full_duplex:  # what we do not send back is lost
+                        chunk = message.response_body
+                        yield ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
+                            body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+                                body=chunk.body, end_of_stream=chunk.end_of_stream)))))
+                    else:
+                        yield _PASS_THROUGH[phase]()
                     ended = ((phase == "response_body" and message.response_body.end_of_stream)
                              or phase == "response_trailers")
                     if ended and decision is not None:
@@ -122,4 +163,4 @@ async def start_extproc_server(router: Router, host: str, port: int) -> HealthCh
     """ext_proc and gRPC health on host:port (port 0 picks a free one: see .port)."""
     return await HealthCheckedServer.start(
         lambda server: ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server),
-        "envoy.service.ext_proc.v3.ExternalProcessor", host, port)
+        HEALTH_SERVICES, host, port)

@@ -45,6 +45,7 @@ class RoutingRequest:
     model: str  # empty: any endpoint will do (e.g. GET /v1/models)
     prompt: str = ""  # text the prefix scorer hashes (the prompt, or the chat messages)
     sheddable: bool = False
+    subset: frozenset[str] | None = None  # the data plane's subset hint: only these addresses may be picked
 
 
 @dataclass
@@ -155,6 +156,10 @@ class Picker:
 
     def pick(self, request: RoutingRequest) -> Decision:
         ready = self.ready_endpoints()
+        if request.subset is not None:
+            ready = [e for e in ready if e.address in request.subset]
+            if not ready:
+                raise RoutingError(503, f"none of the {len(request.subset)} endpoints of the subset hint is ready")
         if not ready:
             raise RoutingError(503, "no engine endpoint is ready")
         serving = [e for e in ready if not request.model or e.serves(request.model)]

@@ -18,11 +18,14 @@ class Router:
         self.model_priorities = dict(model_priorities or {})  # configured: wins
         self.discovered_priorities: dict[str, int] = {}  # from InferenceModels in the cluster
 
-    def route(self, raw_body: bytes, headers: Mapping[str, str]) -> tuple[RoutingRequest, Decision]:
-        """Raises RoutingError with the HTTP status to answer (400, 404, 429, 503)."""
+    def route(self, raw_body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None = None
+              ) -> tuple[RoutingRequest, Decision]:
+        """Raises RoutingError with the HTTP status to answer (400, 404, 429, 503). `subset`: the only
+        endpoints (ip:port) the data plane allows for this request."""
         request = None
         try:
             request = parse_request(raw_body, headers, ChainMap(self.model_priorities, self.discovered_priorities))
+            request.subset = subset
             start = time.perf_counter()
             decision = self.picker.pick(request)
             self.metrics.pick_duration.observe(time.perf_counter() - start)

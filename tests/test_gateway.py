@@ -316,12 +316,70 @@ async def test_ext_proc_immediate_responses(gateway, engines):
 
 
 async def test_ext_proc_health(gateway):
+    """The services the Inference Extension's protocol names: liveness, readiness and ext_proc itself."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    def check():
+    def check(service):
         with grpc.insecure_channel(f"127.0.0.1:{gateway.ports['ext_proc']}") as channel:
-            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status
-    assert await asyncio.to_thread(check) == health_pb2.HealthCheckResponse.SERVING
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+    for service in ("", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        assert await asyncio.to_thread(check, service) == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def full_duplex(message: ep.ProcessingRequest) -> ep.ProcessingRequest:
+    """The first message as Envoy 1.34+ sends it for FULL_DUPLEX_STREAMED request and response bodies."""
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
+    mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+    message.protocol_config.CopyFrom(ep.ProtocolConfiguration(request_body_mode=mode, response_body_mode=mode))
+    return message
+
+
+async def test_ext_proc_full_duplex_answers_headers_after_the_body_and_returns_every_byte(gateway, engines):
+    """In FULL_DUPLEX_STREAMED Envoy forwards only what the server sends back: the headers' answer (with the
+    destination and the new Content-Length) must wait for the whole body, and the body must come back whole."""
+    body = {"model": "attn", "prompt": PROMPTS[1], "max_tokens": 4}
+    raw = json.dumps(body).encode()
+    chunks = [b"data: one\n\n", b"data: [DONE]\n\n"]
+    messages = [full_duplex(headers_message("/v1/completions", False)), *body_messages(body, chunks=3),
+                ep.ProcessingRequest(response_headers=ep.HttpHeaders()),
+                *(ep.ProcessingRequest(response_body=ep.HttpBody(body=c, end_of_stream=i == len(chunks) - 1))
+                  for i, c in enumerate(chunks))]
+    responses = await asyncio.to_thread(ext_proc, gateway, messages)
+    assert [r.WhichOneof("response") for r in responses] == ["request_headers", "request_body", "response_headers",
+                                                             "response_body", "response_body"]
+    header, metadata = destination(responses[0])
+    assert header == metadata and header.split(",")[0] == address(engines["pod-attn"])
+    headers = {h.header.key: h.header.raw_value for h in responses[0].request_headers.response.header_mutation.set_headers}
+    assert headers["content-length"] == str(len(raw)).encode()
+    returned = responses[1].request_body.response.body_mutation.streamed_response
+    assert returned.body == raw and returned.end_of_stream
+    echoed = [r.response_body.response.body_mutation.streamed_response for r in responses[3:]]
+    assert [e.body for e in echoed] == chunks and [e.end_of_stream for e in echoed] == [False, True]
+    # A refusal is one immediate response, whatever the mode.
+    refused = await asyncio.to_thread(ext_proc, gateway, [full_duplex(headers_message("/v1/completions", False)),
+                                                          *body_messages({"model": "nope", "prompt": "x"}, 2)])
+    assert [r.WhichOneof("response") for r in refused] == ["immediate_response"]
+
+
+async def test_ext_proc_picks_only_from_the_subset_hint(gateway, engines):
+    from google.protobuf import struct_pb2
+
+    def with_subset(addresses):
+        message = headers_message("/v1/completions", False)
+        hint = struct_pb2.Struct()
+        hint.update({"x-gateway-destination-endpoint-subset": addresses})
+        message.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+        return message
+
+    only = address(engines["pod-base"])
+    for _ in range(3):  # without the hint, load and chance would spread these over all three pods
+        responses = await asyncio.to_thread(ext_proc, gateway, [with_subset([only]),
+                                                                *body_messages({"model": "base", "prompt": "hi"}, 1)])
+        assert destination(responses[-1])[0] == only
+    responses = await asyncio.to_thread(ext_proc, gateway, [with_subset(["10.9.9.9:8000"]),
+                                                            *body_messages({"model": "base", "prompt": "hi"}, 1)])
+    assert responses[-1].immediate_response.status.code == 503
 
 
 async def test_an_endpoint_that_fails_mid_request_gives_502_not_a_resend():
