@@ -15,13 +15,14 @@ Two body modes, told apart by the `protocol_config` Envoy (1.34+) sends with the
     then carries the destination and Content-Length; the body goes back whole after it. Response body
     chunks are echoed back as they come.
 When the filter also sends the response phases, the end of the response body, or the stream closing
-after the response began, tells the picker the request is over; without them it stays counted until
-the next scrape of its pod.
+after the response began, tells the picker the request is over (on the pod that served it, when the
+data plane names one after a retry); without them it stays counted until the next scrape of its pod.
 """
 from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 METADATA_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"  # in envoy.lb, on the response: where a retry landed
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 HEALTH_SERVICES = ("envoy.service.ext_proc.v3.ExternalProcessor", "liveness", "readiness")
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 502: "BadGatewayError",
@@ -60,6 +62,11 @@ def subset_hint(message: ep.ProcessingRequest) -> frozenset[str] | None:
     if namespace is None or SUBSET_KEY not in namespace.fields:
         return None
     return frozenset(v.string_value for v in namespace.fields[SUBSET_KEY].list_value.values)
+
+
+def served_endpoint(message: ep.ProcessingRequest) -> str | None:
+    namespace = message.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
+    return namespace.fields[SERVED_KEY].string_value if namespace and SERVED_KEY in namespace.fields else None
 
 
 def routed(phase: str, destination: str, content_length: int | None = None) -> ep.ProcessingResponse:
@@ -142,6 +149,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                         yield ep.ProcessingResponse(request_body=ep.BodyResponse())
                 elif phase in _PASS_THROUGH:
                     response_began = response_began or phase.startswith("response")
+                    if phase == "response_headers" and decision is not None:
+                        decision = self._follow_retry(decision, served_endpoint(message))
                     if phase == "response_body" and response_full_duplex:  # what we do not send back is lost
                         chunk = message.response_body
                         yield ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
@@ -157,6 +166,14 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         finally:  # the stream closed: after a response began, the request is over (done or abandoned)
             if decision is not None and response_began:
                 decision.endpoint.record_finish(decision.sent)
+
+    def _follow_retry(self, decision: Decision, served: str | None) -> Decision:
+        """Envoy retried on a fallback: the load we counted on the pick moves to the pod that served."""
+        endpoint = self.router.picker.pool.endpoints.get(served) if served else None
+        if endpoint is None or endpoint is decision.endpoint:
+            return decision
+        decision.endpoint.record_finish(decision.sent)
+        return replace(decision, endpoint=endpoint, sent=endpoint.record_dispatch())
 
 
 async def start_extproc_server(router: Router, host: str, port: int) -> HealthCheckedServer:

@@ -279,6 +279,41 @@ async def test_ext_proc_reports_the_end_of_a_response_it_sees():
     assert pod.num_unseen == 1
 
 
+async def test_ext_proc_moves_the_load_to_the_pod_a_retry_landed_on():
+    from google.protobuf import struct_pb2
+
+    from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
+    from kubeinfer.gateway.extproc import ExternalProcessor
+    from kubeinfer.gateway.picker import Picker
+    from kubeinfer.gateway.routing import Router
+
+    pods = [Endpoint(f"10.0.0.{i}:8000") for i in (1, 2)]
+    for pod in pods:
+        pod.record_scrape(EngineState(), frozenset({"base"}), frozenset({"base"}))
+    pool = EndpointPool()
+    pool.set_members(pods)
+    processor = ExternalProcessor(Router(Picker(pool, PickerConfig())))
+    seen = {}
+
+    async def stream():
+        yield headers_message("/v1/completions", False)
+        for message in body_messages({"model": "base", "prompt": "x"}):
+            yield message
+        picked = next(p for p in pods if p.num_unseen)
+        other = next(p for p in pods if p is not picked)
+        served = ep.ProcessingRequest(response_headers=ep.HttpHeaders())
+        metadata = struct_pb2.Struct()
+        metadata.update({"x-gateway-destination-endpoint-served": other.address})
+        served.metadata_context.filter_metadata["envoy.lb"].CopyFrom(metadata)
+        yield served
+        seen.update(picked=picked.num_unseen, other=other.num_unseen)
+        yield ep.ProcessingRequest(response_body=ep.HttpBody(body=b"{}", end_of_stream=True))
+
+    [reply async for reply in processor.Process(stream(), None)]
+    assert seen == {"picked": 0, "other": 1}  # the pick failed over: the load is where the request runs
+    assert [p.num_unseen for p in pods] == [0, 0]  # and it ended there
+
+
 async def test_ext_proc_sets_destination_header_and_metadata(gateway, engines):
     body = {"model": "mlp", "prompt": PROMPTS[0], "max_tokens": 4}
     messages = [headers_message("/v1/completions", False), *body_messages(body, chunks=3),
