@@ -15,7 +15,7 @@ from .discovery import KubernetesDiscovery, static_endpoints
 from .endpoints import EndpointPool
 from .extproc import start_extproc_server
 from .metrics import GatewayMetrics
-from .model_priorities import InferenceModelPriorities
+from .model_priorities import ClusterPriorities
 from .picker import Picker, PickerConfig
 from .proxy import build_proxy_app
 from .routing import Router
@@ -56,8 +56,8 @@ class Gateway:
             self.discovery = KubernetesDiscovery(self.pool, namespace=config.namespace, selector=config.selector,
                                                  inference_pool=config.inference_pool, target_port=config.target_port,
                                                  api_client=api_client, on_change=self._forget_departed)
-            self.priorities = InferenceModelPriorities(self.router.discovered_priorities, namespace=config.namespace,
-                                                       api_client=api_client)
+            self.priorities = ClusterPriorities(self.router.discovered_priorities, self.router.objective_priorities,
+                                                namespace=config.namespace, api_client=api_client)
         self._tasks: list[asyncio.Task] = []
         self._servers: list[uvicorn.Server] = []
         self.extproc = None

@@ -1,5 +1,10 @@
-"""Routing priorities from InferenceModels: a model (and its adapters) whose `spec.routing.priority` is
-below zero is sheddable. Polled from the API server on a thread; the router reads the latest map."""
+"""Routing priorities from the cluster, polled from the API server on a thread; the router reads the
+latest maps. Below zero a request is sheddable.
+
+  * our InferenceModels: a model (and its adapters) gets its `spec.routing.priority`;
+  * the Inference Extension's InferenceObjectives (`inference.networking.x-k8s.io/v1alpha2`): a request
+    naming one in the `x-gateway-inference-objective` header gets its `spec.priority`.
+A resource whose CRD is not installed is left out, and headers alone decide for it."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +12,8 @@ import logging
 import threading
 
 logger = logging.getLogger(__name__)
-GROUP, VERSION, PLURAL = "serving.kubeinfer.io", "v1alpha1", "inferencemodels"
+INFERENCE_MODELS = ("serving.kubeinfer.io", "v1alpha1", "inferencemodels")
+INFERENCE_OBJECTIVES = ("inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives")
 
 
 def priorities_of(models: list[dict]) -> dict[str, int]:
@@ -23,9 +29,19 @@ def priorities_of(models: list[dict]) -> dict[str, int]:
     return out
 
 
-class InferenceModelPriorities:
-    def __init__(self, target: dict[str, int], *, namespace: str | None, api_client, interval: float = 10.0) -> None:
-        self.target, self.namespace, self.api_client, self.interval = target, namespace, api_client, interval
+def objective_priorities_of(objectives: list[dict]) -> dict[str, int]:
+    """InferenceObjective name -> its priority (0 when unset)."""
+    return {o["metadata"]["name"]: int((o.get("spec") or {}).get("priority", 0) or 0)
+            for o in objectives if (o.get("metadata") or {}).get("name")}
+
+
+class ClusterPriorities:
+    def __init__(self, models: dict[str, int], objectives: dict[str, int], *, namespace: str | None, api_client,
+                 interval: float = 10.0) -> None:
+        """Keeps `models` (served name -> priority) and `objectives` (objective name -> priority) current."""
+        self.namespace, self.api_client, self.interval = namespace, api_client, interval
+        self.sources = {INFERENCE_MODELS: (priorities_of, models),
+                        INFERENCE_OBJECTIVES: (objective_priorities_of, objectives)}
         self._stop = threading.Event()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -35,10 +51,10 @@ class InferenceModelPriorities:
     def stop(self) -> None:
         self._stop.set()
 
-    def _publish(self, priorities: dict[str, int]) -> None:
+    def _publish(self, target: dict[str, int], priorities: dict[str, int]) -> None:
         def apply() -> None:
-            self.target.clear()
-            self.target.update(priorities)
+            target.clear()
+            target.update(priorities)
         self.loop.call_soon_threadsafe(apply)
 
     def _run(self) -> None:
@@ -46,18 +62,21 @@ class InferenceModelPriorities:
         from kubernetes.client.exceptions import ApiException
 
         api = client.CustomObjectsApi(self.api_client)
-        while not self._stop.is_set():
-            try:
-                if self.namespace:
-                    listing = api.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL)
-                else:
-                    listing = api.list_cluster_custom_object(GROUP, VERSION, PLURAL)
-                self._publish(priorities_of(listing.get("items", [])))
-            except ApiException as error:
-                if error.status == 404:  # the CRD is not installed: headers alone decide
-                    logger.info("no InferenceModel CRD; routing priorities come from headers only")
-                    return
-                logger.warning("listing InferenceModels failed: %s", error)
-            except Exception as error:
-                logger.warning("listing InferenceModels failed: %s", error)
+        while not self._stop.is_set() and self.sources:
+            for resource, (parse, target) in list(self.sources.items()):
+                group, version, plural = resource
+                try:
+                    if self.namespace:
+                        listing = api.list_namespaced_custom_object(group, version, self.namespace, plural)
+                    else:
+                        listing = api.list_cluster_custom_object(group, version, plural)
+                    self._publish(target, parse(listing.get("items", [])))
+                except ApiException as error:
+                    if error.status == 404:  # the CRD is not installed: headers alone decide
+                        logger.info("no %s CRD (%s/%s); leaving it out of routing priorities", plural, group, version)
+                        del self.sources[resource]
+                    else:
+                        logger.warning("listing %s failed: %s", plural, error)
+                except Exception as error:
+                    logger.warning("listing %s failed: %s", plural, error)
             self._stop.wait(self.interval)

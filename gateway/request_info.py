@@ -1,7 +1,9 @@
 """What the picker needs from an OpenAI request: the model, the prompt text, and whether it may be shed.
 
-A request is sheddable when its priority is below zero, from the `x-gateway-inference-priority`
-header, or else from the model's configured priority (the InferenceModel's `spec.routing.priority`).
+A request is sheddable when its priority is below zero. The priority comes from, first to last: the
+`x-gateway-inference-priority` header; the InferenceObjective the `x-gateway-inference-objective` header
+names (the Inference Extension's convention); the model's configured priority (the InferenceModel's
+`spec.routing.priority`); else 0.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Mapping
 from .picker import RoutingError, RoutingRequest
 
 PRIORITY_HEADER = "x-gateway-inference-priority"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 
 def prompt_text(body: dict) -> str:
@@ -33,8 +36,8 @@ def prompt_text(body: dict) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
-def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities: Mapping[str, int] | None = None
-                  ) -> RoutingRequest:
+def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities: Mapping[str, int] | None = None,
+                  objective_priorities: Mapping[str, int] | None = None) -> RoutingRequest:
     """Raises RoutingError(400) for a body the engines would reject anyway, before any routing.
     A request without a body (GET /v1/models, /health) may go to any endpoint."""
     if not raw_body:
@@ -49,6 +52,9 @@ def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities:
     if not isinstance(model, str) or not model:
         raise RoutingError(400, "model: a model name is required")
     priority = (model_priorities or {}).get(model, 0)
+    objective = headers.get(OBJECTIVE_HEADER)
+    if objective is not None:  # an objective this gateway does not know has the default priority
+        priority = (objective_priorities or {}).get(objective, 0)
     header = headers.get(PRIORITY_HEADER)
     if header is not None:
         try:

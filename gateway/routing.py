@@ -17,6 +17,7 @@ class Router:
         self.metrics = metrics or GatewayMetrics(picker)
         self.model_priorities = dict(model_priorities or {})  # configured: wins
         self.discovered_priorities: dict[str, int] = {}  # from InferenceModels in the cluster
+        self.objective_priorities: dict[str, int] = {}  # from the Inference Extension's InferenceObjectives
 
     def route(self, raw_body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None = None
               ) -> tuple[RoutingRequest, Decision]:
@@ -24,7 +25,8 @@ class Router:
         endpoints (ip:port) the data plane allows for this request."""
         request = None
         try:
-            request = parse_request(raw_body, headers, ChainMap(self.model_priorities, self.discovered_priorities))
+            request = parse_request(raw_body, headers, ChainMap(self.model_priorities, self.discovered_priorities),
+                                    self.objective_priorities)
             request.subset = subset
             start = time.perf_counter()
             decision = self.picker.pick(request)

@@ -259,9 +259,10 @@ def test_gateway_service_name_is_what_the_operator_points_pools_at(rendered):
     assert OperatorConfig().endpoint_picker_port in {p["port"] for p in service["spec"]["ports"]}
 
 
-def test_gateway_rbac_only_reads_pods_pools_and_models(rendered):
+def test_gateway_rbac_only_reads_pods_pools_models_and_objectives(rendered):
     reads = {(g, r, v) for g, r in (("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
-                                    ("serving.kubeinfer.io", "inferencemodels"))
+                                    ("serving.kubeinfer.io", "inferencemodels"),
+                                    ("inference.networking.x-k8s.io", "inferenceobjectives"))
              for v in ("get", "list", "watch")}
     assert granted(rendered["defaults"], "kubeinfer-gateway") == {NAMESPACE: reads}
     assert granted(rendered["all-on"], "kubeinfer-gateway") == {"team-a": reads}

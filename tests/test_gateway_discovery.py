@@ -113,6 +113,52 @@ async def test_discovery_follows_pods_of_an_inference_pool():
                 discovery.stop()
 
 
+def test_cluster_priorities_skip_a_resource_whose_crd_is_missing(monkeypatch):
+    """No InferenceObjective CRD in this cluster: InferenceModels still count, objectives are left out."""
+    import asyncio
+    import threading
+
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    from kubeinfer.gateway.model_priorities import ClusterPriorities
+
+    calls = []
+
+    class FakeApi:
+        def __init__(self, api_client) -> None:
+            pass
+
+        def list_namespaced_custom_object(self, group, version, namespace, plural):
+            calls.append(plural)
+            if plural == "inferenceobjectives":
+                raise ApiException(status=404)
+            return {"items": [{"metadata": {"name": "llama"}, "spec": {"routing": {"priority": -1}}}]}
+
+    monkeypatch.setattr(client, "CustomObjectsApi", FakeApi)
+    models, objectives = {}, {"stale": 1}
+    poller = ClusterPriorities(models, objectives, namespace="ns", api_client=None, interval=0.01)
+    poller.loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=poller._run)
+    thread.start()
+    while calls.count("inferencemodels") < 3:
+        poller.loop.run_until_complete(asyncio.sleep(0.01))
+    poller.stop()
+    thread.join()
+    poller.loop.run_until_complete(asyncio.sleep(0))  # apply what the thread published
+    poller.loop.close()
+    assert models == {"llama": -1} and objectives == {"stale": 1}
+    assert calls.count("inferenceobjectives") == 1  # asked once, then left out
+
+
+def test_objective_priorities_of_inference_objectives():
+    from kubeinfer.gateway.model_priorities import objective_priorities_of
+
+    objectives = [{"metadata": {"name": "batch"}, "spec": {"priority": -3, "poolRef": {"name": "llama"}}},
+                  {"metadata": {"name": "default"}, "spec": {"poolRef": {"name": "llama"}}}]
+    assert objective_priorities_of(objectives) == {"batch": -3, "default": 0}
+
+
 def test_priorities_of_inference_models():
     from kubeinfer.gateway.model_priorities import priorities_of
 
@@ -134,6 +180,8 @@ async def test_gateway_in_kubernetes_mode_routes_to_discovered_pods(lora_base_di
             declare(k8s)
             k8s.resources["serving.kubeinfer.io/v1alpha1/inferencemodels"] = kmock.ResourceInfo(
                 kind="InferenceModel", namespaced=True, verbs=VERBS)
+            k8s.resources["inference.networking.x-k8s.io/v1alpha2/inferenceobjectives"] = kmock.ResourceInfo(
+                kind="InferenceObjective", namespaced=True, verbs=VERBS)
             url = str(server.url).rstrip("/")
             async with httpx.AsyncClient(base_url=url) as api:
                 await create_pool(api, engine.port)
@@ -142,6 +190,10 @@ async def test_gateway_in_kubernetes_mode_routes_to_discovered_pods(lora_base_di
                     "apiVersion": "serving.kubeinfer.io/v1alpha1", "kind": "InferenceModel",
                     "metadata": {"name": "llama", "namespace": NS},
                     "spec": {"model": {"uri": "pvc://models/llama"}, "routing": {"priority": -1}}})
+                await api.post(f"/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/{NS}/inferenceobjectives",
+                               json={"apiVersion": "inference.networking.x-k8s.io/v1alpha2",
+                                     "kind": "InferenceObjective", "metadata": {"name": "interactive", "namespace": NS},
+                                     "spec": {"priority": 5, "poolRef": {"name": "llama"}}})
             gateway = Gateway(GatewayConfig(host="127.0.0.1", port=0, ext_proc_port=None, metrics_port=None,
                                             namespace=NS, inference_pool="llama", scrape_interval=0.1),
                               api_client=k8s_client.ApiClient(k8s_client.Configuration(host=url)))
@@ -158,5 +210,9 @@ async def test_gateway_in_kubernetes_mode_routes_to_discovered_pods(lora_base_di
                 assert response.headers["x-gateway-destination-endpoint"] == f"127.0.0.1:{engine.port}"
                 parsed, _ = gateway.router.route(b'{"model": "llama", "prompt": "x"}', {})
                 assert parsed.sheddable  # from the InferenceModel's routing priority
+                assert await wait_for(lambda: gateway.router.objective_priorities == {"interactive": 5})
+                parsed, _ = gateway.router.route(b'{"model": "llama", "prompt": "x"}',
+                                                 {"x-gateway-inference-objective": "interactive"})
+                assert not parsed.sheddable  # the objective the request names outranks the model
             finally:
                 await gateway.stop()

@@ -165,6 +165,13 @@ def test_parse_request():
     assert parse_request(b'{"model": "m", "prompt": "x"}', {}, {"m": -2}).sheddable
     assert not parse_request(b'{"model": "m", "prompt": "x"}', {"x-gateway-inference-priority": "3"}, {"m": -2}).sheddable
     assert parse_request(b"", {}).model == ""  # GET: any endpoint
+    # The Inference Extension's InferenceObjective, named by header, outranks the model's priority.
+    body, objectives = b'{"model": "m", "prompt": "x"}', {"batch": -5, "chat": 10}
+    assert parse_request(body, {"x-gateway-inference-objective": "batch"}, {}, objectives).sheddable
+    assert not parse_request(body, {"x-gateway-inference-objective": "chat"}, {"m": -2}, objectives).sheddable
+    assert not parse_request(body, {"x-gateway-inference-objective": "unknown"}, {"m": -2}, objectives).sheddable
+    assert parse_request(body, {"x-gateway-inference-objective": "chat", "x-gateway-inference-priority": "-1"},
+                         {}, objectives).sheddable  # an explicit priority header wins over all
     for body, message in [(b"{nope", "not valid JSON"), (b"[1]", "JSON object"), (b'{"prompt": "x"}', "model")]:
         with pytest.raises(RoutingError, match=message) as error:
             parse_request(body, {})

@@ -146,8 +146,12 @@ objects are created, patched and deleted; pods are only relabelled (active/stand
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, watch]
-# InferenceModels' spec.routing.priority makes a model's requests sheddable.
+# InferenceModels' spec.routing.priority makes a model's requests sheddable; so does the priority of the
+# Inference Extension's InferenceObjective a request names.
 - apiGroups: [serving.kubeinfer.io]
   resources: [inferencemodels]
+  verbs: [get, list, watch]
+- apiGroups: [inference.networking.x-k8s.io]
+  resources: [inferenceobjectives]
   verbs: [get, list, watch]
 {{- end }}
