@@ -85,6 +85,13 @@ def routed(phase: str, destination: str, content_length: int | None = None) -> e
     return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
+def streamed_body(phase: str, body: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
+    """Full duplex: body bytes sent back to Envoy, which forwards only what it gets back."""
+    response = ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(
+        streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream))))
+    return ep.ProcessingResponse(**{phase: response})
+
+
 def error_body(status: int, message: str) -> dict:
     """OpenAI's error shape, as the engines answer: clients handle the gateway's refusals the same way."""
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": None, "code": status}}
@@ -115,9 +122,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             return [routed(phase, decision.destination)], decision
         # The headers' answer waited for the body; the body itself goes back whole, after it.
         return [routed("request_headers", decision.destination, content_length=len(body)),
-                ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
-                    body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
-                        body=body, end_of_stream=True)))))], decision
+                streamed_body("request_body", body, end_of_stream=True)], decision
 
     async def Process(self, request_iterator, context):
         headers: dict[str, str] = {}
@@ -151,11 +156,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     response_began = response_began or phase.startswith("response")
                     if phase == "response_headers" and decision is not None:
                         decision = self._follow_retry(decision, served_endpoint(message))
-                    if phase == "response_body" and response_full_duplex:  # what we do not send back is lost
+                    if phase == "response_body" and response_full_duplex:
                         chunk = message.response_body
-                        yield ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse(
-                            body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
-                                body=chunk.body, end_of_stream=chunk.end_of_stream)))))
+                        yield streamed_body(phase, chunk.body, chunk.end_of_stream)
                     else:
                         yield _PASS_THROUGH[phase]()
                     ended = ((phase == "response_body" and message.response_body.end_of_stream)
