@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_triton_kernels import NUM_DECODES, SEQUENCES, SHAPES, make_batch, reference_attention, tolerance
+from test_triton_kernels import (NUM_DECODES, SEQUENCES, SHAPES, make_batch, new_token_slots, reference_attention,
+                                 tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -20,9 +21,7 @@ def test_torch_backend_matches_sdpa(shape, dtype):
 
     b = make_batch(shape, dtype, "cpu", seed=3)
     heads, kv_heads, head_dim, block_size, window = shape
-    slots = []
-    for i, (ctx, new) in enumerate(SEQUENCES):
-        slots += [int(b["tables"][i, p // block_size]) * block_size + p % block_size for p in range(ctx - new, ctx)]
+    slots = new_token_slots(b["tables"], block_size)
     gen = torch.Generator().manual_seed(4)
     k = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(dtype)

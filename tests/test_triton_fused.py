@@ -3,32 +3,17 @@
 References are the modules the torch path runs: `RMSNorm` from models/llama.py and `RotaryEmbedding`
 from rope.py. Inputs are column slices of wider tensors (as the model's qkv split gives), so a kernel
 that ignored the row stride would read the wrong values. Without a GPU the kernels run in Triton's CPU
-interpreter: TRITON_INTERPRET=1 is set at import when CUDA is absent, as in test_triton_kernels.py.
+interpreter (test_triton_kernels sets TRITON_INTERPRET=1 at import when CUDA is absent).
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
+from test_triton_kernels import DEVICES, DTYPES  # also sets TRITON_INTERPRET=1 without CUDA, before triton loads
+
 from kubeinfer.engine.models.llama import RMSNorm
 from kubeinfer.engine.rope import RotaryEmbedding
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install 'kubeinfer[gpu]'): "
-                                                         "its kernels are not checked")
-DEVICES = [
-    pytest.param("cpu", marks=[needs_triton, pytest.mark.skipif(not INTERPRETER, reason="CPU runs need "
-                                                                "TRITON_INTERPRET=1 set before triton is imported")]),
-    pytest.param("cuda", marks=[needs_triton, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device")]),
-]
-DTYPES = [torch.float32, torch.bfloat16]
 EPS = 1e-6
 
 

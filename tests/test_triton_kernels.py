@@ -77,6 +77,12 @@ SEQUENCES = [(1, 1), (6, 1), (23, 1), (40, 1), (9, 9), (37, 12), (20, 1)]
 NUM_DECODES = 4
 
 
+def new_token_slots(tables: torch.Tensor, block_size: int) -> list[int]:
+    """The cache slots of SEQUENCES' new tokens (the last `new` positions of each context)."""
+    return [int(tables[i, p // block_size]) * block_size + p % block_size
+            for i, (ctx, new) in enumerate(SEQUENCES) for p in range(ctx - new, ctx)]
+
+
 def make_batch(shape, dtype, device, seed=0):
     heads, kv_heads, head_dim, block_size, window = shape
     gen = torch.Generator().manual_seed(seed)
@@ -148,9 +154,7 @@ def test_backend_step_writes_then_attends(device):
     heads, kv_heads, head_dim, block_size, _ = shape
     backend = get_attention_backend("triton")
     assert backend.name == "triton"
-    slots = []
-    for i, (ctx, new) in enumerate(SEQUENCES):
-        slots += [int(b["tables"][i, p // block_size]) * block_size + p % block_size for p in range(ctx - new, ctx)]
+    slots = new_token_slots(b["tables"], block_size)
     gen = torch.Generator().manual_seed(2)
     k = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device)
     v = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device)
