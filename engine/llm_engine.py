@@ -160,7 +160,8 @@ class LLMEngine:
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         request = Request(request_id, prompt_text, token_ids, params)
         for index in range(params.n):
-            generator = torch.Generator().manual_seed(self._seed_for(params.seed, index))
+            # On the logits' device: the sampler draws each sequence's noise there.
+            generator = torch.Generator(device=self.device).manual_seed(self._seed_for(params.seed, index))
             seq = Sequence(request_id, token_ids, params, generator, priority=priority, lora_id=lora_id, index=index,
                            arrival_time=request.arrival_time)
             detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)

@@ -141,7 +141,7 @@ class ModelRunner:
             logits = self._run_eager(inputs, lora)
         if not sampling_seqs:
             return [], SampleResult([], [])
-        return sampling_seqs, sample(logits.cpu(), sampling_seqs)
+        return sampling_seqs, sample(logits, sampling_seqs)
 
     def _graph_can_run(self, inputs: StepInputs, lora_slots: list[int] | None) -> bool:
         """Decode-only steps no larger than the largest graph, with adapters only where graphs for them exist."""

@@ -156,3 +156,23 @@ def test_invalid_values_raise_naming_the_field(field, value):
 def test_min_tokens_above_max_tokens_is_rejected():
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_sampling_runs_where_the_logits_are(device):
+    """Penalties, filters, seeded draws and logprobs on the logits' own device (a GPU's, in serving):
+    only token ids and the asked-for logprobs come back to the host."""
+    def seqs(params, count, seed0=0):
+        return [Sequence("r", [1, 2], params, torch.Generator(device=device).manual_seed(seed0 + i))
+                for i in range(count)]
+
+    logits = torch.tensor(LOGITS, device=device).expand(2000, -1)
+    tokens = sample(logits, seqs(SamplingParams(top_p=0.75, presence_penalty=0.1), 2000)).token_ids
+    assert set(tokens) == {0, 1} and all(isinstance(t, int) for t in tokens)
+    seeded = SamplingParams(temperature=0.9, seed=7)
+    assert sample(logits[:4], seqs(seeded, 4)).token_ids == sample(logits[:4], seqs(seeded, 4)).token_ids
+    result = sample(logits[:1], seqs(SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.3), 1))
+    logprob, rank, top = result.logprobs[0]
+    assert result.token_ids == [0] and rank == 1 and [t for t, _ in top] == [0, 1]
+    assert logprob == pytest.approx(math.log(PROBS[0]), abs=1e-5)
