@@ -43,3 +43,14 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int = MAX_TOKENS) -> lis
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=[], pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def mixed_batch(lora_adapters, lora_base_reference):
+    """Every prompt under the base model and under each adapter, interleaved: (prompts, loras, expected)."""
+    prompts, loras, expected = [], [], []
+    for p, prompt in enumerate(PROMPTS):
+        for name in [None, *ADAPTERS]:
+            prompts.append({"prompt_token_ids": prompt})
+            loras.append(lora_adapters[name][0] if name else None)
+            expected.append(lora_adapters[name][1][p] if name else lora_base_reference[p])
+    return prompts, loras, expected

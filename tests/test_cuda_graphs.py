@@ -95,16 +95,11 @@ def test_which_steps_replay_a_graph(model_dirs):
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_graphs_with_adapters_match_peft(device, lora_base_dir, lora_adapters, lora_base_reference):
     """Mixed base/adapter decode batches replayed from the LoRA graphs (one kernel segment per token)."""
-    from lora_helpers import ADAPTERS, MAX_TOKENS, PROMPTS
+    from lora_helpers import MAX_TOKENS, mixed_batch
 
     from kubeinfer.engine import LLM, SamplingParams
 
-    prompts, loras, want = [], [], []
-    for p, prompt in enumerate(PROMPTS):
-        for name in [None, *ADAPTERS]:
-            prompts.append({"prompt_token_ids": prompt})
-            loras.append(lora_adapters[name][0] if name else None)
-            want.append(lora_adapters[name][1][p] if name else lora_base_reference[p])
+    prompts, loras, want = mixed_batch(lora_adapters, lora_base_reference)
     # Two device slots for three adapters: slots are reassigned between steps, which graphs must follow.
     llm = LLM(str(lora_base_dir), device=device, dtype="float32", attention_backend="triton", enable_lora=True,
               max_loras=2, max_lora_rank=8, block_size=4, max_num_seqs=6, enforce_eager=True)

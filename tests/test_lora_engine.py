@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from lora_helpers import ADAPTERS, MAX_TOKENS, PROMPTS
+from lora_helpers import ADAPTERS, MAX_TOKENS, PROMPTS, mixed_batch
 
 from kubeinfer.engine import LLM, LoRARequest, SamplingParams
 from kubeinfer.engine.lora_adapter import LoRALoadError
@@ -15,24 +15,13 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _mixed_batch(lora_adapters, lora_base_reference):
-    """Every prompt under the base model and under each adapter, interleaved: (prompts, loras, expected)."""
-    prompts, loras, expected = [], [], []
-    for p, prompt in enumerate(PROMPTS):
-        for name in [None, *ADAPTERS]:
-            prompts.append({"prompt_token_ids": prompt})
-            loras.append(lora_adapters[name][0] if name else None)
-            expected.append(lora_adapters[name][1][p] if name else lora_base_reference[p])
-    return prompts, loras, expected
-
-
 def _run(llm, prompts, loras):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, [_params()] * len(prompts), lora_request=loras)]
 
 
 @pytest.mark.parametrize("max_loras", [3, 1], ids=["all-adapters-on-device", "pool-swaps"])
 def test_mixed_batch_matches_peft(max_loras, lora_base_dir, lora_adapters, lora_base_reference):
-    prompts, loras, expected = _mixed_batch(lora_adapters, lora_base_reference)
+    prompts, loras, expected = mixed_batch(lora_adapters, lora_base_reference)
     # The adapters change the outputs, so equality below is about the adapters, not the base model.
     assert all(lora_adapters[n][1] != lora_base_reference for n in ADAPTERS)
     llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=max_loras, max_lora_rank=8, block_size=4)
@@ -44,7 +33,7 @@ def test_mixed_batch_matches_peft(max_loras, lora_base_dir, lora_adapters, lora_
 
 
 def test_host_cache_rereads_evicted_adapters(lora_base_dir, lora_adapters, lora_base_reference):
-    prompts, loras, expected = _mixed_batch(lora_adapters, lora_base_reference)
+    prompts, loras, expected = mixed_batch(lora_adapters, lora_base_reference)
     llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8, block_size=4)
     assert _run(llm, prompts, loras) == expected
     assert len(llm.engine.lora.pool.cached_names()) == 1
