@@ -102,7 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
         mask = positions[None, :] < lens[:, None]
         if meta.sliding_window:
             mask &= positions[None, :] >= (lens[:, None] - meta.sliding_window)
-        if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        if _slow_masked_sdpa(q):
             return _grouped_decode(q, keys, values, mask, scale)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
                                              attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
@@ -119,7 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             # Queries are the last num_queries positions of the context: causal with an offset.
             dtype = query.dtype
-            query, keys, values = (t.to(_masked_sdpa_dtype(query)) for t in (query, keys, values))
+            if _slow_masked_sdpa(query):
+                query, keys, values = query.float(), keys.float(), values.float()
             q_pos = torch.arange(context_len - num_queries, context_len, device=q.device)[:, None]
             k_pos = torch.arange(context_len, device=q.device)[None, :]
             mask = k_pos <= q_pos
@@ -143,10 +144,10 @@ def _grouped_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m
     return torch.matmul(probs, values).reshape(batch, num_heads, head_dim)
 
 
-def _masked_sdpa_dtype(q: torch.Tensor) -> torch.dtype:
-    """fp32 for masked attention of half-precision tensors on the CPU: torch's CPU kernel for that case
-    is about twice as slow in bf16 as the same attention widened to fp32 (and less exact)."""
-    return torch.float32 if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+def _slow_masked_sdpa(q: torch.Tensor) -> bool:
+    """Half precision on the CPU: there torch's masked SDPA is about twice as slow as the same attention
+    widened to fp32 (and less exact), so decodes take _grouped_decode and masked chunks widen to fp32."""
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)
 
 
 def _triton_backend() -> AttentionBackend:
