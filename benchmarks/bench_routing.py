@@ -42,6 +42,7 @@ from kubeinfer.engine.random_model import build_random_adapter, build_random_mod
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
 from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState  # noqa: E402
 from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingRequest  # noqa: E402
+from kubeinfer.local_stack import wait_healthy  # noqa: E402
 
 CACHE = Path(".cache")
 MODEL_DIR = CACHE / "bench-routing-model"
@@ -135,16 +136,9 @@ class Replicas:
                           for c, log in zip(self.commands, self.logs)]
         deadline = time.monotonic() + 180
         for url, process, log in zip(self.urls, self.processes, self.logs):
-            while True:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    self.__exit__()
-                    raise SystemExit(f"replica {url} did not become healthy; its log:\n{log.read_text()[-3000:]}")
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.3)
+            if not wait_healthy(url, process, deadline):
+                self.__exit__()
+                raise SystemExit(f"replica {url} did not become healthy; its log:\n{log.read_text()[-3000:]}")
         return self
 
     def __exit__(self, *exc) -> None:

@@ -34,17 +34,26 @@ def placements(adapters: list[Path], replicas: int) -> list[list[Path]]:
     return [adapters[i::replicas] for i in range(replicas)]
 
 
-def _wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+def wait_healthy(url: str, process: subprocess.Popen, deadline: float) -> bool:
+    """Poll url/health until it answers 200 (True), or the process exits or the monotonic deadline passes
+    (False)."""
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"local-stack: {url} exited with code {process.returncode}; see its log above")
+            return False
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
+                return True
         except httpx.TransportError:
             pass
         time.sleep(0.3)
+    return False
+
+
+def _wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
+    if wait_healthy(url, process, time.monotonic() + timeout):
+        return
+    if process.poll() is not None:
+        raise SystemExit(f"local-stack: {url} exited with code {process.returncode}; see its log above")
     raise SystemExit(f"local-stack: {url} did not become ready within {timeout:.0f} s")
 
 
