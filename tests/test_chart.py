@@ -127,14 +127,19 @@ def test_values_schema_describes_every_value():
 
 
 # -- the operator --------------------------------------------------------------------------------------
+def parse_component_args(deployment: dict, command: str, add_arguments) -> argparse.Namespace:
+    """The Deployment's `kubeinfer COMMAND ...` args, parsed by that command's own CLI."""
+    parser = argparse.ArgumentParser(prog=f"kubeinfer {command}", exit_on_error=False)
+    add_arguments(parser)
+    args = container(deployment)["args"]
+    assert args[0] == command
+    return parser.parse_args(args[1:])
+
+
 def parse_operator_args(deployment: dict) -> argparse.Namespace:
     from kubeinfer.operator.cli import add_arguments
 
-    parser = argparse.ArgumentParser(prog="kubeinfer operator", exit_on_error=False)
-    add_arguments(parser)
-    args = container(deployment)["args"]
-    assert args[0] == "operator"
-    return parser.parse_args(args[1:])
+    return parse_component_args(deployment, "operator", add_arguments)
 
 
 def test_operator_runs_standalone_with_kopf_liveness_probes(rendered):
@@ -208,11 +213,7 @@ def test_users_get_inference_models_through_the_default_roles(rendered):
 def parse_gateway_args(deployment: dict) -> argparse.Namespace:
     from kubeinfer.gateway.cli import add_arguments
 
-    parser = argparse.ArgumentParser(prog="kubeinfer gateway", exit_on_error=False)
-    add_arguments(parser)
-    args = container(deployment)["args"]
-    assert args[0] == "gateway"
-    return parser.parse_args(args[1:])
+    return parse_component_args(deployment, "gateway", add_arguments)
 
 
 def test_gateway_flags_are_accepted_by_the_gateway_cli(rendered):
