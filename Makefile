@@ -44,9 +44,9 @@ GPU_TESTS := tests/test_triton_kernels.py tests/test_triton_fused.py tests/test_
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -rs $(GPU_TESTS)
 
-# Regenerate the gRPC stubs after editing engine/proto/engine.proto (a test checks they are current).
+# Regenerate the gRPC stubs after editing engine/entrypoints/grpc/proto/engine.proto (a test checks they are current).
 proto: setup
-	$(PY) engine/proto/generate.py
+	$(PY) engine/entrypoints/grpc/proto/generate.py
 
 # The whole stack locally: demo model (trained on first use, cached in .cache/demo-model), two engine
 # replicas with one adapter each, the gateway on http://127.0.0.1:8080. Ctrl-C stops it.

@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from results import update_results  # noqa: E402
 
-from kubeinfer.engine.lora_adapter import LoRAAdapter, LoRAWeights  # noqa: E402
-from kubeinfer.engine.lora_layers import LoRAContext  # noqa: E402
-from kubeinfer.engine.lora_pool import LoRAPool  # noqa: E402
+from kubeinfer.engine.lora.adapter import LoRAAdapter, LoRAWeights  # noqa: E402
+from kubeinfer.engine.lora.layers import LoRAContext  # noqa: E402
+from kubeinfer.engine.lora.pool import LoRAPool  # noqa: E402
 
 SPEC = SimpleNamespace(hidden_size=4096, num_layers=1, num_heads=32, num_kv_heads=8, head_dim=128,
                        intermediate_size=11008)

@@ -38,7 +38,7 @@ from results import update_results  # noqa: E402
 from routing_sim import (SCRAPE_INTERVAL_S, PodSpec, Workload, build_workload, percentile,  # noqa: E402
                          place_adapters, simulate)
 
-from kubeinfer.engine.random_model import build_random_adapter, build_random_model  # noqa: E402
+from kubeinfer.testing.random_model import build_random_adapter, build_random_model  # noqa: E402
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
 from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState  # noqa: E402
 from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingRequest  # noqa: E402

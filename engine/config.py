@@ -1,4 +1,5 @@
-"""Engine configuration: the user's knobs, with defaults resolved against the model and the machine."""
+"""Configuration every layer reads: the user's knobs (EngineConfig) and the checkpoint's architecture
+(ModelSpec), as vLLM keeps its configs in one place below the engine's layers. No torch here."""
 from __future__ import annotations
 
 import importlib.util
@@ -48,3 +49,63 @@ class EngineConfig:
         if self.attention_backend is None:
             on_gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
             self.attention_backend = "triton" if on_gpu else "torch"
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # hidden_act values the models implement
+
+
+class ModelSpec:
+    """The architectural switches of one checkpoint, resolved from its HF config."""
+
+    def __init__(self, config, architecture: str) -> None:
+        self.hidden_size = config.hidden_size
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.intermediate_size = config.intermediate_size
+        self.vocab_size = config.vocab_size
+        self.rms_norm_eps = config.rms_norm_eps
+        self.max_position_embeddings = config.max_position_embeddings
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        self.o_bias = architecture != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False))
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qk_norm = architecture == "Qwen3ForCausalLM"
+        self.sliding_window = _sliding_window(config, architecture)
+        self.rope_theta, self.rope_scaling = rope_settings(config)
+        self.hidden_act = getattr(config, "hidden_act", "silu")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+
+
+def _sliding_window(config, architecture: str) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not getattr(config, "use_sliding_window", False):
+            return None
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "sliding_attention" for t in layer_types):
+            raise ValueError("models mixing sliding-window and full-attention layers are not supported yet")
+    return int(window)
+
+
+def rope_settings(config) -> tuple[float, dict]:
+    """(theta, scaling dict) from a config, in either transformers 5 (`rope_parameters`) or 4
+    (`rope_theta` + `rope_scaling`) spelling."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = dict(getattr(config, "rope_scaling", None) or {})
+    merged = {**legacy, **params}
+    theta = merged.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
+    if "type" in merged and "rope_type" not in merged:
+        merged["rope_type"] = merged.pop("type")
+    return float(theta), merged
+
+
+# Checkpoint names that load into a slice of one of our fused parameters: (ours, theirs, slice index).
+FUSED_WEIGHTS = (
+    ("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+)

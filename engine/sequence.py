@@ -1,9 +1,11 @@
-"""One generation stream: its tokens, progress through the KV cache and stop state."""
+"""One generation stream (its tokens, progress through the KV cache and stop state), and a step's batch
+of them: what the scheduler hands the model runner."""
 from __future__ import annotations
 
 import enum
 import itertools
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -82,3 +84,23 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+@dataclass
+class ScheduledBatch:
+    # (sequence, number of tokens to compute this step), one-token queries first
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # finished unrun: their adapter could not be loaded
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    @staticmethod
+    def is_decode(seq: Sequence, num_new: int) -> bool:
+        """A one-token query (a decode, or a prompt's last token) takes the batched decode path."""
+        return num_new == 1

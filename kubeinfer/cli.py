@@ -21,7 +21,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _random_model(args: argparse.Namespace) -> int:
-    from kubeinfer.engine.random_model import build_random_model
+    from kubeinfer.testing.random_model import build_random_model
 
     overrides = dict(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
                      num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size)
@@ -31,7 +31,7 @@ def _random_model(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from kubeinfer.engine.serve import main as serve_main
+    from kubeinfer.engine.entrypoints.serve import main as serve_main
     return serve_main(args)
 
 
@@ -56,7 +56,7 @@ def _random_model_arguments(rnd: argparse.ArgumentParser) -> None:
 
 
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from kubeinfer.engine.serve import add_serve_arguments
+    from kubeinfer.engine.entrypoints.serve import add_serve_arguments
     add_serve_arguments(parser)
 
 

@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    from kubeinfer.engine.random_model import FAMILIES, build_random_model
+    from kubeinfer.testing.random_model import FAMILIES, build_random_model
 
     root = tmp_path_factory.mktemp("models")
     return {family: str(build_random_model(root / family, family, seed=i)) for i, family in enumerate(FAMILIES)}
@@ -40,7 +40,7 @@ def hf_models(model_dirs):
 # -- LoRA: a base model, three PEFT adapters and the greedy continuations transformers + PEFT give -------
 @pytest.fixture(scope="session")
 def lora_base_dir(tmp_path_factory):
-    from kubeinfer.engine.random_model import build_random_model
+    from kubeinfer.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("lora_base"), "qwen2", tokenizer=False, seed=3)
 

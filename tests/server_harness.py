@@ -9,10 +9,10 @@ import time
 import httpx
 import uvicorn
 
-from kubeinfer.engine.api_server import ServerState, build_app
-from kubeinfer.engine.async_engine import AsyncEngine
+from kubeinfer.engine.entrypoints.openai.api_server import ServerState, build_app
+from kubeinfer.engine.core.async_engine import AsyncEngine
 from kubeinfer.engine.config import EngineConfig
-from kubeinfer.engine.llm_engine import LLMEngine
+from kubeinfer.engine.core.llm_engine import LLMEngine
 
 
 def free_port() -> int:

@@ -17,7 +17,8 @@ from test_triton_kernels import (NUM_DECODES, SEQUENCES, SHAPES, make_batch, new
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_torch_backend_matches_sdpa(shape, dtype):
-    from kubeinfer.engine.attention import AttentionMetadata, get_attention_backend
+    from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata
+    from kubeinfer.engine.model_executor.layers.attention_selector import get_attention_backend
 
     b = make_batch(shape, dtype, "cpu", seed=3)
     heads, kv_heads, head_dim, block_size, window = shape

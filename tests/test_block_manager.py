@@ -1,7 +1,7 @@
 """Paged KV bookkeeping and the prefix cache, without a model."""
 import torch
 
-from kubeinfer.engine.block_manager import BlockManager
+from kubeinfer.engine.core.block_manager import BlockManager
 from kubeinfer.engine.sampling_params import SamplingParams
 from kubeinfer.engine.sequence import Sequence
 

@@ -13,7 +13,7 @@ from test_triton_kernels import DEVICES, MAX_TOKENS, PROMPTS, engine_greedy, hf_
 
 
 def test_capture_sizes_ladder_ends_at_max_num_seqs():
-    from kubeinfer.engine.cuda_graphs import capture_sizes
+    from kubeinfer.engine.model_executor.cuda_graphs import capture_sizes
 
     assert capture_sizes(1) == [1]
     assert capture_sizes(5) == [1, 2, 4, 5]
@@ -24,7 +24,7 @@ def test_capture_sizes_ladder_ends_at_max_num_seqs():
 
 
 def _capture(llm, device):
-    from kubeinfer.engine.cuda_graphs import capture_cuda_graph, replay_eagerly
+    from kubeinfer.engine.model_executor.cuda_graphs import capture_cuda_graph, replay_eagerly
 
     runner = llm.engine.runner
     runner.capture_decode_graphs(llm.engine.config.max_num_seqs,
@@ -59,7 +59,7 @@ def test_decode_graphs_match_transformers_with_padding_and_preemption(device, mo
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_graphs_with_a_sliding_window(device, tmp_path):
     from kubeinfer.engine import LLM
-    from kubeinfer.engine.random_model import build_random_model
+    from kubeinfer.testing.random_model import build_random_model
     from transformers import AutoModelForCausalLM
 
     model_dir = str(build_random_model(tmp_path / "mistral", "mistral", tokenizer=False, sliding_window=8, seed=11))
@@ -74,8 +74,8 @@ def test_decode_graphs_with_a_sliding_window(device, tmp_path):
 
 def test_which_steps_replay_a_graph(model_dirs):
     from kubeinfer.engine import LLM
-    from kubeinfer.engine.cuda_graphs import DecodeGraphs, replay_eagerly
-    from kubeinfer.engine.model_runner import StepInputs
+    from kubeinfer.engine.model_executor.cuda_graphs import DecodeGraphs, replay_eagerly
+    from kubeinfer.engine.model_executor.model_runner import StepInputs
 
     llm = LLM(model_dirs["llama"], dtype="float32", attention_backend="torch", max_num_seqs=4)
     runner = llm.engine.runner
@@ -114,9 +114,9 @@ def test_decode_graphs_with_adapters_match_peft(device, lora_base_dir, lora_adap
 
 
 def test_capture_needs_the_kv_cache(model_dirs):
-    from kubeinfer.engine.cuda_graphs import replay_eagerly
-    from kubeinfer.engine.model_loader import inspect_model_dir
-    from kubeinfer.engine.model_runner import ModelRunner
+    from kubeinfer.engine.model_executor.cuda_graphs import replay_eagerly
+    from kubeinfer.engine.model_executor.model_loader import inspect_model_dir
+    from kubeinfer.engine.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(inspect_model_dir(model_dirs["llama"]), device=torch.device("cpu"), dtype=torch.float32,
                          max_model_len=64, block_size=16)
@@ -127,7 +127,7 @@ def test_capture_needs_the_kv_cache(model_dirs):
 def test_enforce_eager_flag_parses():
     import argparse
 
-    from kubeinfer.engine.serve import add_serve_arguments
+    from kubeinfer.engine.entrypoints.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.detokenizer import IncrementalDetokenizer
+from kubeinfer.engine.core.detokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -138,14 +138,37 @@ def test_chat_applies_the_template(llm):
     assert out.prompt_token_ids == expected
 
 
-def test_incremental_detokenizer_never_splits_characters(llm):
+class _SlowTokenizer:
+    """The same tokenizer seen without its Rust core: the detokenizer's windowed path."""
+
+    def __init__(self, tokenizer) -> None:
+        self.decode = tokenizer.decode
+
+
+@pytest.mark.parametrize("path", ["DecodeStream", "window"])
+def test_incremental_detokenizer_never_splits_characters(llm, path):
     tokenizer = llm.get_tokenizer()
     text = "naïve café — 日本語のテキスト 🙂👍🏽 ĳ ok"
     ids = tokenizer.encode(text, add_special_tokens=False)
     # The byte-level vocabulary must split some character across tokens, or this test proves nothing.
     assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
-    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=tokenizer.encode("Say:"))
+    detok = IncrementalDetokenizer(tokenizer if path == "DecodeStream" else _SlowTokenizer(tokenizer),
+                                   prompt_token_ids=tokenizer.encode("Say:"))
+    assert (detok._stream is not None) == (path == "DecodeStream")
     deltas = [detok.add_token(t) for t in ids]
     deltas.append(detok.flush())
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("path", ["DecodeStream", "window"])
+def test_a_sequence_cut_inside_a_character_ends_with_what_decode_shows(llm, path):
+    """A length stop can land between the bytes of one character: the held-back bytes still come out at
+    the end, as the full decode shows them (U+FFFD), not dropped."""
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("ok 🙂👍🏽", add_special_tokens=False)
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tokenizer if path == "DecodeStream" else _SlowTokenizer(tokenizer), [])
+    streamed = "".join(detok.add_token(t) for t in ids[:cut])
+    assert "\ufffd" not in streamed
+    assert streamed + detok.flush() == detok.text == tokenizer.decode(ids[:cut])

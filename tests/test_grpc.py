@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_harness import RunningServer
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.grpc_server import SERVICE_NAME, start_grpc_server
-from kubeinfer.engine.proto import engine_pb2, engine_pb2_grpc
+from kubeinfer.engine.entrypoints.grpc.server import SERVICE_NAME, start_grpc_server
+from kubeinfer.engine.entrypoints.grpc.proto import engine_pb2, engine_pb2_grpc
 
 PROMPT = "The licensee may copy and distribute"
 
@@ -130,7 +130,7 @@ def test_generated_stubs_match_the_proto(tmp_path):
     """engine_pb2*.py are committed; regenerating them from engine.proto must change nothing (`make proto`)."""
     from pathlib import Path
 
-    from kubeinfer.engine.proto import generate
+    from kubeinfer.engine.entrypoints.grpc.proto import generate
 
     for path in generate.generate(tmp_path):
         assert filecmp.cmp(path, Path(generate.__file__).parent / path.name, shallow=False), \

@@ -6,7 +6,7 @@ import torch
 
 from test_triton_kernels import DEVICES  # also sets TRITON_INTERPRET=1 without CUDA, before triton loads
 
-from kubeinfer.engine.kv_cache_sizing import GiB, GpuMemoryProfile, kv_cache_bytes, num_kv_blocks
+from kubeinfer.engine.core.kv_cache_sizing import GiB, GpuMemoryProfile, kv_cache_bytes, num_kv_blocks
 
 H100 = 80 * GiB
 
@@ -78,7 +78,7 @@ def test_engine_sizes_its_cache_from_gpu_memory(llama_dir):
 def test_serve_refuses_a_bad_share_in_one_line(llama_dir):
     import argparse
 
-    from kubeinfer.engine.serve import add_serve_arguments, build_state
+    from kubeinfer.engine.entrypoints.serve import add_serve_arguments, build_state
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -87,9 +87,9 @@ def test_serve_refuses_a_bad_share_in_one_line(llama_dir):
 
 
 def test_running_out_of_gpu_memory_at_start_up_says_what_to_change():
-    from kubeinfer.engine.llm_engine import _out_of_memory_says
+    from kubeinfer.engine.core.kv_cache_sizing import out_of_memory_says
 
     with pytest.raises(ValueError, match=r"^the profiling step ran out of GPU memory \(CUDA out of memory\. Tried to "
                                          r"allocate 2\.00 GiB\); lower --max-num-batched-tokens$"):
-        with _out_of_memory_says("the profiling step", "lower --max-num-batched-tokens"):
+        with out_of_memory_says("the profiling step", "lower --max-num-batched-tokens"):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore details")

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kubeinfer.engine.lora_adapter import (LoRAAdapter, LoRALoadError, LoRAWeights, load_adapter, module_shapes,
+from kubeinfer.engine.lora.adapter import (LoRAAdapter, LoRALoadError, LoRAWeights, load_adapter, module_shapes,
                                            resolve_adapter_path)
-from kubeinfer.engine.lora_layers import LoRAContext
-from kubeinfer.engine.lora_pool import LoRAPool, LoRAPoolError
+from kubeinfer.engine.lora.layers import LoRAContext
+from kubeinfer.engine.lora.pool import LoRAPool, LoRAPoolError
 from lora_helpers import ALL_MODULES, load_hf, make_peft_adapter
 
 # Different ranks, scalings (rsLoRA, per-module rank and alpha), target sets and layers.
@@ -27,7 +27,7 @@ IDS = {name: i + 1 for i, name in enumerate(ADAPTERS)}
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    from kubeinfer.engine.random_model import build_random_model
+    from kubeinfer.testing.random_model import build_random_model
 
     # head_dim 24 makes the attention width (96) differ from hidden (64): in/out mix-ups show.
     return build_random_model(tmp_path_factory.mktemp("lora_base"), "llama", tokenizer=False, head_dim=24, seed=7)
@@ -37,7 +37,7 @@ def base_dir(tmp_path_factory):
 def spec(base_dir):
     from transformers import AutoConfig
 
-    from kubeinfer.engine.models.llama import ModelSpec
+    from kubeinfer.engine.config import ModelSpec
 
     return ModelSpec(AutoConfig.from_pretrained(base_dir), "LlamaForCausalLM")
 
@@ -52,8 +52,8 @@ def peft_adapters(base_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(base_dir):
-    from kubeinfer.engine.attention import get_attention_backend
-    from kubeinfer.engine.model_loader import inspect_model_dir, load_model
+    from kubeinfer.engine.model_executor.layers.attention_selector import get_attention_backend
+    from kubeinfer.engine.model_executor.model_loader import inspect_model_dir, load_model
 
     return load_model(inspect_model_dir(base_dir), get_attention_backend("torch"), 64, torch.device("cpu"), torch.float32)
 

@@ -124,7 +124,7 @@ def test_lora_routes_need_lora_enabled(llama_dir):
 def test_serve_flags_for_lora_modules(lora_base_dir, lora_adapters, tmp_path):
     import argparse
 
-    from kubeinfer.engine.serve import add_serve_arguments, build_state
+    from kubeinfer.engine.entrypoints.serve import add_serve_arguments, build_state
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
@@ -142,7 +142,7 @@ def test_serve_flags_for_lora_modules(lora_base_dir, lora_adapters, tmp_path):
 
 async def test_placement_file_drives_loaded_adapters(lora_base_dir, lora_adapters, adapter_root, tmp_path):
     """The operator's placement annotation, projected into a file, decides which catalog adapters are loaded."""
-    from kubeinfer.engine.lora_placement import PlacementWatcher
+    from kubeinfer.engine.lora.placement import PlacementWatcher
 
     placement = tmp_path / "adapters"
     with RunningServer(lora_base_dir, name="base", enable_lora=True, max_loras=2, max_lora_rank=8,

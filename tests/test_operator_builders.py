@@ -69,7 +69,7 @@ def test_pool_is_left_out_without_its_crd():
 
 def test_engine_command_line_is_what_the_engine_parses():
     """The real `kubeinfer serve` parser reads the operator's command line as intended."""
-    from kubeinfer.engine.serve import add_serve_arguments
+    from kubeinfer.engine.entrypoints.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

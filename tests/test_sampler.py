@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper
 
-from kubeinfer.engine.sampler import _apply_penalties, sample
+from kubeinfer.engine.model_executor.sampler import _apply_penalties, sample
 from kubeinfer.engine.sampling_params import SamplingParams
 from kubeinfer.engine.sequence import Sequence
 

@@ -11,7 +11,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_harness import free_port
 
-from kubeinfer.engine.proto import engine_pb2, engine_pb2_grpc
+from kubeinfer.engine.entrypoints.grpc.proto import engine_pb2, engine_pb2_grpc
 
 
 def test_sigterm_drains_in_flight_work_then_exits_zero(llama_dir):

@@ -42,7 +42,7 @@ def tolerance(dtype: torch.dtype) -> dict:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_write_kv_cache_scatters_rows_to_their_slots(device, dtype, block_size):
-    from kubeinfer.engine.triton_attention import write_kv_cache
+    from kubeinfer.engine.model_executor.layers.triton_attention import write_kv_cache
 
     torch.manual_seed(0)
     num_blocks, kv_heads, head_dim, tokens = 16, 3, 24, 11  # 3 heads, 24 dims: both padded inside the kernel
@@ -127,7 +127,7 @@ def reference_attention(q, k_cache, v_cache, tables, starts, window, scale):
 @pytest.mark.parametrize("tiles", [(16, 16), (None, 64)], ids=["small-tiles", "default-tiles"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_paged_attention_matches_sdpa(shape, tiles, dtype, device):
-    from kubeinfer.engine.triton_attention import paged_attention
+    from kubeinfer.engine.model_executor.layers.triton_attention import paged_attention
 
     b = make_batch(shape, dtype, device)
     scale = shape[2] ** -0.5
@@ -147,7 +147,8 @@ def test_paged_attention_matches_sdpa(shape, tiles, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_backend_step_writes_then_attends(device):
     """The backend as the model calls it: new K/V land in the cache, then every query sees them."""
-    from kubeinfer.engine.attention import AttentionMetadata, get_attention_backend
+    from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata
+    from kubeinfer.engine.model_executor.layers.attention_selector import get_attention_backend
 
     shape = SHAPES["gqa2-block4"]
     b = make_batch(shape, torch.float32, device, seed=1)
@@ -175,7 +176,7 @@ def test_backend_step_writes_then_attends(device):
 def lora_spec():
     from transformers import LlamaConfig
 
-    from kubeinfer.engine.models.llama import ModelSpec
+    from kubeinfer.engine.config import ModelSpec
 
     # head_dim 24: the attention width (96) differs from hidden (64), so in/out mix-ups show.
     config = LlamaConfig(hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
@@ -184,7 +185,7 @@ def lora_spec():
 
 
 def random_adapter(spec, lora_id: int, rank: int, modules, seed: int, layers=(0, 1)):
-    from kubeinfer.engine.lora_adapter import LoRAAdapter, LoRAWeights, module_shapes
+    from kubeinfer.engine.lora.adapter import LoRAAdapter, LoRAWeights, module_shapes
 
     gen = torch.Generator().manual_seed(seed)
     shapes = module_shapes(spec)
@@ -206,9 +207,9 @@ ROUTES = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("route", ROUTES)
 def test_lora_kernels_match_the_torch_path(route, dtype, device, lora_spec):
-    from kubeinfer.engine.lora_layers import LoRAContext
-    from kubeinfer.engine.lora_pool import LoRAPool
-    from kubeinfer.engine.triton_lora import SegmentPlan
+    from kubeinfer.engine.lora.layers import LoRAContext
+    from kubeinfer.engine.lora.pool import LoRAPool
+    from kubeinfer.engine.lora.triton_ops import SegmentPlan
 
     # max rank 32 > one 16-wide rank tile; ranks 4, 20 and 6; adapter 1 targets q and down only, on layer 1 only.
     pool = LoRAPool(lora_spec, max_loras=3, max_lora_rank=32, device=device, dtype=dtype)
@@ -277,7 +278,7 @@ def engine_greedy(llm) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def window_model_dir(tmp_path_factory):
     """A Mistral whose 8-token sliding window is shorter than the prompts, so the window matters."""
-    from kubeinfer.engine.random_model import build_random_model
+    from kubeinfer.testing.random_model import build_random_model
 
     return str(build_random_model(tmp_path_factory.mktemp("mistral_window"), "mistral", tokenizer=False,
                                   sliding_window=8, seed=11))
@@ -331,7 +332,7 @@ def test_default_backend_is_triton_on_cuda_and_torch_on_cpu():
 
 
 def test_unknown_backend_is_refused_with_the_choices():
-    from kubeinfer.engine.attention import get_attention_backend
+    from kubeinfer.engine.model_executor.layers.attention_selector import get_attention_backend
 
     with pytest.raises(ValueError, match="available: torch, triton"):
         get_attention_backend("flash")
@@ -339,7 +340,7 @@ def test_unknown_backend_is_refused_with_the_choices():
 
 @needs_triton
 def test_triton_on_cpu_without_interpreter_says_what_to_do():
-    code = ("import torch; from kubeinfer.engine.attention import check_attention_backend; "
+    code = ("import torch; from kubeinfer.engine.model_executor.layers.attention_selector import check_attention_backend; "
             "check_attention_backend('triton', torch.device('cpu'))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -350,7 +351,7 @@ def test_triton_on_cpu_without_interpreter_says_what_to_do():
 def test_serve_flag_reaches_the_engine_config():
     import argparse
 
-    from kubeinfer.engine.serve import add_serve_arguments
+    from kubeinfer.engine.entrypoints.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)

@@ -21,9 +21,9 @@ SCALAR_TYPES = {"scale_log2": "fp32", "eps": "fp32"}
 def variants():
     """(kernel, constexprs) pairs: the shapes the engine launches for Llama-3-8B-like models (GQA 4, head_dim
     128), a group that is no power of two, MHA with an odd head_dim, and the fp32 (upcast) path."""
-    from kubeinfer.engine import triton_attention as ta
-    from kubeinfer.engine import triton_lora as tlo
-    from kubeinfer.engine import triton_norm as tn
+    from kubeinfer.engine.model_executor.layers import triton_attention as ta
+    from kubeinfer.engine.lora import triton_ops as tlo
+    from kubeinfer.engine.model_executor.layers import triton_norm as tn
 
     attn = dict(GROUP=4, GROUP_PAD=4, BLOCK_N=64, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, UPCAST=False)
     return [

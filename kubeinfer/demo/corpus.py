@@ -96,11 +96,11 @@ def _truncate(texts: list[str], max_chars: int) -> list[str]:
 # -- tokenizer ----------------------------------------------------------------------------------------------
 def train_tokenizer(corpora: dict[str, list[str]], vocab_size: int, max_length: int):
     """Byte-level BPE with GPT-2's split (runs of spaces stay tokens: code's indentation is cheap), the
-    project's special tokens and ChatML template (kubeinfer.engine.random_model), no automatic BOS."""
+    project's special tokens and ChatML template (kubeinfer.testing.random_model), no automatic BOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from kubeinfer.engine.random_model import CHATML_TEMPLATE, SPECIAL_TOKENS
+    from kubeinfer.testing.random_model import CHATML_TEMPLATE, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -98,7 +98,7 @@ def _train_all(work: Path, final: Path, recipe: DemoRecipe, progress: bool) -> d
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from kubeinfer.engine.random_model import BOS_ID, EOS_ID, PAD_ID
+    from kubeinfer.testing.random_model import BOS_ID, EOS_ID, PAD_ID
 
     torch.manual_seed(recipe.seed)
     generator = torch.Generator().manual_seed(recipe.seed)

@@ -1,0 +1,154 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, per-sequence block tables, reference counts,
+a free pool, and the prefix cache.
+
+The prefix cache names each *full* block by a hash chained over every token before it (and the LoRA
+adapter), so two requests that share a prompt prefix share the physical blocks that hold it. A freed
+block keeps its hash and stays reusable until the pool runs out of never-cached blocks; only then is
+the least recently freed cached block evicted.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from ..sequence import Sequence
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key: int = 0) -> int:
+    """Chained block hash; `extra_key` keeps different LoRA adapters from sharing blocks."""
+    return hash((parent_hash, extra_key, token_ids))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_uncached: deque[int] = deque(range(num_blocks))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of those, tokens found
+
+    # -- pool state ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_uncached) + len(self.free_cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        if self.free_uncached:
+            block_id = self.free_uncached.popleft()
+        else:  # evict the least recently freed cached block
+            block_id, _ = self.free_cached.popitem(last=False)
+            block = self.blocks[block_id]
+            if self.hash_to_block.get(block.block_hash) == block_id:
+                del self.hash_to_block[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _reuse_cached_block(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_cached[block_id]
+        block.ref_count += 1
+
+    def allocate_cached_prefix(self, seq: Sequence) -> int:
+        """On a sequence's first schedule (or after preemption), attach the cached blocks of its
+        longest cached prefix. Returns the number of tokens found. At least the last token is always
+        left to compute, since its logits are needed."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        seq.block_hashes = []
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        max_full_blocks = (seq.num_tokens - 1) // bs
+        parent: int | None = None
+        for i in range(max_full_blocks):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(parent, tokens, seq.lora_id)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._reuse_cached_block(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_hashed_blocks = len(seq.block_table)
+        num_cached = len(seq.block_table) * bs
+        if seq.num_preemptions == 0:
+            self.prefix_queries += seq.num_prompt_tokens
+            self.prefix_hits += num_cached
+        return num_cached
+
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` more tokens; False (and nothing changed) if the pool is short."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        # Tail blocks are freed first so that they are evicted first: a prefix is worth more than its tail.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
+                    self.free_cached[block_id] = None
+                else:
+                    block.block_hash, block.token_ids = None, ()
+                    self.free_uncached.append(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_hashed_blocks = 0
+
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Register blocks that became full of computed tokens, so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        while seq.num_hashed_blocks < num_full:
+            i = seq.num_hashed_blocks
+            parent = seq.block_hashes[i - 1] if i else None
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = hash_block(parent, tokens, seq.lora_id)
+            block = self.blocks[seq.block_table[i]]
+            if h not in self.hash_to_block:  # a twin computed concurrently keeps the first registration
+                self.hash_to_block[h] = block.block_id
+                block.block_hash, block.token_ids = h, tokens
+            seq.block_hashes.append(h)
+            seq.num_hashed_blocks += 1
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in list(self.free_cached):
+            block = self.blocks[block_id]
+            block.block_hash, block.token_ids = None, ()
+            self.free_uncached.append(block_id)
+        self.free_cached.clear()
+        self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}

@@ -1,0 +1,291 @@
+"""The engine: requests in, one scheduler step at a time, RequestOutputs out.
+
+`add_request` validates and queues; `step` schedules a batch, runs the model once, samples, then
+detokenizes and applies stop conditions; `abort` drops a request and frees its KV blocks at any time.
+The offline `LLM` and the servers both drive this class.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+
+from ..config import EngineConfig, ModelSpec
+from ..lora.manager import LoRAManager
+from ..lora.request import LoRARequest
+from ..model_executor.layers.attention_selector import check_attention_backend
+from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
+from ..model_executor.model_runner import ModelRunner
+from ..sampling_params import SamplingParams
+from ..sequence import Sequence
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from .kv_cache_sizing import (
+    GiB,
+    kv_cache_bytes,
+    measure_gpu,
+    num_kv_blocks,
+    out_of_memory_says,
+)
+from .outputs import RequestOutput
+from .request import Completion, Request
+from .scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        files = inspect_model_dir(config.model)
+        self.model_files = files
+        self.hf_config = files.config
+        self.spec = ModelSpec(files.config, files.architecture)
+        self.dtype = resolve_dtype(config.dtype, files.config, self.device)
+        self.max_model_len = config.max_model_len or self.spec.max_position_embeddings
+        if self.max_model_len > self.spec.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({self.spec.max_position_embeddings})")
+        self.eos_token_ids = frozenset(files.eos_token_ids)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.lora = (LoRAManager(self.spec, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
+                                 max_cpu_loras=config.max_cpu_loras, device=self.device, dtype=self.dtype)
+                     if config.enable_lora else None)
+        pool = self.lora.pool if self.lora else None
+
+        block_size = config.block_size
+        budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.runner, self.num_kv_blocks = self._load_and_size_kv_cache(pool, budget)
+        with out_of_memory_says("allocating the KV cache", "lower --gpu-memory-utilization or --num-kv-blocks"):
+            self.runner.allocate_kv_cache(self.num_kv_blocks)
+        with out_of_memory_says("capturing CUDA graphs", "pass --enforce-eager, or lower --max-num-seqs"):
+            self._capture_decode_graphs()
+        self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.block_manager,
+                                   pool)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self.num_prompt_tokens = 0  # prompt tokens of requests that produced their first token
+        self.num_generation_tokens = 0
+        logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
+                    self.device, self.dtype, self.num_kv_blocks, block_size)
+
+    def _load_and_size_kv_cache(self, pool, step_tokens: int) -> tuple[ModelRunner, int]:
+        """Loads the model; the KV block count is the user's, else what GPU memory allows after a
+        profiled worst-case step (CUDA), else what kv_cache_memory_bytes holds (CPU)."""
+        config = self.config
+
+        def load() -> ModelRunner:
+            return ModelRunner(self.model_files, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
+                               block_size=config.block_size,
+                               attention_backend=check_attention_backend(config.attention_backend, self.device),
+                               lora_pool=pool)
+
+        per_block = ModelRunner.kv_bytes_per_block(self.spec, config.block_size, self.dtype)
+        if config.num_kv_blocks:
+            return load(), config.num_kv_blocks
+        if self.device.type != "cuda":
+            enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+            return load(), max(1, min(enough, config.kv_cache_memory_bytes // per_block))
+
+        def load_and_profile() -> ModelRunner:
+            runner = load()
+            with out_of_memory_says("the profiling step", "lower --max-num-batched-tokens or --max-num-seqs"):
+                runner.profile_run(step_tokens, config.max_num_seqs)
+            return runner
+
+        profile, runner = measure_gpu(self.device, load_and_profile)
+        kv_bytes = kv_cache_bytes(profile, config.gpu_memory_utilization)
+        blocks = num_kv_blocks(kv_bytes, per_block, block_size=config.block_size, max_model_len=self.max_model_len)
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB for weights and the profiled step, %.2f GiB other; "
+                    "KV cache %.2f GiB (gpu_memory_utilization %.2f)", profile.total / GiB, profile.torch_peak / GiB,
+                    profile.non_torch_growth / GiB, kv_bytes / GiB, config.gpu_memory_utilization)
+        return runner, blocks
+
+    def _capture_decode_graphs(self) -> None:
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        if not self.runner.backend.supports_cuda_graphs:
+            logger.info("CUDA graphs off: the %s attention backend runs eagerly", self.runner.backend.name)
+            return
+        started = time.monotonic()
+        self.runner.capture_decode_graphs(self.config.max_num_seqs)
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.runner.graphs.sizes,
+                    time.monotonic() - started)
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model directory has no tokenizer; pass prompt token ids instead of text")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                    *, priority: int = 0, lora_id: int = 0) -> Request:
+        request = self.prepare_request(request_id, prompt, params, priority=priority, lora_id=lora_id)
+        self.submit(request)
+        return request
+
+    def prepare_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams | None = None,
+                        *, priority: int = 0, lora_id: int = 0) -> Request:
+        """Tokenize and validate; raises ValueError before any model work. Touches no scheduler state,
+        so a server may call it off the engine thread."""
+        params = params or SamplingParams()
+        if lora_id and (self.lora is None or lora_id not in self.lora.registered):
+            raise ValueError(f"lora_request: adapter id {lora_id} is not loaded"
+                             + ("" if self.lora else "; LoRA is not enabled (enable_lora=True / --enable-lora)"))
+        prompt_text, token_ids = self._prompt_tokens(prompt)
+        self.validate_prompt_length(len(token_ids), params)
+        params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
+        request = Request(request_id, prompt_text, token_ids, params)
+        for index in range(params.n):
+            # On the logits' device: the sampler draws each sequence's noise there.
+            generator = torch.Generator(device=self.device).manual_seed(self._seed_for(params.seed, index))
+            seq = Sequence(request_id, token_ids, params, generator, priority=priority, lora_id=lora_id, index=index,
+                           arrival_time=request.arrival_time)
+            detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                           if self.tokenizer is not None else None)
+            request.completions.append(Completion(seq, detokenizer, StopStringMatcher(params)))
+        return request
+
+    def submit(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        for completion in request.completions:
+            self.scheduler.add(completion.seq)
+
+    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenize(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.spec.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, token_ids
+
+    def validate_prompt_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; the model's context (max_model_len) is "
+                             f"{self.max_model_len}, which leaves no room to generate")
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - num_prompt_tokens
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) "
+                             f"is {total}, over the model's context of {self.max_model_len} tokens")
+        capacity = self.num_kv_blocks * self.config.block_size
+        if total > capacity:
+            raise ValueError(f"max_tokens: prompt plus max_tokens is {total} tokens, more than the whole KV cache "
+                             f"holds ({capacity}); lower max_tokens or raise num_kv_blocks")
+
+    def _seed_for(self, seed: int | None, index: int) -> int:
+        if seed is None:
+            return self._rng.getrandbits(63)
+        return seed if index == 0 else hash((seed, index)) & ((1 << 63) - 1)
+
+    def abort(self, request_id: str) -> bool:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.abort(request_id)
+        self._retire_unloaded_adapters()
+        return True
+
+    # -- LoRA adapters (engine thread) ---------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
+        """Register an adapter so requests may use it; reads and validates its files unless `adapter`
+        (from `self.lora.read`, done off this thread) is given. Raises ValueError / LoRALoadError."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled; create the engine with enable_lora=True (--enable-lora)")
+        self.lora.register(lora_request, adapter)
+
+    def remove_lora(self, lora_name: str) -> LoRARequest:
+        """Unregister by name; requests in flight on it finish first. KeyError if unknown."""
+        request = self.lora.find(lora_name) if self.lora else None
+        if request is None:
+            raise KeyError(lora_name)
+        return self.lora.unregister(request.lora_int_id, self._adapters_in_use())
+
+    def list_loras(self) -> list[LoRARequest]:
+        return sorted(self.lora.registered.values(), key=lambda r: r.lora_int_id) if self.lora else []
+
+    def _adapters_in_use(self) -> set[int]:
+        return self.scheduler.running_adapters() | self.scheduler.waiting_adapters()
+
+    def _retire_unloaded_adapters(self) -> None:
+        if self.lora is not None and self.lora.retiring:
+            self.lora.retire_idle(self._adapters_in_use())
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        failed = {seq.request_id: self.requests[seq.request_id] for seq in batch.failed if seq.request_id in self.requests}
+        if not batch:
+            return self._finish_outputs(failed)
+        now = time.monotonic()
+        for seq, _ in batch.entries:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        sampled_seqs, result = self.runner.execute(batch)
+        self.scheduler.on_step_done(batch)
+        touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for i, seq in enumerate(sampled_seqs):
+            request = self.requests.get(seq.request_id)
+            if request is None:
+                continue
+            if seq.first_token_time is None and seq.index == 0:
+                self.num_prompt_tokens += seq.num_prompt_tokens
+            reason = request.completions[seq.index].append_token(
+                result.token_ids[i], result.logprobs[i], now, max_model_len=self.max_model_len,
+                token_text=self._token_text)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            touched[request.request_id] = request
+        self.num_generation_tokens += len(sampled_seqs)
+        return self._finish_outputs({**failed, **touched})
+
+    def _finish_outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        outputs = [r.to_output() for r in touched.values()]
+        for r in touched.values():
+            if r.finished:
+                del self.requests[r.request_id]
+        self._retire_unloaded_adapters()
+        return outputs
+
+    def _token_text(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    # -- state, for metrics and tests -----------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def lora_adapter_names(self) -> tuple[list[str], list[str]]:
+        """(adapters of running requests, adapters of waiting requests), for vllm:lora_requests_info."""
+        if self.lora is None:
+            return [], []
+        return self.lora.names(self.scheduler.running_adapters()), self.lora.names(self.scheduler.waiting_adapters())
+
+

@@ -1,0 +1,98 @@
+"""A request inside the engine: its n sequences, and what happens to each sampled token.
+
+`Completion.append_token` is the per-token output processing (vLLM's output processor): the token
+joins its sequence, its logprobs are recorded, it is detokenized, and EOS, stop tokens, stop strings
+and length decide whether the sequence is done. `Request.to_output` is what callers see.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..sampling_params import SamplingParams
+from ..sequence import Sequence
+from .detokenizer import IncrementalDetokenizer, StopStringMatcher
+from .outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class Completion:
+    """Per-sequence text state: what was decoded, and how much of it may be shown."""
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    stops: StopStringMatcher
+    text: str = ""
+
+    def append_token(self, token: int, logprob, now: float, *, max_model_len: int,
+                     token_text: Callable[[int], str | None]) -> str | None:
+        """Adds a sampled token; returns the finish reason ("stop" / "length") when the sequence is done.
+        `logprob` is the sampler's (chosen logprob, rank, top [(token, logprob)]) or None."""
+        seq, params = self.seq, self.seq.params
+        seq.append_token(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        if logprob is not None:
+            chosen, rank, top = logprob
+            seq.cumulative_logprob += chosen
+            entry = {t: Logprob(lp, r + 1, token_text(t)) for r, (t, lp) in enumerate(top)}
+            entry[token] = Logprob(chosen, rank, token_text(token))
+            seq.logprobs.append(entry)
+
+        reason = stop_reason = None
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and token in params.eos_token_ids:
+            reason = "stop"
+        elif may_stop and token in params.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+            reason = "length"
+        full_text, new_chars = "", 0
+        if self.detokenizer is not None:
+            new_chars = len(self.detokenizer.add_token(token))
+            if reason is not None:
+                new_chars += len(self.detokenizer.flush())
+            full_text = self.detokenizer.text
+        if may_stop:
+            match = self.stops.find(full_text, new_chars)
+            if match is not None:  # a stop string wins over a length stop in the same token
+                (stop_reason, end), reason = match, "stop"
+                full_text = full_text[:end]
+        if reason is None:
+            self.text = full_text[:self.stops.safe_length(full_text)]
+            return None
+        self.text = full_text
+        seq.stop_reason = stop_reason
+        return reason
+
+    def to_output(self) -> CompletionOutput:
+        seq = self.seq
+        return CompletionOutput(index=seq.index, text=self.text, token_ids=seq.output_token_ids,
+                                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+                                logprobs=seq.logprobs, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[Completion] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.seq.is_finished for c in self.completions)
+
+    def to_output(self) -> RequestOutput:
+        first = self.completions[0].seq
+        seqs = [c.seq for c in self.completions]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [c.to_output() for c in self.completions],
+                             finished=self.finished, num_cached_tokens=first.num_cached_tokens,
+                             metrics={"arrival_time": self.arrival_time,
+                                      "first_scheduled_time": first.first_scheduled_time,
+                                      "first_token_time": first.first_token_time,
+                                      "last_token_time": max((s.last_token_time or 0) for s in seqs),
+                                      "num_preemptions": sum(s.num_preemptions for s in seqs)})

@@ -1,0 +1,103 @@
+"""The engine's gRPC API (engine/proto/engine.proto): a server-streaming `Generate`, `ListModels`, and
+the standard gRPC health service, served beside the HTTP API from the same engine loop.
+
+Requests are validated exactly as over HTTP (the same SamplingParams checks, before any model work);
+errors map to gRPC status codes: INVALID_ARGUMENT, NOT_FOUND (unknown model), UNAUTHENTICATED,
+RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (draining). A cancelled call aborts its request.
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+
+import grpc
+
+from kubeinfer.grpc_health import HealthCheckedServer
+
+from ...core.async_engine import EngineDeadError, QueueFullError
+from ...sampling_params import SamplingParams
+from .proto import engine_pb2, engine_pb2_grpc
+
+SERVICE_NAME = "kubeinfer.engine.v1.Engine"
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                      "presence_penalty", "seed", "max_tokens", "logprobs")
+
+
+def sampling_params(message: engine_pb2.SamplingParams) -> SamplingParams:
+    """The request's SamplingParams: unset optional fields keep the offline API's defaults."""
+    kwargs = {name: getattr(message, name) for name in _OPTIONAL_SAMPLING if message.HasField(name)}
+    kwargs.setdefault("max_tokens", 16)
+    return SamplingParams(stop=list(message.stop) or None, stop_token_ids=list(message.stop_token_ids) or None,
+                          ignore_eos=message.ignore_eos, min_tokens=message.min_tokens,
+                          include_stop_str_in_output=message.include_stop_str_in_output, **kwargs)
+
+
+class EngineService(engine_pb2_grpc.EngineServicer):
+    def __init__(self, state) -> None:
+        self.state = state
+        self._ids = itertools.count()
+
+    async def _check_access(self, context: grpc.aio.ServicerContext) -> None:
+        state = self.state
+        if not state.authorized(dict(context.invocation_metadata()).get("authorization", "")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key "
+                                "(send metadata 'authorization: Bearer KEY')")
+        if state.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining: this server is shutting down")
+
+    async def _lora_id(self, model: str, context) -> int:
+        lora_id = self.state.lora_id_of(model) if model else 0  # empty: the base model
+        if lora_id is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"The model `{model}` does not exist.")
+        return lora_id
+
+    async def Generate(self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self._check_access(context)
+        lora_id = await self._lora_id(request.model, context)
+        which = request.WhichOneof("prompt")
+        if which is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
+        prompt = request.text if which == "text" else {"prompt_token_ids": list(request.token_ids.ids)}
+        engine = self.state.async_engine
+        try:
+            params = sampling_params(request.sampling)
+            prepared = engine.prepare(f"grpc-{next(self._ids)}-{secrets.token_hex(6)}", prompt, params,
+                                      priority=request.priority, lora_id=lora_id)
+        except QueueFullError as error:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except ValueError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+
+        sent_tokens = sent_text = 0
+        try:
+            async for output in engine.stream(prepared):
+                completion = output.outputs[0]
+                response = engine_pb2.GenerateResponse(request_id=output.request_id,
+                                                       token_ids=completion.token_ids[sent_tokens:],
+                                                       text=completion.text[sent_text:])
+                if completion.logprobs is not None:
+                    response.logprobs.extend(entry[token].logprob for token, entry in
+                                             zip(completion.token_ids[sent_tokens:], completion.logprobs[sent_tokens:]))
+                sent_tokens, sent_text = len(completion.token_ids), len(completion.text)
+                if output.finished:
+                    response.finish_reason = completion.finish_reason or "abort"
+                    response.usage.CopyFrom(engine_pb2.Usage(prompt_tokens=len(output.prompt_token_ids),
+                                                             completion_tokens=len(completion.token_ids),
+                                                             cached_prompt_tokens=output.num_cached_tokens))
+                yield response
+        except EngineDeadError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+
+    async def ListModels(self, request, context):
+        await self._check_access(context)
+        state = self.state
+        models = [engine_pb2.Model(id=state.served_model_name)]
+        models += [engine_pb2.Model(id=r.lora_name, parent=state.served_model_name) for r in state.engine.list_loras()]
+        return engine_pb2.ListModelsResponse(models=models)
+
+
+async def start_grpc_server(state, host: str, port: int) -> HealthCheckedServer:
+    """Serve the Engine and Health services on host:port (port 0 picks a free one: see .port)."""
+    return await HealthCheckedServer.start(
+        lambda server: engine_pb2_grpc.add_EngineServicer_to_server(EngineService(state), server),
+        SERVICE_NAME, host, port)

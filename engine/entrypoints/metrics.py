@@ -1,0 +1,121 @@
+"""Prometheus metrics under vLLM's names, so the Gateway API Inference Extension, vLLM dashboards and
+our own gateway read us unchanged. Every series carries `model_name`.
+
+Gauges and counters that mirror engine state are read at scrape time (a collector), so they can never
+drift from what the engine did; latency histograms are fed per request from the engine loop.
+"""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..core.async_engine import AsyncEngine
+from ..core.outputs import RequestOutput
+
+disable_created_metrics()  # the *_created series only add noise to every scrape
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class EngineMetrics:
+    def __init__(self, async_engine: AsyncEngine, model_name: str) -> None:
+        self.async_engine = async_engine
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_StateCollector(self))
+        self.success_by_reason: dict[str, int] = {}
+        label = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", LATENCY_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time a request waited before it first ran.",
+                                    LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.generation_tokens = histogram("vllm:request_generation_tokens", "Generated tokens per finished request.",
+                                           TOKEN_BUCKETS)
+        self._progress: dict[str, tuple[int, float]] = {}  # request -> (tokens seen, time of last token)
+        async_engine.output_observers.append(self.observe)
+        async_engine.abort_observers.append(self.on_abort)
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Called on the engine thread after every step with the requests that progressed."""
+        now = time.monotonic()
+        for output in outputs:
+            m = output.metrics
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            seen, last = self._progress.get(output.request_id, (0, None))
+            if last is None and num_tokens:
+                self.ttft.observe(m["first_token_time"] - m["arrival_time"])
+                if m.get("first_scheduled_time") is not None:
+                    self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
+            elif num_tokens > seen:
+                gap = (now - last) / (num_tokens - seen)
+                for _ in range(num_tokens - seen):
+                    self.itl.observe(gap)
+            self._progress[output.request_id] = (num_tokens, now)
+            if output.finished:
+                del self._progress[output.request_id]
+                self.e2e.observe(now - m["arrival_time"])
+                self.prompt_tokens.observe(len(output.prompt_token_ids))
+                self.generation_tokens.observe(num_tokens)
+                for completion in output.outputs:
+                    reason = completion.finish_reason or "abort"
+                    self.success_by_reason[reason] = self.success_by_reason.get(reason, 0) + 1
+
+    def on_abort(self, request_id: str) -> None:
+        """An aborted request produces no final output: count it here."""
+        self._progress.pop(request_id, None)
+        self.success_by_reason["abort"] = self.success_by_reason.get("abort", 0) + 1
+
+
+class _StateCollector:
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        engine = m.async_engine.engine
+        name = [m.model_name]
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        def counter(metric: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(metric, doc, labels=["model_name"])
+            family.add_metric(name, value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.", m.async_engine.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", m.async_engine.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", engine.block_manager.usage)
+        info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration.",
+                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+        info.add_metric(name + [str(engine.config.block_size), str(engine.num_kv_blocks)], 1)
+        yield info
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
+                                 labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        running, waiting = engine.lora_adapter_names()
+        lora.add_metric(name + [",".join(running), ",".join(waiting), str(engine.config.max_loras if engine.config.enable_lora else 0)],
+                        time.time())
+        yield lora
+        yield counter("vllm:prompt_tokens", "Prompt tokens processed.", engine.num_prompt_tokens)
+        yield counter("vllm:generation_tokens", "Tokens generated.", engine.num_generation_tokens)
+        yield counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.", engine.scheduler.num_preemptions)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      engine.block_manager.prefix_queries)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", engine.block_manager.prefix_hits)
+        success = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason in ("stop", "length", "abort"):
+            success.add_metric(name + [reason], m.success_by_reason.get(reason, 0))
+        yield success

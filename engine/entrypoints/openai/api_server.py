@@ -1,0 +1,87 @@
+"""The OpenAI-compatible HTTP API of an engine pod (FastAPI): the app and its routes. Completions and
+chat completions (serving_completion, serving_chat; streamed as SSE or not), /v1/models, /health,
+/version, /metrics and the LoRA adapter routes (lora_routes).
+
+Every request is validated and tokenized before it reaches the engine; errors use OpenAI's shape
+(errors.py). A client that goes away mid-request cancels it, which aborts it in the engine and frees
+its blocks. `model` names the base model or one of the loaded LoRA adapters.
+"""
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kubeinfer import __version__
+
+from .errors import APIError, error_response
+from .lora_routes import add_lora_routes
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .server_state import ServerState
+from .serving_chat import create_chat_completion
+from .serving_completion import create_completion
+
+__all__ = ["ServerState", "build_app"]
+
+
+def build_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="kubeinfer engine", version=__version__,
+                  description="OpenAI-compatible API of one kubeinfer engine pod")
+    app.state.server = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError):
+        return error_response(error.status, error.message, error.param, error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(location) or None
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"request body is not valid JSON: {first.get('msg', '')}")
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        return error_response(400, f"{param}: {message}" if param else message, param)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if request.url.path.startswith("/v1") and not state.authorized(request.headers.get("authorization", "")):
+            return error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if state.draining:
+            return error_response(503, "draining: this server is shutting down")
+        if not state.async_engine.is_running:
+            return error_response(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        def card(name: str, root: str, parent: str | None) -> dict:
+            return {"id": name, "object": "model", "created": state.created, "owned_by": "kubeinfer", "root": root,
+                    "parent": parent, "max_model_len": state.engine.max_model_len}
+
+        adapters = [card(r.lora_name, r.lora_path, state.served_model_name) for r in state.engine.list_loras()]
+        return {"object": "list", "data": [card(state.served_model_name, state.model_path, None), *adapters]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(state, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(state, body, request)
+
+    add_lora_routes(app, state)
+    return app

@@ -1,0 +1,29 @@
+"""Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`, raised as APIError
+anywhere in a handler and rendered by the app's exception handler."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+RETRY_AFTER_SECONDS = 1
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+# SamplingParams / engine messages start with the field they are about.
+KNOWN_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                "presence_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt",
+                "messages")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers or {}
+
+
+def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def param_of(message: str) -> str | None:
+    word = message.split(" ", 1)[0].rstrip(":")
+    return word if word in KNOWN_PARAMS else None

@@ -1,0 +1,48 @@
+"""What the HTTP and gRPC servers of one engine pod share: the engine, the served names, the API key,
+the adapter ids handed out while serving, and the drain flag."""
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from ...core.async_engine import AsyncEngine
+from ..metrics import EngineMetrics
+
+
+@dataclass
+class ServerState:
+    async_engine: AsyncEngine
+    served_model_name: str
+    model_path: str
+    api_key: str | None = None
+    lora_dirs: list[str] = field(default_factory=list)  # where /v1/load_lora_adapter may read adapters
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    metrics: EngineMetrics | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = self.metrics or EngineMetrics(self.async_engine, self.served_model_name)
+        lora = self.engine.lora
+        taken = [*lora.registered, *lora.retiring] if lora else []
+        self._lora_ids = itertools.count(max(taken, default=0) + 1)
+
+    def authorized(self, authorization: str) -> bool:
+        """Whether an `Authorization` value (HTTP header or gRPC metadata) carries the API key, if one is set."""
+        return not self.api_key or secrets.compare_digest(authorization.encode(), f"Bearer {self.api_key}".encode())
+
+    def lora_id_of(self, model: str) -> int | None:
+        """The adapter id a `model` name runs (0: the base model); None when this server does not serve it."""
+        if model == self.served_model_name:
+            return 0
+        adapter = self.engine.lora.find(model) if self.engine.lora else None
+        return adapter.lora_int_id if adapter else None
+
+    def new_lora_id(self) -> int:
+        """A fresh lora_int_id for an adapter loaded while serving (route or placement)."""
+        return next(self._lora_ids)
+
+    @property
+    def engine(self):
+        return self.async_engine.engine

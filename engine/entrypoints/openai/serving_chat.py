@@ -1,0 +1,90 @@
+"""`POST /v1/chat/completions`: messages rendered by the model's chat template, `chat.completion`
+objects (or `chat.completion.chunk` deltas) out."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from ...core.outputs import RequestOutput
+from .errors import APIError
+from .protocol import ChatCompletionRequest
+from .server_state import ServerState
+from .serving_engine import check_serving, prepare_all, respond, to_params
+from .streaming import usage
+
+
+async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
+    lora_id = check_serving(state, body)
+    prompt_ids = chat_prompt(state, body)
+    params = to_params(body, body.effective_max_tokens(), body.logprobs_count())
+    prepared = prepare_all(state, body, [{"prompt_token_ids": prompt_ids}], params, "chatcmpl", lora_id)
+    return await respond(state, request, body, prepared, ChatFormat(body.model, body.logprobs, body.top_logprobs or 0))
+
+
+def chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    tokenizer = state.engine.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                             tokenize=False, **(body.chat_template_kwargs or {}))
+    except ValueError as error:
+        raise APIError(400, str(error), "messages") from error
+    except Exception as error:  # a template error is the request's fault (bad roles, order...)
+        raise APIError(400, f"messages: the chat template failed: {error}", "messages") from error
+    # The template writes the special tokens itself; adding them again would double the BOS.
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@dataclass
+class ChatFormat:
+    model: str
+    logprobs: bool
+    top_logprobs: int = 0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    def _logprobs(self, completion, token_from: int) -> dict | None:
+        if not self.logprobs or completion.logprobs is None:
+            return None
+
+        def item(text: str | None, logprob: float) -> dict:
+            text = text or ""
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for token, entry in zip(completion.token_ids[token_from:], completion.logprobs[token_from:]):
+            chosen = entry[token]
+            top = [item(lp.decoded_token, lp.logprob) for lp in sorted(entry.values(), key=lambda lp: lp.rank)
+                   if lp.rank <= self.top_logprobs]
+            content.append({**item(chosen.decoded_token, chosen.logprob), "top_logprobs": top})
+        return {"content": content}
+
+    def full_response(self, request_id: str, outputs: list[RequestOutput], n: int) -> dict:
+        output = outputs[0]
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c, 0), "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                   for c in output.outputs]
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model,
+                "choices": choices, "usage": usage(outputs)}
+
+    def _chunk(self, request_id: str, choices: list[dict]) -> dict:
+        return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model,
+                "choices": choices}
+
+    def role_chunk(self, request_id: str, count: int) -> dict:
+        return self._chunk(request_id, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                         "finish_reason": None} for i in range(count)])
+
+    def chunk(self, request_id, index, text, completion, token_from, text_from) -> dict:
+        delta = {"content": text} if text else {}
+        return self._chunk(request_id, [{"index": index, "delta": delta, "logprobs": self._logprobs(completion, token_from),
+                                         "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}])
+
+    def usage_chunk(self, request_id, outputs) -> dict:
+        return {**self._chunk(request_id, []), "usage": usage(outputs)}

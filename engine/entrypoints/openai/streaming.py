@@ -1,0 +1,80 @@
+"""Outputs on their way out, shared by completions and chat: the output streams of a body's prompts
+merged into one, Server-Sent Events (one `data:` line per chunk, ending in `data: [DONE]`) and the
+`usage` block. A format object (CompletionFormat, ChatFormat) says what each chunk looks like; this
+module decides which chunks to send."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from ...core.async_engine import AsyncEngine, EngineDeadError
+from ...core.outputs import RequestOutput
+from .errors import ERROR_TYPES
+
+
+async def merged(engine: AsyncEngine, requests) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the request's position."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, request) -> None:
+        try:
+            async for output in engine.stream(request):
+                await queue.put((index, output))
+        except BaseException as error:  # noqa: BLE001 - forwarded to the consumer
+            await queue.put((index, error))
+            return
+        await queue.put((index, None))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()  # a cancelled pump leaves engine.stream, which aborts its request
+
+
+async def stream_sse(engine: AsyncEngine, requests, fmt, request_id: str, n: int, include_usage: bool):
+    sent_text: dict[tuple[int, int], int] = {}
+    sent_tokens: dict[tuple[int, int], int] = {}
+    finals: dict[int, RequestOutput] = {}
+    try:
+        if hasattr(fmt, "role_chunk"):
+            yield sse(fmt.role_chunk(request_id, len(requests) * n))
+        async for index, output in merged(engine, requests):
+            for completion in output.outputs:
+                key = (index, completion.index)
+                text_from, tokens_from = sent_text.get(key, 0), sent_tokens.get(key, 0)
+                new_text = completion.text[text_from:]
+                new_tokens = len(completion.token_ids) - tokens_from
+                if not new_text and not completion.finish_reason and not (fmt.wants_logprobs and new_tokens):
+                    continue
+                sent_text[key], sent_tokens[key] = len(completion.text), len(completion.token_ids)
+                yield sse(fmt.chunk(request_id, index * n + completion.index, new_text, completion, tokens_from, text_from))
+            if output.finished:
+                finals[index] = output
+        if include_usage:
+            yield sse(fmt.usage_chunk(request_id, [finals[i] for i in sorted(finals)]))
+    except EngineDeadError as error:
+        yield sse({"error": {"message": str(error), "type": ERROR_TYPES[500], "param": None, "code": 500}})
+    yield "data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}

@@ -1,0 +1,183 @@
+"""`kubeinfer serve MODEL_DIR`: one engine pod's process (HTTP API, optional gRPC, metrics).
+
+SIGTERM drains: /health turns 503 so the pod leaves its Service, new requests get 503, in-flight
+requests get up to --drain-timeout seconds to finish, the rest are aborted, and the process exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+
+import uvicorn
+
+logger = logging.getLogger("kubeinfer.serve")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flag names, so deployment manifests carry over."""
+    parser.add_argument("model", help="Hugging Face model directory (safetensors)")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="model name clients send (default: the directory)")
+    parser.add_argument("--api-key", default=os.environ.get("KUBEINFER_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (env KUBEINFER_API_KEY)")
+    parser.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC API on this port")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
+                        help="attention kernels (default: triton on CUDA when installed, torch on CPU)")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV-cache blocks (default: sized from --gpu-memory-utilization on CUDA, 4 GiB on CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="this engine's share of GPU memory for weights, activations and the KV cache")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--max-waiting-requests", type=int, default=256,
+                        help="bound on queued requests; beyond it clients get 429 with Retry-After")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight work gets after SIGTERM")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT format) to serve from the start; clients select one with model=NAME. "
+                             "Implies --enable-lora")
+    parser.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (batched, mixed with the base)")
+    parser.add_argument("--max-loras", type=int, default=4, help="adapters on the device at once (slots per batch)")
+    parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--max-cpu-loras", type=int, default=None,
+                        help="adapters cached in host memory, device ones included (default: --max-loras)")
+    parser.add_argument("--allowed-lora-dirs", nargs="*", default=os.environ.get("KUBEINFER_ALLOWED_LORA_DIRS", "").split(),
+                        metavar="DIR", help="directories /v1/load_lora_adapter may read adapters from "
+                                            "(default: none, runtime loading by path is refused)")
+    parser.add_argument("--lora-placement-file", default=None, metavar="FILE",
+                        help="file listing the adapters placed on this pod (the downward-API projection of the "
+                             "annotation serving.kubeinfer.io/adapters); polled, adapters loaded from "
+                             "--lora-catalog-dir/NAME and unloaded to match. Implies --enable-lora")
+    parser.add_argument("--lora-catalog-dir", default=None, metavar="DIR",
+                        help="directory holding one PEFT adapter per subdirectory, named after the adapter")
+    parser.add_argument("--log-level", default="info")
+
+
+def build_state(args: argparse.Namespace):
+    from ..config import EngineConfig
+    from ..core.async_engine import AsyncEngine
+    from ..core.llm_engine import LLMEngine
+    from ..lora.request import LoRARequest
+    from .openai.api_server import ServerState
+
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if bool(args.lora_placement_file) != bool(args.lora_catalog_dir):
+        raise SystemExit("kubeinfer serve: --lora-placement-file and --lora-catalog-dir go together")
+    try:  # a bad flag, model directory or GPU memory budget: one line that says what to change
+        config = EngineConfig(model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
+                              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                              seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules or args.lora_placement_file),
+                              max_loras=args.max_loras,
+                              max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                              attention_backend=args.attention_backend,
+                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+        engine = LLMEngine(config)
+    except ValueError as error:
+        raise SystemExit(f"kubeinfer serve: {error}") from None
+    for lora_id, (name, path) in enumerate(lora_modules, start=1):
+        try:
+            engine.add_lora(LoRARequest(name, lora_id, path))
+        except ValueError as error:  # LoRALoadError included: say which module and what to fix
+            raise SystemExit(f"kubeinfer serve: --lora-modules {name}={path}: {error}") from None
+    return ServerState(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests),
+                       args.served_model_name or args.model, args.model, api_key=args.api_key,
+                       lora_dirs=list(args.allowed_lora_dirs))
+
+
+def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
+    """vLLM's two spellings: NAME=PATH, or JSON {"name": ..., "path": ...}."""
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                item = json.loads(value)
+                modules.append((item["name"], item["path"]))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SystemExit(f'kubeinfer serve: --lora-modules {value!r}: expected {{"name": ..., "path": ...}}') from None
+            continue
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"kubeinfer serve: --lora-modules {value!r}: expected NAME=PATH")
+        modules.append((name, path))
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"kubeinfer serve: --lora-modules names must be unique, got {', '.join(names)}")
+    return modules
+
+
+class _DrainFirstServer(uvicorn.Server):
+    """uvicorn alone would stop at once on SIGTERM and re-raise the signal (exit code -15); we drain
+    first and then set should_exit ourselves."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from .openai.api_server import build_app
+
+    state = build_state(args)
+    state.async_engine.start()
+    app = build_app(state)
+    server = _DrainFirstServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                              timeout_graceful_shutdown=int(args.drain_timeout) + 5))
+    grpc_server = None
+    if args.grpc_port is not None:
+        from .grpc.server import start_grpc_server
+        grpc_server = await start_grpc_server(state, args.host, args.grpc_port)
+
+    placement = None
+    if args.lora_placement_file:
+        from ..lora.placement import PlacementWatcher
+        watcher = PlacementWatcher(state, args.lora_placement_file, args.lora_catalog_dir)
+        await watcher.sync()  # placed adapters are loaded before /health turns ready
+        placement = asyncio.create_task(watcher.run())
+
+    loop = asyncio.get_running_loop()
+    draining = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, draining.set)
+
+    async def drain_on_signal() -> None:
+        await draining.wait()
+        state.draining = True
+        if grpc_server is not None:
+            await grpc_server.start_draining()
+        logger.info("draining: %d requests in flight, up to %.0fs", state.async_engine.num_unfinished, args.drain_timeout)
+        deadline = loop.time() + args.drain_timeout
+        while state.async_engine.num_unfinished and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        state.async_engine.abort_all()
+        if grpc_server is not None:
+            await grpc_server.stop(grace=1)
+        server.should_exit = True
+
+    drainer = asyncio.create_task(drain_on_signal())
+    try:
+        await server.serve()
+    finally:
+        drainer.cancel()
+        if placement is not None:
+            placement.cancel()
+        state.async_engine.shutdown()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(args))

@@ -1,0 +1,149 @@
+"""Attention over the paged KV cache.
+
+A step's tokens arrive flattened ([T, heads, head_dim]) with their sequences laid end to end, one-token
+queries (decodes) first. The backend writes the new K/V into the cache slots the block manager chose,
+then attends each query to its sequence's cached context. `AttentionBackend` is the seam where a GPU
+kernel backend plugs in; `TorchAttentionBackend` is the portable reference used on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat cache slot (block_id * block_size + offset) of each new token
+    query_start_loc: list[int]  # [B + 1] where each sequence's queries start in the flat batch
+    context_lens: list[int]  # [B] tokens in the cache for each sequence after this step's writes
+    context_lens_tensor: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, max_blocks] padded with 0
+    num_decodes: int  # the first num_decodes sequences have exactly one query token
+    sliding_window: int | None = None
+    query_start_tensor: torch.Tensor | None = None  # [B + 1] int32 query_start_loc on the device (kernels read it)
+    max_prefill_len: int = 0  # the longest query among the sequences after the decodes
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_lens_tensor.shape[0]
+
+    @classmethod
+    def build(cls, slots: list[int], query_start_loc: list[int], context_lens: list[int], block_tables: torch.Tensor,
+              num_decodes: int, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+        """A step's metadata from host lists, with the device copies every backend may read."""
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=query_start_loc,
+            context_lens=context_lens,
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=device),
+            block_tables=block_tables.to(device),
+            num_decodes=num_decodes,
+            sliding_window=sliding_window,
+            query_start_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            max_prefill_len=max((query_start_loc[i + 1] - query_start_loc[i]
+                                 for i in range(num_decodes, len(context_lens))), default=0),
+        )
+
+
+class AttentionBackend:
+    name = "base"
+    # Whether a decode step can be captured in a CUDA graph: no host reads of the metadata's lists, no
+    # host-to-device copies, shapes fixed by the batch size alone.
+    supports_cuda_graphs = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. Returns [T, H, D]."""
+        raise NotImplementedError
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, max_blocks] block tables -> [B, Hkv, length, D] contiguous keys or values."""
+    # index_select, not cache[block_tables]: advanced indexing costs ~10x more per call on the CPU.
+    batch, max_blocks = block_tables.shape
+    blocks = cache.index_select(0, block_tables.reshape(-1))  # [B * max_blocks, block_size, Hkv, D]
+    gathered = blocks.view(batch, max_blocks * cache.shape[1], *cache.shape[2:])[:, :length]  # [B, L, Hkv, D]
+    return gathered.transpose(1, 2)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        for i in range(nd, meta.num_seqs):
+            start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+            out[start:end] = self._prefill(q[start:end], k_cache, v_cache, meta.block_tables[i:i + 1],
+                                           meta.context_lens[i], meta.sliding_window, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta, scale):
+        nd = q.shape[0]
+        lens = meta.context_lens_tensor[:nd]
+        max_len = max(meta.context_lens[:nd])
+        keys = gather_context(k_cache, meta.block_tables[:nd], max_len)
+        values = gather_context(v_cache, meta.block_tables[:nd], max_len)
+        positions = torch.arange(max_len, device=q.device)
+        mask = positions[None, :] < lens[:, None]
+        if meta.sliding_window:
+            mask &= positions[None, :] >= (lens[:, None] - meta.sliding_window)
+        if _slow_masked_sdpa(q):
+            return _grouped_decode(q, keys, values, mask, scale)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
+                                             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        return out.squeeze(2)
+
+    @staticmethod
+    def _prefill(q, k_cache, v_cache, block_table, context_len, sliding_window, scale):
+        num_queries = q.shape[0]
+        keys = gather_context(k_cache, block_table, context_len).to(q.dtype)
+        values = gather_context(v_cache, block_table, context_len).to(q.dtype)
+        query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if num_queries == context_len and not sliding_window:
+            out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Queries are the last num_queries positions of the context: causal with an offset.
+            dtype = query.dtype
+            if _slow_masked_sdpa(query):
+                query, keys, values = query.float(), keys.float(), values.float()
+            q_pos = torch.arange(context_len - num_queries, context_len, device=q.device)[:, None]
+            k_pos = torch.arange(context_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window:
+                mask &= k_pos > q_pos - sliding_window
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                                 enable_gqa=True).to(dtype)
+        return out.squeeze(0).transpose(0, 1)
+
+
+def _grouped_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Decode attention as two batched matmuls per KV head group, softmax in fp32. On the CPU, torch's
+    masked SDPA is slow in half precision; its matmuls are not (bf16 GEMMs run about 3x fp32's speed)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, group, L]
+    scores.masked_fill_(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).reshape(batch, num_heads, head_dim)
+
+
+def _slow_masked_sdpa(q: torch.Tensor) -> bool:
+    """Half precision on the CPU: there torch's masked SDPA is about twice as slow as the same attention
+    widened to fp32 (and less exact), so decodes take _grouped_decode and masked chunks widen to fp32."""
+    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16)

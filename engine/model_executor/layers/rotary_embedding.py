@@ -1,0 +1,86 @@
+"""Rotary position embeddings with the scaling variants found in Hugging Face configs."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are interpolated, short ones kept, the band between blended smoothly.
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
+    factor = s["factor"]
+    old_len = s.get("original_max_position_embeddings")
+    beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
+    attention_factor = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1 / pos_freqs) * extrapolation_weight
+    return inv_freq, attention_factor
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Precomputed cos/sin for every position up to max_positions; applied in the rotate-half layout
+    that Hugging Face checkpoints of these families use."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict) -> None:
+        super().__init__()
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.fused = False  # rotate in place with one Triton kernel (set by use_triton_kernels)
+        self.build(torch.device("cpu"))
+
+    def build(self, device: torch.device) -> None:
+        """(Re)compute the tables; called again after the model is materialized from the meta device."""
+        scaling, head_dim, theta = self.scaling, self.head_dim, self.theta
+        rope_type = scaling.get("rope_type", "default")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+        attention_factor = 1.0
+        if rope_type == "default":
+            pass
+        elif rope_type == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(head_dim, theta, scaling)
+        else:
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn")
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
+        self.register_buffer("cos", (freqs.cos() * attention_factor).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * attention_factor).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
+        if self.fused:
+            from .triton_norm import apply_rotary
+            return apply_rotary(q, k, positions, self.cos, self.sin)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,197 @@
+"""Triton kernels for attention over the paged KV cache, and the attention backend that uses them.
+
+Two kernels cover a step:
+  * `write_kv_cache`: scatters the step's new K/V rows into their cache slots (slot_mapping);
+    a negative slot is padding and writes nothing (padded CUDA-graph batches need that).
+  * `paged_attention`: one flash-attention kernel for decodes, prefills and chunked prefills. Each
+    program takes one sequence, one KV head and a tile of that sequence's queries; its queries are the
+    last `q_len` positions of the `context_len` tokens in the cache (causal with an offset), so a
+    decode is simply q_len == 1 and a chunked prefill reads its cached prefix like any other key.
+    Keys are gathered token by token through the block table, so any power-of-two block size works
+    and the KV tile size is free of it. GQA: all query heads of a KV head are packed into the rows of
+    one tile, so each K/V tile is read once per group, not once per query head. Decodes and prefills
+    are two launches of the same kernel with different query tiles (1 query per tile for decodes).
+
+Maths is fp32 (online softmax in exp2). bf16/fp16 inputs feed the tensor cores directly on a GPU; in
+Triton's CPU interpreter (TRITON_INTERPRET=1) bf16 arithmetic is wrong, so there, and for fp32 models,
+every load is widened to fp32 first and dots run at full ("ieee") precision.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...triton_utils import MIN_DOT, must_upcast, unit_last_stride
+from .attention import AttentionBackend
+
+NO_WINDOW = 1 << 30  # a sliding window wider than any context: full attention without a branch
+
+
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
+    k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] (any row strides); caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T]."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = unit_last_stride(k), unit_last_stride(v)
+    _check_caches(k_cache, v_cache)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1])
+
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
+        seq_offset, scale_log2, window,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        UPCAST: tl.constexpr):
+    # A tile's BLOCK_M rows are BLOCK_Q queries x GROUP_PAD heads (the padding heads are masked off).
+    seq = seq_offset + tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    context_len = tl.load(context_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+    q_pos = context_len - q_len + q_idx  # the query's position in its sequence
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # The keys this tile can see: up to its last query, and no further back than the window allows.
+    first_pos = context_len - q_len + q_tile * BLOCK_Q
+    hi = tl.minimum(first_pos + BLOCK_Q, context_len)
+    lo = tl.maximum(first_pos - window + 1, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < hi
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None]) & (keys[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet stays at zero
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, context_lens: torch.Tensor, *, first_seq: int, num_seqs: int,
+                    max_query_len: int, scale: float, sliding_window: int | None = None,
+                    out: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64) -> torch.Tensor:
+    """Attention of sequences first_seq .. first_seq + num_seqs - 1 of a flat batch.
+
+    q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks];
+    query_start_loc: [B + 1] and context_lens: [B] (tokens in the cache, this step's included) on q's device.
+    Writes the rows of those sequences into `out` ([T, H, D], allocated when None) and returns it.
+    `block_m` rows per program (queries x heads of a group; default 64, or 16 when every sequence has
+    one query) and `block_n` keys per inner step; both powers of two >= 16.
+    """
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+    _check_caches(k_cache, v_cache)
+    q = unit_last_stride(q)
+    out = torch.empty_like(q) if out is None else out
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be a {tuple(q.shape)} tensor with a contiguous last dimension")
+    if num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    if block_m is None:
+        block_m = MIN_DOT if max_query_len == 1 else 64
+    block_m = max(block_m, group_pad, MIN_DOT)
+    block_q = block_m // group_pad
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        q, out, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+        first_seq, scale * 1.4426950408889634, sliding_window or NO_WINDOW,  # log2(e): softmax in exp2
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=max(block_n, MIN_DOT),
+        HEAD_DIM=head_dim, DIM_PAD=max(triton.next_power_of_2(head_dim), MIN_DOT), BLOCK_SIZE=k_cache.shape[1],
+        UPCAST=must_upcast(q))
+    return out
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    # The kernels address both caches with k_cache's strides.
+    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim] tensors "
+                         "of one layout with a contiguous last dimension")
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The paged-attention backend for GPUs: one KV-write launch and at most two attention launches
+    (decodes, then prefills) per layer. It reads only device tensors and host integers from the
+    metadata, so decode steps can be captured in CUDA graphs."""
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        nd, num_seqs = meta.num_decodes, meta.num_seqs
+        if meta.query_start_tensor is None:
+            raise ValueError("the triton backend needs AttentionMetadata.query_start_tensor")
+        args = (q, k_cache, v_cache, meta.block_tables, meta.query_start_tensor, meta.context_lens_tensor)
+        common = dict(scale=scale, sliding_window=meta.sliding_window, out=out)
+        if nd:
+            paged_attention(*args, first_seq=0, num_seqs=nd, max_query_len=1, **common)
+        if num_seqs > nd:
+            paged_attention(*args, first_seq=nd, num_seqs=num_seqs - nd, max_query_len=meta.max_prefill_len, **common)
+        return out

@@ -1,0 +1,167 @@
+"""Owns the model weights and the KV cache tensors; turns a scheduled batch into model inputs,
+runs one forward pass and samples."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..lora.layers import LoRAContext
+from ..lora.pool import LoRAPool
+from ..sequence import ScheduledBatch, Sequence
+from .cuda_graphs import DecodeGraphs, capture_cuda_graph, capture_sizes
+from .layers.attention import AttentionMetadata
+from .layers.attention_selector import get_attention_backend
+from .model_loader import ModelFiles, load_model
+from .sampler import SampleResult, sample
+
+
+@dataclass
+class StepInputs:
+    """One step's tokens laid end to end (decodes first), as host lists."""
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # flat KV-cache slot of each token
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)  # rows whose logits sample a token
+    num_decodes: int = 0
+
+
+class ModelRunner:
+    """Set up in order: __init__ loads the weights, `profile_run` (optional) measures a worst-case step,
+    `allocate_kv_cache` sizes the cache, `capture_decode_graphs` (optional, CUDA) records decode steps."""
+
+    def __init__(self, files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                 block_size: int, attention_backend: str = "torch", lora_pool: LoRAPool | None = None) -> None:
+        self.device = device
+        self.lora_pool = lora_pool
+        self.dtype = dtype
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.backend = get_attention_backend(attention_backend)
+        self.model = load_model(files, self.backend, max_model_len, device, dtype)
+        self.spec = self.model.spec
+        self.sliding_window = self.spec.sliding_window
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.graphs: DecodeGraphs | None = None
+
+    @staticmethod
+    def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
+
+    def _new_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.spec.num_layers)]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._new_kv_cache(num_blocks)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, max_num_seqs: int) -> None:
+        """One forward pass of the largest step the scheduler can build (num_tokens prompt tokens over as
+        many sequences as may sample, each sampling), on a scratch KV cache, so a caller can read the
+        activation peak. LoRA deltas are left out: their rank-sized activations are small beside it."""
+        num_seqs = max(1, min(max_num_seqs, num_tokens))
+        lengths = [min(self.max_model_len, num_tokens // num_seqs + (i < num_tokens % num_seqs)) for i in range(num_seqs)]
+        bs = self.block_size
+        tables = torch.zeros((num_seqs, -(-max(lengths) // bs)), dtype=torch.long)
+        slots: list[int] = []
+        starts = [0]
+        next_block = 0
+        for i, length in enumerate(lengths):
+            blocks = -(-length // bs)
+            tables[i, :blocks] = torch.arange(next_block, next_block + blocks)
+            slots.extend(next_block * bs + p for p in range(length))
+            next_block += blocks
+            starts.append(starts[-1] + length)
+        meta = AttentionMetadata.build(slots, starts, lengths, tables, 0, self.sliding_window, self.device)
+        positions = torch.cat([torch.arange(length) for length in lengths]).to(self.device)
+        input_ids = torch.zeros_like(positions)
+        logits_indices = torch.tensor(starts[1:], device=self.device) - 1
+        self.model(input_ids, positions, self._new_kv_cache(next_block), meta, logits_indices, None)
+
+    def capture_decode_graphs(self, max_num_seqs: int, capture: Callable = capture_cuda_graph) -> None:
+        """Records decode steps of every size up to max_num_seqs (see cuda_graphs); needs the KV cache."""
+        if not self.kv_caches:
+            raise RuntimeError("allocate the KV cache before capturing decode graphs")
+        if not self.backend.supports_cuda_graphs:
+            raise ValueError(f"the {self.backend.name} attention backend cannot run in CUDA graphs; use "
+                             "attention_backend='triton', or enforce_eager=True")
+        graphs = DecodeGraphs(self.model, self.kv_caches, sizes=capture_sizes(max_num_seqs),
+                              max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+                              vocab_size=self.spec.vocab_size, device=self.device, sliding_window=self.sliding_window,
+                              lora_pool=self.lora_pool)
+        with torch.inference_mode():
+            graphs.capture(capture)
+        self.graphs = graphs
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
+        """Host lists for the step's tokens, and the sequences that sample a token after it."""
+        inputs = StepInputs()
+        sampling_seqs: list[Sequence] = []
+        bs = self.block_size
+        for seq, num_new in batch.entries:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            inputs.input_ids.extend(seq.token_ids[start:end])
+            inputs.positions.extend(range(start, end))
+            table = seq.block_table
+            inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            inputs.query_start_loc.append(inputs.query_start_loc[-1] + num_new)
+            inputs.context_lens.append(end)
+            inputs.block_tables.append(table)
+            if ScheduledBatch.is_decode(seq, num_new):
+                inputs.num_decodes += 1
+            if end == seq.num_tokens:  # the last known token is computed: its logits give the next token
+                inputs.logits_indices.append(inputs.query_start_loc[-1] - 1)
+                sampling_seqs.append(seq)
+        return inputs, sampling_seqs
+
+    def _adapter_slots(self, batch: ScheduledBatch) -> list[int] | None:
+        """Each scheduled sequence's adapter slot (0: base model); None when no sequence uses an adapter."""
+        if self.lora_pool is None or not any(seq.lora_id for seq, _ in batch.entries):
+            return None
+        return [self.lora_pool.slot_of(seq.lora_id) for seq, _ in batch.entries]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
+        inputs, sampling_seqs = self.prepare(batch)
+        lora_slots = self._adapter_slots(batch)
+        if self._graph_can_run(inputs, lora_slots):
+            rows = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.context_lens,
+                                   inputs.block_tables, lora_slots)
+            logits = rows[inputs.logits_indices]  # a prompt's one-token middle chunk computes but does not sample
+        else:
+            lora = None if lora_slots is None else LoRAContext.build(self.lora_pool, _per_token(lora_slots, batch))
+            logits = self._run_eager(inputs, lora)
+        if not sampling_seqs:
+            return [], SampleResult([], [])
+        return sampling_seqs, sample(logits, sampling_seqs)
+
+    def _graph_can_run(self, inputs: StepInputs, lora_slots: list[int] | None) -> bool:
+        """Decode-only steps no larger than the largest graph, with adapters only where graphs for them exist."""
+        return (self.graphs is not None and inputs.num_decodes == len(inputs.context_lens)
+                and self.graphs.padded_size(inputs.num_decodes) is not None
+                and (lora_slots is None or bool(self.graphs.lora_replays)))
+
+    def _run_eager(self, inputs: StepInputs, lora: LoRAContext | None) -> torch.Tensor:
+        dev = self.device
+        tables = inputs.block_tables
+        block_tables = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.long)
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+        meta = AttentionMetadata.build(inputs.slots, inputs.query_start_loc, inputs.context_lens, block_tables,
+                                       inputs.num_decodes, self.sliding_window, dev)
+        return self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
+                          torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches, meta,
+                          torch.tensor(inputs.logits_indices, dtype=torch.long, device=dev), lora)
+
+
+def _per_token(per_sequence: list[int], batch: ScheduledBatch) -> list[int]:
+    """Each sequence's value repeated for each of its tokens in the step."""
+    return [value for value, (_, num_new) in zip(per_sequence, batch.entries) for _ in range(num_new)]

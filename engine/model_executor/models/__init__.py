@@ -1,0 +1,1 @@
+"""Model architectures, written for flattened batches over the paged KV cache (Llama and relatives)."""

@@ -1,0 +1,136 @@
+"""Decoder-only transformer for the Llama family and its close relatives.
+
+Llama, Mistral, Qwen2 and Qwen3 differ only in small switches, read from the config:
+biases on q/k/v (Qwen2, or `attention_bias`), per-head RMSNorm on q and k before RoPE (Qwen3),
+sliding-window attention (Mistral), an explicit head_dim, tied embeddings. Tokens of all sequences
+in a step run flattened ([T, hidden]); only attention needs to know where sequences begin and end.
+q/k/v and gate/up projections are fused into one matmul each at load time.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import ModelSpec
+from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.layernorm import RMSNorm
+from ..layers.rotary_embedding import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ...lora.layers import LoRAContext
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata, lora: LoRAContext | None = None):
+        qkv = _project(self.qkv_proj, x, lora, self.layer_idx, "qkv_proj")
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(-1, self.q_size)
+        return _project(self.o_proj, out, lora, self.layer_idx, "o_proj")
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.intermediate_size = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.activation = ACTIVATIONS[spec.hidden_act]
+
+    def forward(self, x, lora: LoRAContext | None = None):
+        gate_up = _project(self.gate_up_proj, x, lora, self.layer_idx, "gate_up_proj")
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return _project(self.down_proj, self.activation(gate) * up, lora, self.layer_idx, "down_proj")
+
+
+def _project(linear: nn.Linear, x: torch.Tensor, lora: LoRAContext | None, layer: int, module: str) -> torch.Tensor:
+    """The base projection, plus each token's own adapter delta when the step has adapters."""
+    out = linear(x)
+    return out if lora is None else lora.apply(out, x, layer, module)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, backend, rotary, layer_idx)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec, layer_idx)
+
+    def forward(self, x, residual, positions, kv_cache, meta, lora: LoRAContext | None = None):
+        """x: the previous layer's output (the embeddings at the first layer); residual: the running sum
+        of the outputs before it (None at the first layer). Returns this layer's (output, residual); the
+        residual adds are done inside the norms, where a fused kernel does them for free."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, meta, lora)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, lora), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, backend, rotary, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = rotary
+
+
+class CausalLM(nn.Module):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec, backend, max_positions)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, logits_indices: torch.Tensor, lora: LoRAContext | None = None) -> torch.Tensor:
+        """Runs the step's flat tokens; returns logits [len(logits_indices), vocab] for the rows
+        that sample (the last computed token of each sequence that completes its prompt or decodes).
+        `lora` routes each token to its adapter's delta; None runs the base model alone."""
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(x, residual, positions, kv_cache, meta, lora)
+        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
+        return self.lm_head(x).float()
+
+
+def use_triton_kernels(model: CausalLM) -> None:
+    """Fused Triton RMSNorm (with its residual add) and rotary embedding, for the GPU path. Qwen3's
+    per-head q/k norms stay in torch: they run on strided [T, heads, head_dim] views."""
+    for layer in model.model.layers:
+        layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
+    model.model.norm.fused = True
+    model.model.rotary.fused = True

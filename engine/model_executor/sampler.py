@@ -1,0 +1,122 @@
+"""Turns each sequence's next-token logits into a token, with its own sampling parameters.
+
+Order, as in vLLM: logprobs are taken from the raw model distribution; then penalties, the
+min_tokens ban on stop tokens, greedy argmax or temperature, top-k, top-p, min-p and a draw. The draw
+uses the sequence's own generator (exponential race: argmax(p / Exp(1)) samples from p), so a seeded
+request gives the same tokens whatever else shares its batch.
+
+Everything runs where the logits are: on a GPU only the chosen token ids (and the logprobs a request
+asked for) cross to the host, not [batch, vocab] floats (128 MB a step at batch 256 and a 128k vocab).
+Each sequence's generator lives on that device too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sequence import Sequence
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # per row: (logprob of the sampled token, its rank, top-N [(token, logprob)]) or None
+    logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    logits = logits.float()
+    device = logits.device
+    raw_logprobs = _logprobs(logits, seqs)
+    logits = logits.clone()
+    _apply_penalties(logits, seqs)
+    _ban_stop_tokens_before_min_tokens(logits, seqs)
+
+    greedy = [s.params.greedy for s in seqs]
+    token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
+    if any(greedy):
+        rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
+        token_ids[rows] = logits[rows].argmax(dim=-1)
+    random_rows = [i for i, g in enumerate(greedy) if not g]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=device)
+        temperature = torch.tensor([seqs[i].params.temperature for i in random_rows], device=device).unsqueeze(1)
+        probs = torch.softmax(logits[rows] / temperature, dim=-1)
+        probs = _filter(probs, [seqs[i] for i in random_rows])
+        noise = torch.stack([torch.empty(probs.shape[1], device=device).exponential_(generator=seqs[i].generator)
+                             for i in random_rows])
+        token_ids[rows] = (probs / noise).argmax(dim=-1)
+
+    tokens = token_ids.tolist()
+    logprobs = [None] * len(seqs)
+    if raw_logprobs is not None:
+        for i, seq in enumerate(seqs):
+            if seq.params.logprobs is not None:
+                row = raw_logprobs[i]
+                chosen = row[tokens[i]]
+                rank = int((row > chosen).sum().item()) + 1
+                top = torch.topk(row, seq.params.logprobs) if seq.params.logprobs else None
+                top_list = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+                logprobs[i] = (float(chosen), rank, top_list)
+    return SampleResult(tokens, logprobs)
+
+
+def _logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+    if all(s.params.logprobs is None for s in seqs):
+        return None
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition penalty (over prompt and output, as in HF/vLLM: positive logits divided, negative
+    multiplied); frequency and presence penalties (OpenAI's, over output tokens only)."""
+    vocab, device = logits.shape[1], logits.device
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if not p.uses_penalties:
+            continue
+        output = torch.tensor(seq.output_token_ids, dtype=torch.long, device=device)
+        output = output[output < vocab]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            all_tokens = torch.tensor(seq.token_ids, dtype=torch.long, device=device)
+            seen[all_tokens[all_tokens < vocab]] = True
+            row = logits[i]
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, row)
+        if p.frequency_penalty or p.presence_penalty:
+            counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _ban_stop_tokens_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if seq.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(p.eos_token_ids))
+            banned = [t for t in banned if t < logits.shape[1]]
+            if banned:
+                logits[i, banned] = float("-inf")
+
+
+def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Zero out tokens outside top-k, top-p (smallest set whose mass reaches p) and min-p."""
+    if not any(s.params.uses_filters for s in seqs):
+        return probs
+    vocab, device = probs.shape[1], probs.device
+    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=device)
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=probs.dtype, device=device)
+    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype, device=device)
+
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device).unsqueeze(0)
+    keep = ranks < top_k.unsqueeze(1)
+    # top-p over what top-k kept: a token stays if the mass before it is still below p
+    kept_probs = sorted_probs * keep
+    mass_before = kept_probs.cumsum(dim=-1) - kept_probs
+    keep &= mass_before < top_p.unsqueeze(1) * kept_probs.sum(dim=-1, keepdim=True)
+    keep &= sorted_probs >= min_p.unsqueeze(1) * sorted_probs[:, :1]
+    keep[:, 0] = True  # the most likely token always survives
+    mask = torch.zeros_like(keep).scatter_(1, order, keep)
+    return probs * mask

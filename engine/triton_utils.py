@@ -1,0 +1,30 @@
+"""What every Triton kernel of the engine shares: whether kernels run in Triton's CPU interpreter, and
+the rules that follow from it and from the GPU's tensor cores. Torch only; triton itself is not imported.
+Import it only where the kernels are imported (lazily, when the triton backend is chosen): it reads
+TRITON_INTERPRET once, at import, as Triton does when it decorates the kernels."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Read when the kernels are decorated (at import), exactly as Triton does: setting it later changes nothing.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+MIN_DOT = 16  # tl.dot needs every dimension >= 16 on a GPU
+
+
+def must_upcast(t: torch.Tensor) -> bool:
+    """Whether a kernel must widen loads to fp32: always off the GPU, and for fp32 tensors (exact dots)."""
+    return INTERPRETED or t.device.type != "cuda" or t.dtype == torch.float32
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def check_device(device: torch.device) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors only under the interpreter."""
+    if device.type == "cpu" and not INTERPRETED:
+        raise ValueError("the triton attention backend needs a CUDA device; on the CPU use attention_backend="
+                         "'torch' (--attention-backend torch), or set TRITON_INTERPRET=1 before starting to run the "
+                         "kernels in Triton's interpreter (slow: for tests)")
