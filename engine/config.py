@@ -27,6 +27,7 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    scheduling_policy: str = "fcfs"  # "fcfs" (arrival order) or "priority" (lower priority value first)
     attention_backend: str | None = None  # "torch" | "triton"; default: triton on CUDA (when installed), else torch
     seed: int = 0
     tokenizer: str | None = None  # defaults to the model directory
@@ -42,6 +43,8 @@ class EngineConfig:
             positive(name)
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

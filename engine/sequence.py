@@ -28,8 +28,8 @@ class Sequence:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 generator: torch.Generator, *, priority: int = 0, lora_id: int = 0, index: int = 0,
-                 arrival_time: float | None = None) -> None:
+                 generator: torch.Generator, *, priority: int = 0, lora_id: int = 0, lora_generation: int = 0,
+                 index: int = 0, arrival_time: float | None = None) -> None:
         self.request_id = request_id
         self.index = index  # which of the request's n completions this is
         self.prompt_token_ids = list(prompt_token_ids)
@@ -38,6 +38,9 @@ class Sequence:
         self.generator = generator
         self.priority = priority
         self.lora_id = lora_id
+        # Which registration of adapter `lora_id` this runs: ids may be reused after an unload, generations
+        # never are, so the prefix cache keys on both (see LoRAManager.generation).
+        self.lora_generation = lora_generation
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.arrival_order = next(_arrival_counter)
         self.status = SequenceStatus.WAITING
@@ -45,7 +48,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix-cache keys of those blocks
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

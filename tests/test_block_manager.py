@@ -1,13 +1,13 @@
 """Paged KV bookkeeping and the prefix cache, without a model."""
 import torch
 
-from kubeinfer.engine.core.block_manager import BlockManager
+from kubeinfer.engine.core.block_manager import ROOT_KEY, BlockManager, hash_block
 from kubeinfer.engine.sampling_params import SamplingParams
 from kubeinfer.engine.sequence import Sequence
 
 
-def make_seq(tokens, lora_id=0):
-    return Sequence("r", tokens, SamplingParams(), torch.Generator(), lora_id=lora_id)
+def make_seq(tokens, lora_id=0, lora_generation=0):
+    return Sequence("r", tokens, SamplingParams(), torch.Generator(), lora_id=lora_id, lora_generation=lora_generation)
 
 
 def run_prefill(bm, seq):
@@ -92,3 +92,34 @@ def test_eviction_prefers_tail_blocks():
     run_prefill(bm, c)
     probe = make_seq([1, 2, 3, 4, 5, 6, 7])
     assert bm.allocate_cached_prefix(probe) == 2  # the first block survived; the tail went first
+
+
+def test_block_key_covers_every_earlier_token():
+    """The old key, Python's hash((parent, adapter, tokens)), let two different parents give one child key
+    (in CPython hash(-1) == hash(-2)); the sha256 chain ties a block's key to its whole prefix."""
+    block = [5, 6, 7, 8]
+    assert hash((-1, 0, tuple(block))) == hash((-2, 0, tuple(block)))  # the old scheme's collision
+    key = hash_block(ROOT_KEY, block)
+    assert len(key) == 32 and key == hash_block(ROOT_KEY, list(block))
+    parent_a, parent_b = hash_block(ROOT_KEY, [1, 2, 3, 4]), hash_block(ROOT_KEY, [1, 2, 3, 9])
+    assert hash_block(parent_a, block) != hash_block(parent_b, block)
+    assert hash_block(parent_a, block, (1, 1)) != hash_block(parent_a, block, (1, 2))
+
+
+def test_prompts_differing_only_early_share_no_later_block():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tail = list(range(40, 49))  # two full blocks and a token, equal in both prompts
+    first = make_seq([1, 2, 3, 4] + tail)
+    run_prefill(bm, first)
+    second = make_seq([1, 2, 3, 9] + tail)
+    assert bm.allocate_cached_prefix(second) == 0
+    assert bm.allocate_slots(second, second.num_tokens)
+    assert not set(first.block_table) & set(second.block_table)
+    assert bm.allocate_cached_prefix(make_seq([1, 2, 3, 4] + tail)) == 12  # the same prompt still hits
+
+
+def test_a_new_registration_of_a_lora_id_shares_no_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    run_prefill(bm, make_seq(list(range(10)), lora_id=1, lora_generation=1))
+    assert bm.allocate_cached_prefix(make_seq(list(range(10)), lora_id=1, lora_generation=2)) == 0
+    assert bm.allocate_cached_prefix(make_seq(list(range(10)), lora_id=1, lora_generation=1)) == 8

@@ -92,7 +92,7 @@ def test_logprobs_include_sampled_and_top_tokens(llm):
 
 
 def test_priority_runs_urgent_requests_first(llama_dir):
-    llm = LLM(llama_dir, max_num_seqs=1)
+    llm = LLM(llama_dir, max_num_seqs=1, scheduling_policy="priority")
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     engine.add_request("late-normal", "one", params, priority=0)
@@ -101,6 +101,20 @@ def test_priority_runs_urgent_requests_first(llama_dir):
     while engine.has_unfinished_requests():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["urgent", "late-normal"]
+
+
+def test_priority_is_refused_under_first_come_first_served(llama_dir):
+    """vLLM's rule: a request priority means nothing under --scheduling-policy fcfs (the default), so it
+    is an error, not a silently ignored field."""
+    engine = LLM(llama_dir, max_num_seqs=1).engine
+    with pytest.raises(ValueError, match="^priority: .*--scheduling-policy priority"):
+        engine.add_request("urgent", "two", SamplingParams(max_tokens=2), priority=-1)
+    engine.add_request("a", "one", SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("b", "two", SamplingParams(max_tokens=2, ignore_eos=True))
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["a", "b"]
 
 
 def test_abort_frees_blocks_at_any_time(llama_dir):

@@ -54,6 +54,24 @@ def test_adapters_never_share_kv_blocks(lora_base_dir, lora_adapters, lora_base_
     assert bm.prefix_hits > hits  # the same adapter does reuse its own blocks
 
 
+def test_reused_lora_id_never_gets_the_unloaded_adapters_blocks(lora_base_dir, lora_adapters):
+    """Adapter A runs under id 1 (its blocks are cached), is unloaded, and B is loaded under id 1: B's
+    request must find none of A's blocks, and give what transformers + PEFT give for B."""
+    llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4)
+    bm = llm.engine.block_manager
+    prompt = [{"prompt_token_ids": PROMPTS[2]}]  # 21 tokens: 5 full blocks to cache
+    (path_a, reference_a), (path_b, reference_b) = [(lora_adapters[n][0].lora_path, lora_adapters[n][1][2])
+                                                    for n in ("attn", "mlp")]
+    assert _run(llm, prompt, LoRARequest("a", 1, path_a)) == [reference_a]
+    llm.engine.remove_lora("a")
+    hits = bm.prefix_hits
+    out = llm.generate(prompt, _params(), lora_request=LoRARequest("b", 1, path_b))[0]
+    assert out.num_cached_tokens == 0 and bm.prefix_hits == hits
+    assert out.outputs[0].token_ids == reference_b
+    assert _run(llm, prompt, LoRARequest("b", 1, path_b)) == [reference_b]
+    assert bm.prefix_hits > hits  # B does reuse its own blocks
+
+
 def test_waiting_adapter_runs_when_a_slot_frees(lora_base_dir, lora_adapters):
     """One slot, two adapters: the second adapter's request waits (reported as waiting) instead of failing."""
     from kubeinfer.engine import LLMEngine

@@ -1,31 +1,39 @@
 """Paged KV-cache bookkeeping: fixed-size blocks, per-sequence block tables, reference counts,
 a free pool, and the prefix cache.
 
-The prefix cache names each *full* block by a hash chained over every token before it (and the LoRA
-adapter), so two requests that share a prompt prefix share the physical blocks that hold it. A freed
-block keeps its hash and stays reusable until the pool runs out of never-cached blocks; only then is
+The prefix cache names each *full* block by a sha256 key chained over every token before it (and the
+LoRA adapter), so two requests that share a prompt prefix share the physical blocks that hold it. A freed
+block keeps its key and stays reusable until the pool runs out of never-cached blocks; only then is
 the least recently freed cached block evicted.
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict, deque
 
 from ..sequence import Sequence
 
+ROOT_KEY = bytes(32)  # the "parent" of a prompt's first block
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_key: int = 0) -> int:
-    """Chained block hash; `extra_key` keeps different LoRA adapters from sharing blocks."""
-    return hash((parent_hash, extra_key, token_ids))
+
+def hash_block(parent_key: bytes, token_ids: list[int], adapter: tuple[int, int] = (0, 0)) -> bytes:
+    """The block's prefix-cache key: sha256 of (parent key, adapter, the block's tokens), as fixed-width
+    int64s. Chaining through `parent_key` makes the key cover every earlier token, and sha256 makes equal
+    keys mean equal contents, so a hit needs no token comparison. (Python's `hash` of a tuple could give
+    two different prefixes one key, and serve one request another's KV.) `adapter` is the sequence's
+    (lora_id, lora_generation): blocks computed with other adapter weights are never shared."""
+    data = struct.pack(f"<{2 + len(token_ids)}q", *adapter, *token_ids)
+    return hashlib.sha256(parent_key + data).digest()
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids")
+    __slots__ = ("block_hash", "block_id", "ref_count")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
+        self.block_hash: bytes | None = None
 
 
 class BlockManager:
@@ -38,7 +46,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
 
@@ -65,7 +73,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash = None
         self.blocks[block_id].ref_count = 1
         return block_id
 
@@ -85,12 +93,11 @@ class BlockManager:
             return 0
         bs = self.block_size
         max_full_blocks = (seq.num_tokens - 1) // bs
-        parent: int | None = None
+        parent, adapter = ROOT_KEY, (seq.lora_id, seq.lora_generation)
         for i in range(max_full_blocks):
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(parent, tokens, seq.lora_id)
+            h = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], adapter)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tokens:
+            if block_id is None:
                 break
             self._reuse_cached_block(block_id)
             seq.block_table.append(block_id)
@@ -121,7 +128,7 @@ class BlockManager:
                 if block.block_hash is not None and self.hash_to_block.get(block.block_hash) == block_id:
                     self.free_cached[block_id] = None
                 else:
-                    block.block_hash, block.token_ids = None, ()
+                    block.block_hash = None
                     self.free_uncached.append(block_id)
         seq.block_table = []
         seq.block_hashes = []
@@ -133,22 +140,22 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
+        adapter = (seq.lora_id, seq.lora_generation)
         while seq.num_hashed_blocks < num_full:
             i = seq.num_hashed_blocks
-            parent = seq.block_hashes[i - 1] if i else None
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            h = hash_block(parent, tokens, seq.lora_id)
+            parent = seq.block_hashes[i - 1] if i else ROOT_KEY
+            h = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], adapter)
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block:  # a twin computed concurrently keeps the first registration
                 self.hash_to_block[h] = block.block_id
-                block.block_hash, block.token_ids = h, tokens
+                block.block_hash = h
             seq.block_hashes.append(h)
             seq.num_hashed_blocks += 1
 
     def reset_prefix_cache(self) -> None:
         for block_id in list(self.free_cached):
             block = self.blocks[block_id]
-            block.block_hash, block.token_ids = None, ()
+            block.block_hash = None
             self.free_uncached.append(block_id)
         self.free_cached.clear()
         self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}

@@ -13,6 +13,7 @@ difference, holding text back while it ends in an incomplete UTF-8 sequence.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
@@ -115,7 +116,11 @@ def load_tokenizer(path: str):
         logger.info("no tokenizer files in %s; only token-id prompts will work", path)
         return None
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
         logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", path, error)
         return None
+    # The engine checks every prompt against max_model_len itself (a 400 naming the limit); the tokenizer's
+    # own limit would only log "will result in indexing errors" for each over-long prompt it encodes.
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import torch
@@ -15,20 +16,13 @@ import torch
 from ..config import EngineConfig, ModelSpec
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
-from ..model_executor.layers.attention_selector import check_attention_backend
 from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
-from ..model_executor.model_runner import ModelRunner
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
-from .kv_cache_sizing import (
-    GiB,
-    kv_cache_bytes,
-    measure_gpu,
-    num_kv_blocks,
-    out_of_memory_says,
-)
+from .errors import StepFailedError
+from .model_setup import build_runner
 from .outputs import RequestOutput
 from .request import Completion, Request
 from .scheduler import Scheduler, SchedulerConfig
@@ -40,6 +34,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: {config.device} asked for, but this torch ({torch.__version__}) sees no CUDA "
+                             "device (a CPU-only build, or no GPU visible); use --device cpu")
         files = inspect_model_dir(config.model)
         self.model_files = files
         self.hf_config = files.config
@@ -58,63 +55,18 @@ class LLMEngine:
 
         block_size = config.block_size
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        self.runner, self.num_kv_blocks = self._load_and_size_kv_cache(pool, budget)
-        with out_of_memory_says("allocating the KV cache", "lower --gpu-memory-utilization or --num-kv-blocks"):
-            self.runner.allocate_kv_cache(self.num_kv_blocks)
-        with out_of_memory_says("capturing CUDA graphs", "pass --enforce-eager, or lower --max-num-seqs"):
-            self._capture_decode_graphs()
+        self.runner, self.num_kv_blocks = build_runner(config, files, self.spec, self.device, self.dtype,
+                                                       self.max_model_len, pool, budget)
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.block_manager,
-                                   pool)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
+                                                   config.scheduling_policy), self.block_manager, pool)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
+        self._rng_lock = threading.Lock()  # prepare_request runs on front-end threads
         self.num_prompt_tokens = 0  # prompt tokens of requests that produced their first token
         self.num_generation_tokens = 0
         logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
                     self.device, self.dtype, self.num_kv_blocks, block_size)
-
-    def _load_and_size_kv_cache(self, pool, step_tokens: int) -> tuple[ModelRunner, int]:
-        """Loads the model; the KV block count is the user's, else what GPU memory allows after a
-        profiled worst-case step (CUDA), else what kv_cache_memory_bytes holds (CPU)."""
-        config = self.config
-
-        def load() -> ModelRunner:
-            return ModelRunner(self.model_files, device=self.device, dtype=self.dtype, max_model_len=self.max_model_len,
-                               block_size=config.block_size,
-                               attention_backend=check_attention_backend(config.attention_backend, self.device),
-                               lora_pool=pool)
-
-        per_block = ModelRunner.kv_bytes_per_block(self.spec, config.block_size, self.dtype)
-        if config.num_kv_blocks:
-            return load(), config.num_kv_blocks
-        if self.device.type != "cuda":
-            enough = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-            return load(), max(1, min(enough, config.kv_cache_memory_bytes // per_block))
-
-        def load_and_profile() -> ModelRunner:
-            runner = load()
-            with out_of_memory_says("the profiling step", "lower --max-num-batched-tokens or --max-num-seqs"):
-                runner.profile_run(step_tokens, config.max_num_seqs)
-            return runner
-
-        profile, runner = measure_gpu(self.device, load_and_profile)
-        kv_bytes = kv_cache_bytes(profile, config.gpu_memory_utilization)
-        blocks = num_kv_blocks(kv_bytes, per_block, block_size=config.block_size, max_model_len=self.max_model_len)
-        logger.info("GPU memory: %.2f GiB total, %.2f GiB for weights and the profiled step, %.2f GiB other; "
-                    "KV cache %.2f GiB (gpu_memory_utilization %.2f)", profile.total / GiB, profile.torch_peak / GiB,
-                    profile.non_torch_growth / GiB, kv_bytes / GiB, config.gpu_memory_utilization)
-        return runner, blocks
-
-    def _capture_decode_graphs(self) -> None:
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return
-        if not self.runner.backend.supports_cuda_graphs:
-            logger.info("CUDA graphs off: the %s attention backend runs eagerly", self.runner.backend.name)
-            return
-        started = time.monotonic()
-        self.runner.capture_decode_graphs(self.config.max_num_seqs)
-        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", self.runner.graphs.sizes,
-                    time.monotonic() - started)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -133,9 +85,13 @@ class LLMEngine:
         """Tokenize and validate; raises ValueError before any model work. Touches no scheduler state,
         so a server may call it off the engine thread."""
         params = params or SamplingParams()
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority: got {priority}, but priority scheduling is not enabled "
+                             "(scheduling_policy='priority', --scheduling-policy priority)")
         if lora_id and (self.lora is None or lora_id not in self.lora.registered):
             raise ValueError(f"lora_request: adapter id {lora_id} is not loaded"
                              + ("" if self.lora else "; LoRA is not enabled (enable_lora=True / --enable-lora)"))
+        lora_generation = self.lora.generation(lora_id) if lora_id else 0  # ids can be reused; generations can't
         prompt_text, token_ids = self._prompt_tokens(prompt)
         self.validate_prompt_length(len(token_ids), params)
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
@@ -144,7 +100,7 @@ class LLMEngine:
             # On the logits' device: the sampler draws each sequence's noise there.
             generator = torch.Generator(device=self.device).manual_seed(self._seed_for(params.seed, index))
             seq = Sequence(request_id, token_ids, params, generator, priority=priority, lora_id=lora_id, index=index,
-                           arrival_time=request.arrival_time)
+                           arrival_time=request.arrival_time, lora_generation=lora_generation)
             detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
                            if self.tokenizer is not None else None)
             request.completions.append(Completion(seq, detokenizer, StopStringMatcher(params)))
@@ -194,7 +150,8 @@ class LLMEngine:
 
     def _seed_for(self, seed: int | None, index: int) -> int:
         if seed is None:
-            return self._rng.getrandbits(63)
+            with self._rng_lock:
+                return self._rng.getrandbits(63)
         return seed if index == 0 else hash((seed, index)) & ((1 << 63) - 1)
 
     def abort(self, request_id: str) -> bool:
@@ -235,32 +192,62 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduler step. A sequence that fails alone (its adapter, its text) ends its request with an
+        error and the step goes on; if the model itself raises, the batch's requests end and
+        StepFailedError carries their outputs."""
         batch = self.scheduler.schedule()
-        failed = {seq.request_id: self.requests[seq.request_id] for seq in batch.failed if seq.request_id in self.requests}
+        failed = {seq.request_id for seq in batch.failed}
+        outputs = self.fail_requests(failed, {s.request_id: s.error for s in batch.failed})
         if not batch:
-            return self._finish_outputs(failed)
+            return outputs + self._finish_outputs({})
         now = time.monotonic()
         for seq, _ in batch.entries:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        sampled_seqs, result = self.runner.execute(batch)
+        try:
+            sampled_seqs, result = self.runner.execute(batch)
+        except Exception as error:
+            in_batch = {seq.request_id for seq, _ in batch.entries}
+            message = f"the model step failed: {type(error).__name__}: {error}"
+            raise StepFailedError(error, outputs + self.fail_requests(in_batch, dict.fromkeys(in_batch, message))) \
+                from error
         self.scheduler.on_step_done(batch)
         touched: dict[str, Request] = {}
+        broken: dict[str, str] = {}
         now = time.monotonic()
         for i, seq in enumerate(sampled_seqs):
             request = self.requests.get(seq.request_id)
-            if request is None:
+            if request is None or seq.is_finished:
                 continue
-            if seq.first_token_time is None and seq.index == 0:
-                self.num_prompt_tokens += seq.num_prompt_tokens
-            reason = request.completions[seq.index].append_token(
-                result.token_ids[i], result.logprobs[i], now, max_model_len=self.max_model_len,
-                token_text=self._token_text)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
+            try:
+                self._append_token(request, seq, result.token_ids[i], result.logprobs[i], now)
+            except Exception as error:  # e.g. the tokenizer cannot decode it: this request alone ends
+                logger.exception("request %s failed after a step", seq.request_id)
+                broken[seq.request_id] = f"{type(error).__name__}: {error}"
+                continue
             touched[request.request_id] = request
         self.num_generation_tokens += len(sampled_seqs)
-        return self._finish_outputs({**failed, **touched})
+        return outputs + self.fail_requests(set(broken), broken) + self._finish_outputs(touched)
+
+    def _append_token(self, request: Request, seq: Sequence, token: int, logprob, now: float) -> None:
+        if seq.first_token_time is None and seq.index == 0:
+            self.num_prompt_tokens += seq.num_prompt_tokens
+        reason = request.completions[seq.index].append_token(token, logprob, now, max_model_len=self.max_model_len,
+                                                             token_text=self._token_text)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def fail_requests(self, request_ids: set[str], errors: dict[str, str | None]) -> list[RequestOutput]:
+        """End every sequence of these requests with finish reason "abort" and the error; their final outputs."""
+        ended = {}
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            for completion in request.completions:
+                self.scheduler.finish(completion.seq, "abort", errors.get(request_id) or "the engine gave up on it")
+            ended[request_id] = request
+        return self._finish_outputs(ended)
 
     def _finish_outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
         outputs = [r.to_output() for r in touched.values()]

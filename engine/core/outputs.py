@@ -34,3 +34,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # why the engine ended it early (finish_reason "abort"), when it did

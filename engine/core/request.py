@@ -95,4 +95,5 @@ class Request:
                                       "first_scheduled_time": first.first_scheduled_time,
                                       "first_token_time": first.first_token_time,
                                       "last_token_time": max((s.last_token_time or 0) for s in seqs),
-                                      "num_preemptions": sum(s.num_preemptions for s in seqs)})
+                                      "num_preemptions": sum(s.num_preemptions for s in seqs)},
+                             error=next((s.error for s in seqs if s.error), None))

@@ -8,15 +8,21 @@ goes back to the waiting queue, to be prefilled again (cheaply, if its prefix is
 
 With LoRA, a running sequence pins its adapter in a device slot. A waiting sequence whose adapter
 cannot get a slot (all pinned) is passed over, keeping its place in the queue, so requests for
-adapters that are on the device still run; it is admitted as soon as a slot frees.
+adapters that are on the device still run; it is admitted as soon as a slot frees. So is one whose
+adapter was dropped from host memory while a reader (`on_adapter_missing`) fetches it off this thread.
+
+Admission is exception-safe: whatever raises while one sequence is admitted (its adapter cannot be
+read, a block cannot be written) finishes that sequence with the error and frees what it held; the
+others go on. `policy` is vLLM's `--scheduling-policy`: "fcfs" orders by arrival alone, "priority"
+by (priority, arrival).
 """
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..lora.adapter import LoRALoadError
-from ..lora.pool import LoRAPool, LoRAPoolError
+from ..lora.pool import LoRAPool
 from ..sequence import ScheduledBatch, Sequence, SequenceStatus
 from .block_manager import BlockManager
 
@@ -26,6 +32,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    policy: str = "fcfs"  # or "priority"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
 class Scheduler:
@@ -33,14 +44,20 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.lora_pool = lora_pool
-        self.waiting: list[Sequence] = []  # sorted by schedule_key
-        self.running: list[Sequence] = []  # sorted by schedule_key
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self.running: list[Sequence] = []  # sorted by _key
         self.num_preemptions = 0
+        self._key: Callable[[Sequence], tuple] = ((lambda s: s.schedule_key) if config.policy == "priority"
+                                                  else (lambda s: (s.arrival_order,)))
+        self._pinned: set[Sequence] = set()  # sequences holding a pin on their adapter's device slot
+        # Set by a front end that can read adapter files off the engine thread: called with the id of an
+        # adapter that is registered but no longer in host memory, it starts reading it and returns True.
+        self.on_adapter_missing: Callable[[int], bool] | None = None
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
+        bisect.insort(self.waiting, seq, key=self._key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -52,15 +69,24 @@ class Scheduler:
             self.finish(seq, "abort")
         return removed
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """End a sequence wherever it is (running, waiting or between the two) and free all it holds."""
         if seq in self.running:
             self.running.remove(seq)
-            self._release_adapter(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._release_adapter(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
+        seq.error = seq.error or error
+
+    def fail_adapter(self, lora_id: int, error: str) -> list[Sequence]:
+        """Finish the waiting sequences of an adapter that could not be read; returns them."""
+        failed = [s for s in self.waiting if s.lora_id == lora_id]
+        for seq in failed:
+            self.finish(seq, "abort", error)
+        return failed
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -93,58 +119,71 @@ class Scheduler:
                 index += 1
 
         # Admitting new work while we had to preempt would only thrash.
-        passed_over: list[Sequence] = []  # their adapter has no free slot now
+        passed_over: list[Sequence] = []  # their adapter has no free slot, or is being read, now
         while (self.waiting and not batch.preempted and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
-            if not self._adapter_can_run(seq):
-                passed_over.append(self.waiting.pop(0))
+            seq = self.waiting.pop(0)
+            if not self._adapter_ready(seq):
+                passed_over.append(seq)
                 continue
-            if not seq.block_table:
-                cached = bm.allocate_cached_prefix(seq)
-                seq.num_computed_tokens = cached
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = cached
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not bm.allocate_slots(seq, num_new):
-                bm.free(seq)  # give the cached prefix back; retry next step
-                seq.num_computed_tokens = 0
-                break
-            self.waiting.pop(0)
-            if not self._acquire_adapter(seq):
+            try:
+                num_new = self._admit(seq, budget)
+            except Exception as error:  # this sequence's fault (its adapter, its blocks): end it alone
+                self.finish(seq, "abort", f"{type(error).__name__}: {error}")
                 batch.failed.append(seq)
                 continue
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.schedule_key)
+            if num_new is None:  # not enough free blocks: it keeps its place, retried next step
+                passed_over.append(seq)
+                break
             batch.entries.append((seq, num_new))
             budget -= num_new
         for seq in passed_over:
-            bisect.insort(self.waiting, seq, key=lambda s: s.schedule_key)
+            bisect.insort(self.waiting, seq, key=self._key)
 
         # Decodes first: the attention backend batches them together. Then by adapter, so that each
         # adapter's tokens are one contiguous run and its LoRA delta works on a view, not a gather.
         batch.entries.sort(key=lambda e: (not ScheduledBatch.is_decode(*e), e[0].lora_id))
         return batch
 
-    # -- LoRA adapters --------------------------------------------------------------------------
-    def _adapter_can_run(self, seq: Sequence) -> bool:
-        return not seq.lora_id or self.lora_pool is None or self.lora_pool.can_activate(seq.lora_id)
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """Pin the adapter, attach the cached prefix and allocate the step's slots; the number of tokens
+        to compute, or None (everything given back) when the blocks are not there."""
+        bm = self.block_manager
+        self._acquire_adapter(seq)
+        if not seq.block_table:
+            cached = bm.allocate_cached_prefix(seq)
+            seq.num_computed_tokens = cached
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
+        num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        if not bm.allocate_slots(seq, num_new):
+            bm.free(seq)  # give the cached prefix back
+            seq.num_computed_tokens = 0
+            self._release_adapter(seq)
+            return None
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=self._key)
+        return num_new
 
-    def _acquire_adapter(self, seq: Sequence) -> bool:
-        """Pin the sequence's adapter in a device slot. False (and the sequence finished with
-        reason "abort") if the adapter can no longer be read, e.g. its files were removed."""
+    # -- LoRA adapters --------------------------------------------------------------------------
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        """Whether the sequence's adapter can be pinned now without reading files on this thread."""
         if not seq.lora_id or self.lora_pool is None:
             return True
-        try:
+        if not self.lora_pool.can_activate(seq.lora_id):
+            return False  # every slot is pinned: wait for one
+        missing = not self.lora_pool.has(seq.lora_id) and self.on_adapter_missing is not None
+        return not (missing and self.on_adapter_missing(seq.lora_id))  # being read: wait for it
+
+    def _acquire_adapter(self, seq: Sequence) -> None:
+        """Pin the sequence's adapter in a device slot; raises if it can no longer be read."""
+        if seq.lora_id and self.lora_pool is not None and seq not in self._pinned:
             self.lora_pool.acquire(seq.lora_id)
-        except (LoRAPoolError, LoRALoadError) as error:
-            seq.error = str(error)
-            self.finish(seq, "abort")
-            return False
-        return True
+            self._pinned.add(seq)
 
     def _release_adapter(self, seq: Sequence) -> None:
-        if seq.lora_id and self.lora_pool is not None:
+        if seq in self._pinned:
+            self._pinned.discard(seq)
             self.lora_pool.release(seq.lora_id)
 
     def waiting_adapters(self) -> set[int]:

@@ -2,6 +2,10 @@
 
 SIGTERM drains: /health turns 503 so the pod leaves its Service, new requests get 503, in-flight
 requests get up to --drain-timeout seconds to finish, the rest are aborted, and the process exits 0.
+
+If the engine dies (failed steps in a row, or a device error), /health and gRPC health turn 503 /
+NOT_SERVING at once, every request in flight gets the error, and the process exits with code 1 so
+that Kubernetes restarts the container: a pod that cannot serve must not look alive.
 """
 from __future__ import annotations
 
@@ -42,7 +46,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
-                        help="bound on queued requests; beyond it clients get 429 with Retry-After")
+                        help="bound on queued sequences (each prompt of a request times its n); beyond it clients "
+                             "get 429 with Retry-After")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                        help="fcfs: arrival order; priority: a request's `priority` first (lower runs first), then "
+                             "arrival. Under fcfs a request with a priority is refused")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight work gets after SIGTERM")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
@@ -84,7 +92,8 @@ def build_state(args: argparse.Namespace):
                               max_loras=args.max_loras,
                               max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                               attention_backend=args.attention_backend,
-                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager)
+                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                              scheduling_policy=args.scheduling_policy)
         engine = LLMEngine(config)
     except ValueError as error:
         raise SystemExit(f"kubeinfer serve: {error}") from None
@@ -152,6 +161,15 @@ async def serve(args: argparse.Namespace) -> int:
     draining = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, draining.set)
+    died = asyncio.Event()
+    state.async_engine.on_death.append(lambda _: loop.call_soon_threadsafe(died.set))
+
+    async def exit_on_death() -> None:
+        await died.wait()
+        if grpc_server is not None:
+            await grpc_server.start_draining()  # NOT_SERVING
+            await grpc_server.stop(grace=1)
+        server.should_exit = True
 
     async def drain_on_signal() -> None:
         await draining.wait()
@@ -168,13 +186,18 @@ async def serve(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     drainer = asyncio.create_task(drain_on_signal())
+    reaper = asyncio.create_task(exit_on_death())
     try:
         await server.serve()
     finally:
         drainer.cancel()
+        reaper.cancel()
         if placement is not None:
             placement.cancel()
         state.async_engine.shutdown()
+    if state.async_engine.death is not None:
+        logger.critical("exiting: the engine died (%s)", state.async_engine.death)
+        return 1
     return 0
 
 

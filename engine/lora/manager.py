@@ -5,8 +5,13 @@ Reading an adapter (`read`) touches no engine state, so servers do it off the en
 other method runs on the engine thread, like the pool it owns. An adapter unloaded while requests
 still use it disappears from the registry at once (new requests cannot name it) and its weights stay
 until its last sequence finishes (`retire_idle`).
+
+Each registration also gets a generation number, never reused, that the prefix cache keys on (see
+`generation`).
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -24,6 +29,8 @@ class LoRAManager:
                              device=device, dtype=dtype, loader=self._reread)
         self.registered: dict[int, LoRARequest] = {}  # by lora_int_id
         self.retiring: dict[int, LoRARequest] = {}  # unloaded, still used by sequences in flight
+        self._generations: dict[int, int] = {}  # lora_int_id -> its registration's generation
+        self._next_generation = itertools.count(1)  # 0 stands for "no adapter"
 
     def read(self, request: LoRARequest) -> LoRAAdapter:
         """Load and validate the adapter's files; raises LoRALoadError with what to fix. Thread-safe."""
@@ -51,15 +58,28 @@ class LoRAManager:
         except LoRAPoolError:
             pass  # host cache full of adapters in use: the pool reads this one from disk when it is needed
         self.registered[request.lora_int_id] = request
+        self._generations[request.lora_int_id] = next(self._next_generation)
 
     def unregister(self, lora_id: int, in_use: set[int]) -> LoRARequest:
         """Forget the adapter; its weights go now, or when the sequences in `in_use` that need it finish."""
         request = self.registered.pop(lora_id)
+        del self._generations[lora_id]
         if lora_id in in_use:
             self.retiring[lora_id] = request
         elif self.pool.has(lora_id):
             self.pool.remove(lora_id)
         return request
+
+    def generation(self, lora_id: int) -> int:
+        """Which registration of `lora_id` new requests get (0 if none), for the prefix-cache key.
+
+        Users may unload an adapter and load another under the same `lora_int_id`; KV blocks computed
+        with the old weights must then never be reused. Keying blocks by a generation that is never reused
+        makes them unreachable the moment the adapter goes, and stays right for the old adapter's sequences
+        still in flight: they keep committing blocks, under their own generation. Dropping the adapter's
+        blocks at unload instead would need every block tagged with its adapter, and a second drop when
+        the last of those sequences ends. Stale blocks are freed like others and age out in LRU order."""
+        return self._generations.get(lora_id, 0)
 
     def retire_idle(self, in_use: set[int]) -> None:
         for lora_id in [i for i in self.retiring if i not in in_use]:

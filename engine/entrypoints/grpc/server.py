@@ -14,7 +14,7 @@ import grpc
 
 from kubeinfer.grpc_health import HealthCheckedServer
 
-from ...core.async_engine import EngineDeadError, QueueFullError
+from ...core.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ...sampling_params import SamplingParams
 from .proto import engine_pb2, engine_pb2_grpc
 
@@ -59,18 +59,23 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt: set text or token_ids")
         prompt = request.text if which == "text" else {"prompt_token_ids": list(request.token_ids.ids)}
         engine = self.state.async_engine
+        request_id = f"grpc-{next(self._ids)}-{secrets.token_hex(6)}"
         try:
             params = sampling_params(request.sampling)
-            prepared = engine.prepare(f"grpc-{next(self._ids)}-{secrets.token_hex(6)}", prompt, params,
-                                      priority=request.priority, lora_id=lora_id)
+            engine.check_capacity(params.n)
+            prepared = await self.state.off_loop(
+                lambda: engine.prepare(request_id, prompt, params, priority=request.priority, lora_id=lora_id))
+            slot = engine.admit([prepared])[0]
         except QueueFullError as error:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except EngineDeadError as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except ValueError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
         sent_tokens = sent_text = 0
         try:
-            async for output in engine.stream(prepared):
+            async for output in engine.stream(prepared, slot):
                 completion = output.outputs[0]
                 response = engine_pb2.GenerateResponse(request_id=output.request_id,
                                                        token_ids=completion.token_ids[sent_tokens:],
@@ -87,6 +92,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
                 yield response
         except EngineDeadError as error:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except RequestFailedError as error:
+            await context.abort(grpc.StatusCode.INTERNAL, str(error))
 
     async def ListModels(self, request, context):
         await self._check_access(context)

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubeinfer import __version__
 
@@ -34,6 +35,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def _api_error(_: Request, error: APIError):
         return error_response(error.status, error.message, error.param, error.headers)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, error: StarletteHTTPException):
+        """Unknown routes and methods answer in OpenAI's error shape too, not FastAPI's {"detail": ...}."""
+        return error_response(error.status_code, str(error.detail), headers=getattr(error, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError):
         first = error.errors()[0] if error.errors() else {}
@@ -52,9 +58,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        """200 only when a request sent now can be served: not draining, the loop alive, the engine not dead."""
+        engine = state.async_engine
         if state.draining:
             return error_response(503, "draining: this server is shutting down")
-        if not state.async_engine.is_running:
+        if engine.death is not None:
+            return error_response(503, f"the engine is dead: {engine.death}")
+        if not engine.is_running:
             return error_response(503, "the engine is not running")
         return Response(status_code=200)
 
@@ -66,14 +76,24 @@ def build_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models():
+    def model_cards() -> list[dict]:
         def card(name: str, root: str, parent: str | None) -> dict:
             return {"id": name, "object": "model", "created": state.created, "owned_by": "kubeinfer", "root": root,
                     "parent": parent, "max_model_len": state.engine.max_model_len}
 
         adapters = [card(r.lora_name, r.lora_path, state.served_model_name) for r in state.engine.list_loras()]
-        return {"object": "list", "data": [card(state.served_model_name, state.model_path, None), *adapters]}
+        return [card(state.served_model_name, state.model_path, None), *adapters]
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        found = next((card for card in model_cards() if card["id"] == model_id), None)
+        if found is None:
+            raise APIError(404, f"The model `{model_id}` does not exist.", "model")
+        return found
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

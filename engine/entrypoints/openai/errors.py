@@ -5,12 +5,12 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 RETRY_AFTER_SECONDS = 1
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+               429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 # SamplingParams / engine messages start with the field they are about.
 KNOWN_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                 "presence_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt",
-                "messages")
+                "messages", "logit_bias", "allowed_token_ids")
 
 
 class APIError(Exception):
@@ -27,3 +27,8 @@ def error_response(status: int, message: str, param: str | None = None, headers:
 def param_of(message: str) -> str | None:
     word = message.split(" ", 1)[0].rstrip(":")
     return word if word in KNOWN_PARAMS else None
+
+
+def engine_unavailable(error: Exception) -> APIError:
+    """The engine died or is going away: 503, so that clients and gateways retry on another replica."""
+    return APIError(503, str(error), headers={"Retry-After": str(RETRY_AFTER_SECONDS)})

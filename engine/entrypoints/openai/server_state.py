@@ -2,13 +2,19 @@
 the adapter ids handed out while serving, and the drain flag."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import itertools
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ...core.async_engine import AsyncEngine
 from ..metrics import EngineMetrics
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -21,6 +27,10 @@ class ServerState:
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: EngineMetrics | None = None
+    # One thread for tokenizers and chat templates: off the event loop, and never two encodes at once on
+    # the same tokenizer (fast tokenizers are not safe to share between threads that change settings).
+    tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
 
     def __post_init__(self) -> None:
         self.metrics = self.metrics or EngineMetrics(self.async_engine, self.served_model_name)
@@ -46,3 +56,7 @@ class ServerState:
     @property
     def engine(self):
         return self.async_engine.engine
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """Run `fn` (tokenization, a chat template) on the tokenizer thread and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn)

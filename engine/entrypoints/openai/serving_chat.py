@@ -17,9 +17,10 @@ from .streaming import usage
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
     lora_id = check_serving(state, body)
-    prompt_ids = chat_prompt(state, body)
     params = to_params(body, body.effective_max_tokens(), body.logprobs_count())
-    prepared = prepare_all(state, body, [{"prompt_token_ids": prompt_ids}], params, "chatcmpl", lora_id)
+    # The template is rendered and tokenized on the tokenizer thread, with the rest of the preparation.
+    prepared = await prepare_all(state, body, lambda: [{"prompt_token_ids": chat_prompt(state, body)}], params,
+                                 "chatcmpl", lora_id)
     return await respond(state, request, body, prepared, ChatFormat(body.model, body.logprobs, body.top_logprobs or 0))
 
 

@@ -17,7 +17,7 @@ async def create_completion(state: ServerState, body: CompletionRequest, request
     lora_id = check_serving(state, body)
     params = to_params(body, body.max_tokens, body.logprobs)
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in body.prompts()]
-    prepared = prepare_all(state, body, prompts, params, "cmpl", lora_id)
+    prepared = await prepare_all(state, body, prompts, params, "cmpl", lora_id)
     return await respond(state, request, body, prepared, CompletionFormat(body.model, body.logprobs,
                                                                           body.return_token_ids))
 

@@ -1,18 +1,24 @@
 """The life of an OpenAI request, shared by completions and chat: check the model is served, map the
 body onto SamplingParams, prepare every prompt before any is submitted (all or nothing), then run
-them and answer whole or as an SSE stream. A client that hangs up cancels its requests."""
+them and answer whole or as an SSE stream. A client that hangs up cancels its requests.
+
+Admission counts every sequence a body would add (prompts x n) against the waiting queue before any
+work, and again when they are handed to the engine. Tokenization runs on the server's tokenizer
+thread, never on the event loop, so a long prompt stalls neither other streams nor /health.
+"""
 from __future__ import annotations
 
 import asyncio
 import copy
 import secrets
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from ...core.async_engine import EngineDeadError, QueueFullError
+from ...core.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ...core.outputs import RequestOutput
-from .errors import RETRY_AFTER_SECONDS, APIError, param_of
+from .errors import RETRY_AFTER_SECONDS, APIError, engine_unavailable, param_of
 from .protocol import SamplingFields
 from .server_state import ServerState
 from .streaming import merged, stream_sse
@@ -35,20 +41,49 @@ def to_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None
         raise APIError(400, str(error), param_of(str(error))) from error
 
 
-def prepare_all(state: ServerState, body: SamplingFields, prompts: list, params, prefix: str, lora_id: int = 0):
-    """Validate every prompt of the request before any of them is submitted: all or nothing."""
+# More prompts than this in one body is a client bug or an attack, not a batch: OpenAI caps its own
+# batch inputs at 2048.
+MAX_PROMPTS_PER_REQUEST = 2048
+
+
+def check_capacity(state: ServerState, num_sequences: int) -> None:
+    try:
+        state.async_engine.check_capacity(num_sequences)
+    except QueueFullError as error:
+        raise APIError(429, str(error), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from error
+    except EngineDeadError as error:
+        raise engine_unavailable(error) from error
+
+
+async def prepare_all(state: ServerState, body: SamplingFields, prompts: list | Callable[[], list], params, prefix: str,
+                      lora_id: int = 0):
+    """Validate every prompt of the request before any of them is submitted, then admit them all or none.
+    `prompts` may be a function that makes them (a chat template): it runs on the tokenizer thread too."""
+    count = len(prompts) if isinstance(prompts, list) else 1
+    if count > MAX_PROMPTS_PER_REQUEST:
+        raise APIError(400, f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {count}", "prompt")
+    check_capacity(state, count * params.n)
     engine = state.async_engine
     base_id = f"{prefix}-{secrets.token_hex(12)}"
-    prepared = []
-    for i, prompt in enumerate(prompts):
-        try:
-            prepared.append(engine.prepare(f"{base_id}-{i}", prompt, copy.copy(params), priority=body.priority,
-                                           lora_id=lora_id))
-        except QueueFullError as error:
-            raise APIError(429, str(error), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from error
-        except ValueError as error:
-            raise APIError(400, str(error), param_of(str(error)) or "prompt") from error
-    return base_id, prepared
+
+    def prepare() -> list:
+        prepared = []
+        for i, prompt in enumerate(prompts if isinstance(prompts, list) else prompts()):
+            try:
+                prepared.append(engine.prepare(f"{base_id}-{i}", prompt, copy.copy(params), priority=body.priority,
+                                               lora_id=lora_id))
+            except ValueError as error:
+                raise APIError(400, str(error), param_of(str(error)) or "prompt") from error
+        return prepared
+
+    requests = await state.off_loop(prepare)
+    try:
+        slots = engine.admit(requests)
+    except QueueFullError as error:
+        raise APIError(429, str(error), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from error
+    except EngineDeadError as error:
+        raise engine_unavailable(error) from error
+    return base_id, list(zip(requests, slots))
 
 
 async def respond(state: ServerState, http_request: Request, body: SamplingFields, prepared, fmt):
@@ -73,6 +108,8 @@ async def respond(state: ServerState, http_request: Request, body: SamplingField
     try:
         task.result()
     except EngineDeadError as error:
+        raise engine_unavailable(error) from error
+    except RequestFailedError as error:
         raise APIError(500, str(error)) from error
     outputs = [final[i] for i in range(len(requests))]
     return fmt.full_response(request_id, outputs, body.n)

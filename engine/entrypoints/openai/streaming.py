@@ -8,25 +8,27 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 
-from ...core.async_engine import AsyncEngine, EngineDeadError
+from ...core.async_engine import AsyncEngine
+from ...core.errors import EngineDeadError, RequestFailedError
 from ...core.outputs import RequestOutput
 from .errors import ERROR_TYPES
 
 
-async def merged(engine: AsyncEngine, requests) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several requests as they come, tagged with the request's position."""
-    queue: asyncio.Queue = asyncio.Queue()
+async def merged(engine: AsyncEngine, admitted) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several admitted (request, slot) pairs as they come, tagged with the request's position.
+    The queue is bounded: while the consumer is slow, each request's slot merges its newer outputs."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
 
-    async def pump(index: int, request) -> None:
+    async def pump(index: int, request, slot) -> None:
         try:
-            async for output in engine.stream(request):
+            async for output in engine.stream(request, slot):
                 await queue.put((index, output))
         except BaseException as error:  # noqa: BLE001 - forwarded to the consumer
             await queue.put((index, error))
             return
         await queue.put((index, None))
 
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    tasks = [asyncio.create_task(pump(i, r, slot)) for i, (r, slot) in enumerate(admitted)]
     try:
         remaining = len(tasks)
         while remaining:
@@ -63,8 +65,9 @@ async def stream_sse(engine: AsyncEngine, requests, fmt, request_id: str, n: int
                 finals[index] = output
         if include_usage:
             yield sse(fmt.usage_chunk(request_id, [finals[i] for i in sorted(finals)]))
-    except EngineDeadError as error:
-        yield sse({"error": {"message": str(error), "type": ERROR_TYPES[500], "param": None, "code": 500}})
+    except (EngineDeadError, RequestFailedError) as error:
+        code = 503 if isinstance(error, EngineDeadError) else 500
+        yield sse({"error": {"message": str(error), "type": ERROR_TYPES[code], "param": None, "code": code}})
     yield "data: [DONE]\n\n"
 
 

@@ -1,0 +1,64 @@
+"""Start-up of the model side: load the weights into a ModelRunner, size the KV cache (the user's block
+count, else what GPU memory allows after a profiled worst-case step, else the CPU budget), allocate it,
+and capture CUDA graphs for decode steps. Running out of GPU memory at any point is a one-line error
+naming the flag to change."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..config import EngineConfig, ModelSpec
+from ..lora.pool import LoRAPool
+from ..model_executor.layers.attention_selector import check_attention_backend
+from ..model_executor.model_loader import ModelFiles
+from ..model_executor.model_runner import ModelRunner
+from .kv_cache_sizing import GiB, kv_cache_bytes, measure_gpu, num_kv_blocks, out_of_memory_says
+
+logger = logging.getLogger(__name__)
+
+
+def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, pool: LoRAPool | None, step_tokens: int) -> tuple[ModelRunner, int]:
+    """The loaded runner, its KV cache allocated (and decode graphs captured), and its block count."""
+    def load() -> ModelRunner:
+        return ModelRunner(files, device=device, dtype=dtype, max_model_len=max_model_len, block_size=config.block_size,
+                           attention_backend=check_attention_backend(config.attention_backend, device), lora_pool=pool)
+
+    per_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, dtype)
+    if config.num_kv_blocks:
+        runner, blocks = load(), config.num_kv_blocks
+    elif device.type != "cuda":
+        enough = config.max_num_seqs * -(-max_model_len // config.block_size)
+        runner, blocks = load(), max(1, min(enough, config.kv_cache_memory_bytes // per_block))
+    else:
+        def load_and_profile() -> ModelRunner:
+            runner = load()
+            with out_of_memory_says("the profiling step", "lower --max-num-batched-tokens or --max-num-seqs"):
+                runner.profile_run(step_tokens, config.max_num_seqs)
+            return runner
+
+        profile, runner = measure_gpu(device, load_and_profile)
+        kv_bytes = kv_cache_bytes(profile, config.gpu_memory_utilization)
+        blocks = num_kv_blocks(kv_bytes, per_block, block_size=config.block_size, max_model_len=max_model_len)
+        logger.info("GPU memory: %.2f GiB total, %.2f GiB for weights and the profiled step, %.2f GiB other; "
+                    "KV cache %.2f GiB (gpu_memory_utilization %.2f)", profile.total / GiB, profile.torch_peak / GiB,
+                    profile.non_torch_growth / GiB, kv_bytes / GiB, config.gpu_memory_utilization)
+    with out_of_memory_says("allocating the KV cache", "lower --gpu-memory-utilization or --num-kv-blocks"):
+        runner.allocate_kv_cache(blocks)
+    with out_of_memory_says("capturing CUDA graphs", "pass --enforce-eager, or lower --max-num-seqs"):
+        _capture_decode_graphs(runner, config, device)
+    return runner, blocks
+
+
+def _capture_decode_graphs(runner: ModelRunner, config: EngineConfig, device: torch.device) -> None:
+    if device.type != "cuda" or config.enforce_eager:
+        return
+    if not runner.backend.supports_cuda_graphs:
+        logger.info("CUDA graphs off: the %s attention backend runs eagerly", runner.backend.name)
+        return
+    started = time.monotonic()
+    runner.capture_decode_graphs(config.max_num_seqs)
+    logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", runner.graphs.sizes,
+                time.monotonic() - started)
