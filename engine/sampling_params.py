@@ -5,6 +5,10 @@ from dataclasses import dataclass, field
 
 # Below this a temperature is treated as greedy: dividing logits by it would overflow.
 GREEDY_EPSILON = 1e-5
+# What torch.Generator.manual_seed takes: any signed or unsigned 64-bit integer.
+SEED_RANGE = (-2**63, 2**64)
+# OpenAI's bound on a logit bias: +-100 is already "always" / "never".
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -26,6 +30,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
     # Filled by the engine, not by users: ids that end generation (EOS from generation_config).
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 
@@ -34,6 +40,9 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
+        if self.allowed_token_ids is not None:  # None: no restriction; [] is refused, not read as "none"
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -54,7 +63,8 @@ class SamplingParams:
         check(self.repetition_penalty > 0, "repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         check(-2 <= self.presence_penalty <= 2, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        check(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        check(self.seed is None or (is_int(self.seed) and SEED_RANGE[0] <= self.seed < SEED_RANGE[1]), "seed",
+              f"must be an integer in [-2**63, 2**64), got {self.seed!r}")
         check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
               f"must be an integer >= 1, got {self.max_tokens!r}")
         check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
@@ -64,6 +74,22 @@ class SamplingParams:
               f"must be an integer >= 0, got {self.logprobs!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        bias = self.logit_bias or {}
+        check(all(is_int(t) and t >= 0 for t in bias), "logit_bias", "keys must be token ids (non-negative integers)")
+        out_of_range = [(t, v) for t, v in bias.items()
+                        if isinstance(v, bool) or not isinstance(v, (int, float)) or not abs(v) <= MAX_LOGIT_BIAS]
+        check(not out_of_range, "logit_bias", f"values must be numbers in [-100, 100], got {dict(out_of_range[:1])}")
+        allowed = self.allowed_token_ids
+        check(allowed is None or len(allowed) > 0, "allowed_token_ids", "must not be empty (null: no restriction)")
+        check(all(is_int(t) and t >= 0 for t in allowed or ()), "allowed_token_ids",
+              "must be token ids (non-negative integers)")
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuse token ids the model does not have; run by whoever knows the vocabulary (the engine)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("allowed_token_ids", self.allowed_token_ids or ())):
+            outside = sorted(t for t in ids if t >= vocab_size)
+            if outside:
+                raise ValueError(f"{name} has token id {outside[0]}, outside the model's vocabulary of {vocab_size}")
 
     @property
     def greedy(self) -> bool:

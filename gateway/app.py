@@ -39,6 +39,7 @@ class GatewayConfig:
     scrape_timeout: float = 1.0
     picker: PickerConfig = field(default_factory=PickerConfig)
     model_priorities: dict[str, int] = field(default_factory=dict)
+    forward_priority: bool = False  # write the engine's `priority` into forwarded bodies
     pool_name: str = "default"
 
 
@@ -47,7 +48,8 @@ class Gateway:
         self.config = config
         self.pool = EndpointPool()
         self.picker = Picker(self.pool, config.picker)
-        self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities)
+        self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities,
+                             forward_priority=config.forward_priority)
         self.scraper = Scraper(self.pool, config.scrape_interval, config.scrape_timeout)
         self.discovery = self.priorities = None
         if config.endpoints:

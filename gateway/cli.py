@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="e.g. queue=2,active=1,kv_cache=1,lora=2,prefix=4")
     parser.add_argument("--model-priority", type=_priority, action="append", default=[], metavar="NAME=INT",
                         help="routing priority of a model; below 0 its requests are sheddable")
+    parser.add_argument("--forward-priority", action="store_true",
+                        help="write each request's priority into the body for the engine (inverted: the engine's lower "
+                             "runs first); the engines must run --scheduling-policy priority, as the operator's do")
     parser.add_argument("--log-level", default="info")
 
 
@@ -71,7 +74,7 @@ def config_from_args(args: argparse.Namespace):
                          metrics_port=args.metrics_port or None, endpoints=endpoints, namespace=args.namespace,
                          selector=selector, inference_pool=args.inference_pool, target_port=args.target_port,
                          scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout, picker=picker,
-                         model_priorities=dict(args.model_priority),
+                         model_priorities=dict(args.model_priority), forward_priority=args.forward_priority,
                          pool_name=args.pool_name or args.inference_pool or "default")
 
 

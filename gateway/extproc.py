@@ -12,8 +12,9 @@ Two body modes, told apart by the `protocol_config` Envoy (1.34+) sends with the
     answer to the last one carries the destination (with BUFFERED, Envoy holds the headers until then);
   * FULL_DUPLEX_STREAMED, what the Inference Extension's protocol asks for: Envoy sends body chunks
     without waiting, and forwards only what we send back. The headers' answer waits for the whole body,
-    then carries the destination and Content-Length; the body goes back whole after it. Response body
-    chunks are echoed back as they come.
+    then carries the destination and Content-Length; the body goes back whole after it, with the
+    engine's `priority` written in with --forward-priority (half duplex cannot change the body).
+    Response body chunks are echoed back as they come.
 When the filter also sends the response phases, the end of the response body, or the stream closing
 after the response began, tells the picker the request is over (on the pod that served it, when the
 data plane names one after a retry); without them it stays counted until the next scrape of its pod.
@@ -115,12 +116,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     def decide(self, phase: str, headers: dict[str, str], body: bytes, subset: frozenset[str] | None,
                full_duplex: bool = False) -> tuple[list[ep.ProcessingResponse], Decision | None]:
         try:
-            _, decision = self.router.route(body, headers, subset)
+            request, decision = self.router.route(body, headers, subset)
         except RoutingError as error:
             return [refused(error)], None
         if not full_duplex:
             return [routed(phase, decision.destination)], decision
         # The headers' answer waited for the body; the body itself goes back whole, after it.
+        body = self.router.body_for_engine(body, request)
         return [routed("request_headers", decision.destination, content_length=len(body)),
                 streamed_body("request_body", body, end_of_stream=True)], decision
 

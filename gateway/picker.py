@@ -46,6 +46,7 @@ class RoutingRequest:
     prompt: str = ""  # text the prefix scorer hashes (the prompt, or the chat messages)
     sheddable: bool = False
     subset: frozenset[str] | None = None  # the data plane's subset hint: only these addresses may be picked
+    priority: int = 0  # the Inference Extension's: higher is more important, below 0 sheddable
 
 
 @dataclass

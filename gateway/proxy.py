@@ -74,6 +74,8 @@ def build_proxy_app(router: Router, client: httpx.AsyncClient | None = None) -> 
             routing_request, decision = router.route(body, {k.lower(): v for k, v in request.headers.items()})
         except RoutingError as error:
             return error_response(error.status, error.message)
+        body = router.body_for_engine(body, routing_request)
+        headers.pop("content-length", None)  # httpx sets it for the body it sends
         start = time.perf_counter()
         for attempt, endpoint in enumerate([decision.endpoint, *decision.fallbacks][:MAX_ATTEMPTS]):
             sent = decision.sent if attempt == 0 else endpoint.record_dispatch()

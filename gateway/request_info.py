@@ -4,6 +4,12 @@ A request is sheddable when its priority is below zero. The priority comes from,
 `x-gateway-inference-priority` header; the InferenceObjective the `x-gateway-inference-objective` header
 names (the Inference Extension's convention); the model's configured priority (the InferenceModel's
 `spec.routing.priority`); else 0.
+
+The engines order their queues by the same priority, in vLLM's convention (lower runs first) where
+the Inference Extension's is the opposite (higher is more important). `engine_priority` is the one
+place the two meet; `with_engine_priority` writes it into the body the engine receives. Engines honour
+it under `--scheduling-policy priority` (the operator's pods and the local stack run so); the gateway
+writes it only with `--forward-priority` (the chart and the local stack set it).
 """
 from __future__ import annotations
 
@@ -61,4 +67,20 @@ def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities:
             priority = int(header)
         except ValueError:
             raise RoutingError(400, f"{PRIORITY_HEADER} must be an integer, got {header!r}") from None
-    return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0)
+    return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0, priority=priority)
+
+
+def engine_priority(gateway_priority: int) -> int:
+    """The Inference Extension's priority (higher is more important, below 0 sheddable) as the engine's
+    `priority` field (vLLM's: lower runs first)."""
+    return -gateway_priority
+
+
+def with_engine_priority(raw_body: bytes, gateway_priority: int) -> bytes:
+    """The body to forward: with the engine's `priority` when the gateway's is not 0 (the platform's
+    priority wins over one a client wrote), else unchanged, byte for byte."""
+    if not gateway_priority or not raw_body:
+        return raw_body
+    body = json.loads(raw_body)  # parse_request has already checked it is a JSON object
+    body["priority"] = engine_priority(gateway_priority)
+    return json.dumps(body).encode()

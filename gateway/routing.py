@@ -7,13 +7,14 @@ from collections.abc import Mapping
 
 from .metrics import GatewayMetrics
 from .picker import Decision, Picker, RoutingError, RoutingRequest
-from .request_info import parse_request
+from .request_info import parse_request, with_engine_priority
 
 
 class Router:
     def __init__(self, picker: Picker, metrics: GatewayMetrics | None = None,
-                 model_priorities: Mapping[str, int] | None = None) -> None:
+                 model_priorities: Mapping[str, int] | None = None, forward_priority: bool = False) -> None:
         self.picker = picker
+        self.forward_priority = forward_priority
         self.metrics = metrics or GatewayMetrics(picker)
         self.model_priorities = dict(model_priorities or {})  # configured: wins
         self.discovered_priorities: dict[str, int] = {}  # from InferenceModels in the cluster
@@ -37,3 +38,7 @@ class Router:
         self.metrics.requests.labels(request.model).inc()
         self.metrics.picks.labels(decision.endpoint.address).inc()
         return request, decision
+
+    def body_for_engine(self, raw_body: bytes, request: RoutingRequest) -> bytes:
+        """What the chosen engine receives: the client's body, with the engine's priority when forwarded."""
+        return with_engine_priority(raw_body, request.priority) if self.forward_priority else raw_body

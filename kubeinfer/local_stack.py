@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
         for port, placed in zip(ports, placements(adapters, len(ports))):
             modules = [f"{a.name}={a}" for a in placed]
             command = [*kubeinfer, "serve", str(demo / "base"), "--host", "127.0.0.1", "--port", str(port),
-                       "--served-model-name", SERVED_NAME, "--max-num-seqs", "16", "--log-level", "warning"]
+                       "--served-model-name", SERVED_NAME, "--max-num-seqs", "16", "--log-level", "warning",
+                       "--scheduling-policy", "priority"]
             if modules:
                 command += ["--lora-modules", *modules, "--max-lora-rank", "64", "--max-loras", str(len(modules))]
             processes.append(subprocess.Popen(command, env=env))
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
             _wait_ready(url, process, args.ready_timeout)
         processes.append(subprocess.Popen([*kubeinfer, "gateway", "--host", "127.0.0.1", "--port", str(args.port),
                                            "--ext-proc-port", "0", "--metrics-port", str(args.metrics_port),
-                                           "--endpoints", ",".join(engine_urls), "--log-level", "warning"], env=env))
+                                           "--endpoints", ",".join(engine_urls), "--log-level", "warning",
+                                           "--forward-priority"], env=env))
         _wait_ready(f"http://127.0.0.1:{args.port}", processes[-1], 60)
         print(_instructions(args.port, args.metrics_port, engine_urls, [a.name for a in adapters]), flush=True)
         while all(p.poll() is None for p in processes):

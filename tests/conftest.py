@@ -66,3 +66,19 @@ def lora_base_reference(lora_base_dir):
 
     model = load_hf(lora_base_dir)
     return [hf_greedy(model, p) for p in PROMPTS]
+
+
+# -- A served llama ("tiny") and the official openai client on it, one per test module ----------------
+@pytest.fixture(scope="module")
+def server(llama_dir):
+    from server_harness import RunningServer
+
+    with RunningServer(llama_dir, name="tiny", block_size=8) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -13,17 +13,6 @@ NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir):
-    with RunningServer(llama_dir, name="tiny", block_size=8) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def offline(llama_dir):
     return LLM(llama_dir, block_size=8)
 

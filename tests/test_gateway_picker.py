@@ -191,3 +191,30 @@ def test_parse_engine_metrics():
     state = parse_engine_metrics(text)
     assert (state.waiting, state.running, state.kv_usage, state.max_loras) == (3, 2, 0.25, 2)
     assert state.running_adapters == {"a", "b"} and state.waiting_adapters == frozenset()
+
+
+def test_the_gateway_priority_reaches_the_engine_inverted():
+    """The Inference Extension's priority (higher first) becomes the engine's (vLLM's: lower first) in one
+    place; a body without one is forwarded byte for byte."""
+    import json
+
+    from kubeinfer.gateway.request_info import engine_priority, with_engine_priority
+
+    assert engine_priority(10) == -10 and engine_priority(-1) == 1
+    raw = b'{"model": "m",  "prompt": "hi", "priority": 3}'
+    assert with_engine_priority(raw, 0) is raw
+    assert json.loads(with_engine_priority(raw, 10)) == {"model": "m", "prompt": "hi", "priority": -10}
+    request = parse_request(b'{"model": "m"}', {"x-gateway-inference-priority": "7"})
+    assert request.priority == 7 and not request.sheddable
+
+
+def test_the_priority_is_written_for_the_engine_only_when_forwarded():
+    import json
+
+    from kubeinfer.gateway.routing import Router
+
+    raw = b'{"model": "m", "prompt": "hi"}'
+    request = parse_request(raw, {"x-gateway-inference-priority": "4"})
+    assert Router(Picker(EndpointPool())).body_for_engine(raw, request) is raw  # engines may run fcfs
+    forwarded = Router(Picker(EndpointPool()), forward_priority=True).body_for_engine(raw, request)
+    assert json.loads(forwarded)["priority"] == -4

@@ -112,6 +112,40 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     assert sample(logits, late).token_ids == [0]
 
 
+def test_logit_bias_is_added_after_penalties():
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5, 0, 0, 0, 0]])
+    params = SamplingParams(repetition_penalty=2.0, logit_bias={0: 1.0, 1: 0.5, 2: -100, 6: 0.25})
+    # by hand: tokens 0 and 2 were seen (2.0 / 2, -1.0 * 2), then the biases (token 0: 41% of draws;
+    # biased before the penalty, (2.0 + 1.0) / 2, it would get 30%)
+    reference = torch.softmax(torch.tensor([2.0, 1.5, -102.0, 0.5, 0, 0, 0.25, 0]), -1)
+    seqs = seqs_for(params, 3000, prompt=(0, 2))
+    freq = torch.bincount(torch.tensor(sample(logits.expand(3000, -1), seqs).token_ids), minlength=VOCAB) / 3000
+    assert torch.allclose(freq, reference, atol=0.03)
+
+
+def test_logit_bias_moves_greedy_and_leaves_other_rows_alone():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0, 0, 0, 0, 0]]).expand(3, -1)
+    params = [SamplingParams(temperature=0, logit_bias={0: -100}), SamplingParams(temperature=0, logit_bias={5: 100}),
+              SamplingParams(temperature=0)]
+    seqs = [seqs_for(p, 1)[0] for p in params]
+    assert sample(logits, seqs).token_ids == [1, 5, 0]
+
+
+def test_allowed_token_ids_restrict_sampling_to_them():
+    params = SamplingParams(temperature=1.0, allowed_token_ids=[2, 4, 5])
+    # by hand: the distribution renormalized over tokens 2, 4 and 5
+    allowed = torch.tensor([0, 0, PROBS[2], 0, PROBS[4], PROBS[5], 0, 0])
+    freq = torch.bincount(draws(LOGITS, params), minlength=VOCAB).float() / 3000
+    assert torch.allclose(freq, allowed / allowed.sum(), atol=0.03)
+    greedy = SamplingParams(temperature=0, allowed_token_ids=[3, 6])
+    assert sample(torch.tensor([LOGITS]), seqs_for(greedy, 1)).token_ids == [3]
+
+
+def test_allowed_tokens_win_over_logit_bias_and_top_k():
+    params = SamplingParams(temperature=1.0, top_k=1, allowed_token_ids=[6, 7], logit_bias={0: 100, 7: 5})
+    assert set(draws(LOGITS, params, count=200).tolist()) == {7}
+
+
 def test_same_seed_same_tokens_whatever_the_batch():
     params = SamplingParams(temperature=1.0, seed=42)
     logits = torch.randn(1, 200, generator=torch.Generator().manual_seed(3))
@@ -146,11 +180,28 @@ def test_logprobs_are_raw_log_softmax_with_rank():
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1), ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2), ("repetition_penalty", 0),
     ("frequency_penalty", 3), ("presence_penalty", -3), ("max_tokens", 0), ("n", 0), ("min_tokens", -1),
-    ("logprobs", -1), ("seed", "x"), ("stop", [""]),
+    ("logprobs", -1), ("seed", "x"), ("seed", 2**64), ("seed", -2**63 - 1), ("stop", [""]),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: float("nan")}),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", [True]),
 ])
 def test_invalid_values_raise_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_seed_takes_every_64_bit_value():
+    for seed in (-2**63, -1, 0, 2**64 - 1):
+        torch.Generator().manual_seed(SamplingParams(seed=seed).seed)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    params = SamplingParams(logit_bias={3: 1.0, 9: 1.0}, allowed_token_ids=[1, 2])
+    params.check_token_ids(10)
+    with pytest.raises(ValueError, match="^logit_bias .* 9"):
+        params.check_token_ids(9)
+    with pytest.raises(ValueError, match="^allowed_token_ids .* 8"):
+        SamplingParams(allowed_token_ids=[8]).check_token_ids(8)
 
 
 def test_min_tokens_above_max_tokens_is_rejected():
@@ -176,3 +227,5 @@ def test_sampling_runs_where_the_logits_are(device):
     logprob, rank, top = result.logprobs[0]
     assert result.token_ids == [0] and rank == 1 and [t for t, _ in top] == [0, 1]
     assert logprob == pytest.approx(math.log(PROBS[0]), abs=1e-5)
+    biased = SamplingParams(temperature=0.8, logit_bias={5: 100}, allowed_token_ids=[4, 5])
+    assert set(sample(logits[:50], seqs(biased, 50)).token_ids) == {5}

@@ -94,6 +94,7 @@ class LLMEngine:
         lora_generation = self.lora.generation(lora_id) if lora_id else 0  # ids can be reused; generations can't
         prompt_text, token_ids = self._prompt_tokens(prompt)
         self.validate_prompt_length(len(token_ids), params)
+        params.check_token_ids(self.spec.vocab_size)
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         request = Request(request_id, prompt_text, token_ids, params)
         for index in range(params.n):

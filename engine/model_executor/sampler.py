@@ -1,7 +1,9 @@
 """Turns each sequence's next-token logits into a token, with its own sampling parameters.
 
-Order, as in vLLM: logprobs are taken from the raw model distribution; then penalties, the
-min_tokens ban on stop tokens, greedy argmax or temperature, top-k, top-p, min-p and a draw. The draw
+Order: logprobs are taken from the raw model distribution (as in vLLM); then penalties, logit_bias,
+allowed_token_ids, the min_tokens ban on stop tokens, greedy argmax or temperature, top-k, top-p, min-p
+and a draw. The bias comes after the penalties so that +-100 means "always" / "never" whatever the
+repetition penalty did; nothing after it can revive a token it masked. The draw
 uses the sequence's own generator (exponential race: argmax(p / Exp(1)) samples from p), so a seeded
 request gives the same tokens whatever else shares its batch.
 
@@ -31,6 +33,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     raw_logprobs = _logprobs(logits, seqs)
     logits = logits.clone()
     _apply_penalties(logits, seqs)
+    _apply_logit_bias(logits, seqs)
+    _keep_only_allowed_tokens(logits, seqs)
     _ban_stop_tokens_before_min_tokens(logits, seqs)
 
     greedy = [s.params.greedy for s in seqs]
@@ -88,6 +92,30 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         if p.frequency_penalty or p.presence_penalty:
             counts = torch.bincount(output, minlength=vocab).to(logits.dtype)
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI's logit_bias: each listed token's logit moves by its bias (greedy requests included)."""
+    vocab, device = logits.shape[1], logits.device
+    for i, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        if not bias:
+            continue
+        ids = [t for t in bias if t < vocab]  # the engine refuses others; never index out of bounds on a GPU
+        logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype, device=device)
+
+
+def _keep_only_allowed_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """vLLM's allowed_token_ids: every other token's logit becomes -inf."""
+    device = logits.device
+    for i, seq in enumerate(seqs):
+        allowed = seq.params.allowed_token_ids
+        if not allowed:
+            continue
+        ids = torch.tensor([t for t in allowed if t < logits.shape[1]], dtype=torch.long, device=device)
+        kept = logits[i, ids]
+        logits[i] = float("-inf")
+        logits[i, ids] = kept
 
 
 def _ban_stop_tokens_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -10,7 +10,7 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 # SamplingParams / engine messages start with the field they are about.
 KNOWN_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                 "presence_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt",
-                "messages", "logit_bias", "allowed_token_ids")
+                "priority", "messages", "logit_bias", "allowed_token_ids")
 
 
 class APIError(Exception):

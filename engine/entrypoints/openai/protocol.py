@@ -1,26 +1,96 @@
 """OpenAI API request bodies (plus vLLM's extra sampling fields), validated before any model work.
 
-Pydantic checks types and ranges; `to_sampling_params` maps a body onto SamplingParams, whose own
-checks name the offending field. Unknown fields are ignored, as OpenAI and vLLM do.
+A request field is honoured or refused with a 400, never accepted and ignored. Pydantic checks types
+and ranges; `sampling_params` maps a body onto SamplingParams, whose own checks name the offending
+field. Known fields this server does not implement (tools, structured output, beam search...) are
+refused unless their value asks for nothing. Fields nobody declares are ignored, as OpenAI
+and vLLM do, but named in a warning, as vLLM does.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import logging
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ...sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+# (value, the fields declared before it) -> whether that value asks for nothing
+Trivial = Callable[[Any, dict], bool]
 
 
-class StreamOptions(BaseModel):
+def unset(value: Any, _: dict) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+def one_of(*values: Any) -> Trivial:
+    return lambda value, _: value is None or any(value == v and type(value) is type(v) for v in values)
+
+
+NOT_YET = "not supported yet"
+STRUCTURED = "not supported yet: this server has no structured output (guided decoding)"
+
+
+class RequestModel(BaseModel):
+    """Keeps undeclared fields (to name them in a warning) and refuses the declared fields listed in
+    `refused` whose value is not trivial, with a 400 whose `param` is the field."""
+    model_config = ConfigDict(extra="allow")
+    refused: ClassVar[dict[str, tuple[Trivial, str]]] = {}
+
+    @field_validator("*")
+    @classmethod
+    def _refuse_unless_trivial(cls, value: Any, info: ValidationInfo) -> Any:
+        rule = cls.refused.get(info.field_name)
+        if rule is not None and not rule[0](value, info.data):
+            raise ValueError(rule[1])
+        return value
+
+    def ignored_fields(self) -> list[str]:
+        """Paths of the undeclared fields in this body and the bodies nested in it."""
+        found = list(self.model_extra or {})
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            for index, item in enumerate(value if isinstance(value, list) else [value]):
+                if isinstance(item, RequestModel):
+                    path = f"{name}[{index}]" if isinstance(value, list) else name
+                    found += [f"{path}.{field}" for field in item.ignored_fields()]
+        return found
+
+
+class StreamOptions(RequestModel):
+    refused = {"continuous_usage_stats": (unset, NOT_YET + ": usage comes in the last chunk only")}
+
     include_usage: bool = False
+    continuous_usage_stats: Any = None
+    include_obfuscation: Any = None  # no effect on what is generated
 
 
-class SamplingFields(BaseModel):
+def best_of_is_n(value: Any, fields: dict) -> bool:
+    return value is None or value == fields.get("n", 1)
+
+
+# Refused in completions and chat unless trivial.
+REFUSED_SHARED: dict[str, tuple[Trivial, str]] = {
+    "best_of": (best_of_is_n, "not supported: every sequence generated is returned, so best_of must equal n"),
+    "response_format": (lambda v, _: v is None or v == {"type": "text"}, STRUCTURED + '; only {"type": "text"}'),
+    "structured_outputs": (unset, STRUCTURED), "guided_json": (unset, STRUCTURED),
+    "guided_regex": (unset, STRUCTURED), "guided_choice": (unset, STRUCTURED), "guided_grammar": (unset, STRUCTURED),
+    "structural_tag": (unset, STRUCTURED),
+    "bad_words": (unset, NOT_YET + "; to ban single tokens, give their ids a logit_bias of -100"),
+    "use_beam_search": (unset, NOT_YET), "logits_processors": (unset, NOT_YET), "prompt_logprobs": (unset, NOT_YET),
+    "truncate_prompt_tokens": (unset, NOT_YET), "return_tokens_as_token_ids": (unset, NOT_YET),
+    "spaces_between_special_tokens": (one_of(True), NOT_YET + "; only true"),
+    "cache_salt": (unset, NOT_YET), "kv_transfer_params": (unset, NOT_YET), "vllm_xargs": (unset, NOT_YET),
+    "mm_processor_kwargs": (unset, NOT_YET + ": the models served take text only"),
+}
+
+
+class SamplingFields(RequestModel):
     """Fields shared by completions and chat completions."""
-    model_config = ConfigDict(extra="ignore")
+    refused = REFUSED_SHARED
 
     model: str
     n: Annotated[int, Field(ge=1, le=128)] = 1
@@ -43,11 +113,45 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    logit_bias: dict[int, float] | None = None  # JSON's string keys become token ids; SamplingParams checks values
+    allowed_token_ids: list[int] | None = None
+    # Accepted: they do not change what is generated.
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    # Refused unless trivial (`refused`); declared so that the 400 names them.
+    best_of: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structural_tag: Any = None
+    bad_words: Any = None
+    use_beam_search: Any = None
+    logits_processors: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    mm_processor_kwargs: Any = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _warn_about_ignored_fields(self):
+        if ignored := self.ignored_fields():
+            logger.warning("The following fields were present in the request but ignored: %s", ignored)
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -58,23 +162,26 @@ class SamplingFields(BaseModel):
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty, seed=self.seed,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids)
 
 
 class CompletionRequest(SamplingFields):
+    refused = {**REFUSED_SHARED, "echo": (unset, NOT_YET), "suffix": (lambda v, _: not v, NOT_YET),
+               "prompt_embeds": (unset, NOT_YET),
+               "add_special_tokens": (one_of(True), NOT_YET + "; only true (the tokenizer adds them)")}
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: bool = False
-    suffix: str | None = None
     return_token_ids: bool = False
+    echo: Any = None
+    suffix: Any = None
+    prompt_embeds: Any = None
+    add_special_tokens: Any = None
 
     @model_validator(mode="after")
     def _check_prompt(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.suffix:
-            raise ValueError("suffix is not supported")
         prompts = self.prompts()
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompt must not be empty")
@@ -89,9 +196,7 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -106,7 +211,22 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+def no_tool_calls(value: Any, fields: dict) -> bool:
+    return value in (None, "none") or (value == "auto" and not fields.get("tools"))
+
+
 class ChatCompletionRequest(SamplingFields):
+    refused = {**REFUSED_SHARED,
+               "tools": (unset, NOT_YET + ": no tool calling; only an empty list"),
+               "tool_choice": (no_tool_calls, NOT_YET + ': no tool calling; only "none" ("auto" without tools)'),
+               "functions": (unset, NOT_YET + ": no tool calling"), "function_call": (one_of("none"), NOT_YET),
+               "audio": (unset, NOT_YET + ": text only"), "modalities": (one_of(["text"]), NOT_YET + ': only ["text"]'),
+               "prediction": (unset, NOT_YET), "reasoning_effort": (unset, NOT_YET), "verbosity": (unset, NOT_YET),
+               "web_search_options": (unset, NOT_YET), "echo": (unset, NOT_YET),
+               "continue_final_message": (unset, NOT_YET), "chat_template": (unset, NOT_YET),
+               "documents": (unset, NOT_YET),
+               "add_special_tokens": (one_of(False), NOT_YET + "; only false (the chat template writes them)")}
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -114,6 +234,23 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    parallel_tool_calls: Any = None  # accepted: without tools there is nothing to call
+    # Refused unless trivial (`refused`); tools comes before tool_choice, whose check reads it.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    echo: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    add_special_tokens: Any = None
 
     @model_validator(mode="after")
     def _check_logprobs(self):
