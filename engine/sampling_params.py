@@ -11,6 +11,33 @@ SEED_RANGE = (-2**63, 2**64)
 MAX_LOGIT_BIAS = 100.0
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Output constrained to a grammar, named as in vLLM: exactly one of `json` (a JSON Schema, as a dict or
+    a string), `json_object` (any JSON object), `regex`, `choice` (one of these strings) or `grammar`
+    (Lark, or GBNF as llama.cpp writes it). `field` is the request field it came from, for error messages."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    field: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None] + \
+            (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(f"{self.field} needs exactly one of json, json_object, regex, choice or grammar; "
+                             f"got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"{self.field}: choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return "json_object" if self.json_object else next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None)
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -32,6 +59,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's)
+    structured_outputs: StructuredOutputsParams | None = None  # output constrained to a grammar
     # Filled by the engine, not by users: ids that end generation (EOS from generation_config).
     eos_token_ids: frozenset[int] = field(default_factory=frozenset, repr=False)
 

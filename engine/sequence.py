@@ -54,6 +54,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why the engine gave up on it (finish_reason "abort")
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        # Structured output: the grammar matcher that says which tokens may come next (engine.structured_output).
+        self.grammar = None
         self.cumulative_logprob = 0.0
         # timing, for metrics
         self.first_scheduled_time: float | None = None

@@ -72,15 +72,11 @@ def test_unknown_fields_are_ignored_with_a_warning_naming_them(server, caplog):
 REFUSED_CHAT = [
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "required"), ("functions", [{"name": "f"}]), ("function_call", "auto"),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("structured_outputs", {"json": {}}), ("guided_json", {"type": "object"}), ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"), ("best_of", 2), ("bad_words", ["licensee"]),
+    ("best_of", 2), ("bad_words", ["licensee"]),
     ("use_beam_search", True), ("prompt_logprobs", 1), ("modalities", ["text", "audio"]),
     ("reasoning_effort", "high"), ("continue_final_message", True), ("add_special_tokens", True),
 ]
-REFUSED_COMPLETION = [("echo", True), ("suffix", "end"), ("best_of", 3), ("response_format", {"type": "json_object"}),
-                      ("guided_choice", ["a"]), ("bad_words", ["x"]), ("add_special_tokens", False),
+REFUSED_COMPLETION = [("echo", True), ("suffix", "end"), ("best_of", 3), ("bad_words", ["x"]), ("add_special_tokens", False),
                       ("logits_processors", ["x"]), ("truncate_prompt_tokens", 4)]
 INVALID = [("logit_bias", {"5": 101}), ("logit_bias", {"-1": 1}), ("allowed_token_ids", []),
            ("allowed_token_ids", [-3]), ("seed", 2**64), ("seed", -2**63 - 1)]

@@ -65,6 +65,7 @@ class LLMEngine:
         self._rng_lock = threading.Lock()  # prepare_request runs on front-end threads
         self.num_prompt_tokens = 0  # prompt tokens of requests that produced their first token
         self.num_generation_tokens = 0
+        self.grammar_compiler = None  # built on the first structured-output request
         logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
                     self.device, self.dtype, self.num_kv_blocks, block_size)
 
@@ -96,16 +97,28 @@ class LLMEngine:
         self.validate_prompt_length(len(token_ids), params)
         params.check_token_ids(self.spec.vocab_size)
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
+        grammars = [self._grammar_for(params) for _ in range(params.n)] if params.structured_outputs else None
         request = Request(request_id, prompt_text, token_ids, params)
         for index in range(params.n):
             # On the logits' device: the sampler draws each sequence's noise there.
             generator = torch.Generator(device=self.device).manual_seed(self._seed_for(params.seed, index))
             seq = Sequence(request_id, token_ids, params, generator, priority=priority, lora_id=lora_id, index=index,
                            arrival_time=request.arrival_time, lora_generation=lora_generation)
+            seq.grammar = grammars[index] if grammars else None
             detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
                            if self.tokenizer is not None else None)
             request.completions.append(Completion(seq, detokenizer, StopStringMatcher(params)))
         return request
+
+    def _grammar_for(self, params: SamplingParams):
+        """A matcher for the request's constraint (the grammar compiled once, on first use, and cached)."""
+        spec = params.structured_outputs
+        if self.tokenizer is None:
+            raise ValueError(f"{spec.field}: structured output needs the model's tokenizer, and this model has none")
+        if self.grammar_compiler is None:
+            from ..structured_output.grammar import GrammarCompiler  # llguidance: only when asked for
+            self.grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size, self.eos_token_ids)
+        return self.grammar_compiler.matcher(spec)
 
     def submit(self, request: Request) -> None:
         if request.request_id in self.requests:

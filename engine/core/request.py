@@ -30,6 +30,8 @@ class Completion:
         `logprob` is the sampler's (chosen logprob, rank, top [(token, logprob)]) or None."""
         seq, params = self.seq, self.seq.params
         seq.append_token(token)
+        if seq.grammar is not None and not seq.grammar.accept(token):
+            raise ValueError(f"structured output: token {token} breaks the grammar ({seq.grammar.error})")
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.last_token_time = now
@@ -46,6 +48,8 @@ class Completion:
             reason = "stop"
         elif may_stop and token in params.stop_token_ids:
             reason, stop_reason = "stop", token
+        elif seq.grammar is not None and seq.grammar.is_finished:
+            reason = "stop"  # the document is complete: only EOS could follow
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
             reason = "length"
         full_text, new_chars = "", 0

@@ -1,8 +1,8 @@
 """Turns each sequence's next-token logits into a token, with its own sampling parameters.
 
 Order: logprobs are taken from the raw model distribution (as in vLLM); then penalties, logit_bias,
-allowed_token_ids, the min_tokens ban on stop tokens, greedy argmax or temperature, top-k, top-p, min-p
-and a draw. The bias comes after the penalties so that +-100 means "always" / "never" whatever the
+allowed_token_ids, the min_tokens ban on stop tokens, the structured-output grammar's mask, greedy argmax
+or temperature, top-k, top-p, min-p and a draw. The bias comes after the penalties so that +-100 means "always" / "never" whatever the
 repetition penalty did; nothing after it can revive a token it masked. The draw
 uses the sequence's own generator (exponential race: argmax(p / Exp(1)) samples from p), so a seeded
 request gives the same tokens whatever else shares its batch.
@@ -36,6 +36,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     _apply_logit_bias(logits, seqs)
     _keep_only_allowed_tokens(logits, seqs)
     _ban_stop_tokens_before_min_tokens(logits, seqs)
+    _apply_grammars(logits, seqs)
 
     greedy = [s.params.greedy for s in seqs]
     token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
@@ -64,6 +65,23 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
                 top_list = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
                 logprobs[i] = (float(chosen), rank, top_list)
     return SampleResult(tokens, logprobs)
+
+
+def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Structured output: tokens the sequence's grammar does not allow next get -inf. The matchers fill a
+    bitmask on the host (4 bytes per 32 tokens); it is unpacked on the logits' device. Rows without a
+    grammar are not touched, so free requests in the batch pay nothing."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if not rows:
+        return
+    vocab, device = logits.shape[1], logits.device
+    bitmask = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
+    for r, i in enumerate(rows):
+        seqs[i].grammar.fill_bitmask(bitmask, r)
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((bitmask.to(device).unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab].bool()
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def _logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:

@@ -10,7 +10,8 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
 # SamplingParams / engine messages start with the field they are about.
 KNOWN_PARAMS = ("n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                 "presence_penalty", "seed", "stop", "stop_token_ids", "max_tokens", "min_tokens", "logprobs", "prompt",
-                "priority", "messages", "logit_bias", "allowed_token_ids")
+                "priority", "messages", "logit_bias", "allowed_token_ids", "response_format", "structured_outputs",
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools", "tool_choice")
 
 
 class APIError(Exception):

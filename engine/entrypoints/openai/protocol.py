@@ -2,7 +2,7 @@
 
 A request field is honoured or refused with a 400, never accepted and ignored. Pydantic checks types
 and ranges; `sampling_params` maps a body onto SamplingParams, whose own checks name the offending
-field. Known fields this server does not implement (tools, structured output, beam search...) are
+field. Known fields this server does not implement (beam search, bad_words...) are
 refused unless their value asks for nothing. Fields nobody declares are ignored, as OpenAI
 and vLLM do, but named in a warning, as vLLM does.
 """
@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ...sampling_params import SamplingParams
+from .structured import structured_outputs_of
 
 logger = logging.getLogger(__name__)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -31,7 +32,6 @@ def one_of(*values: Any) -> Trivial:
 
 
 NOT_YET = "not supported yet"
-STRUCTURED = "not supported yet: this server has no structured output (guided decoding)"
 
 
 class RequestModel(BaseModel):
@@ -75,10 +75,7 @@ def best_of_is_n(value: Any, fields: dict) -> bool:
 # Refused in completions and chat unless trivial.
 REFUSED_SHARED: dict[str, tuple[Trivial, str]] = {
     "best_of": (best_of_is_n, "not supported: every sequence generated is returned, so best_of must equal n"),
-    "response_format": (lambda v, _: v is None or v == {"type": "text"}, STRUCTURED + '; only {"type": "text"}'),
-    "structured_outputs": (unset, STRUCTURED), "guided_json": (unset, STRUCTURED),
-    "guided_regex": (unset, STRUCTURED), "guided_choice": (unset, STRUCTURED), "guided_grammar": (unset, STRUCTURED),
-    "structural_tag": (unset, STRUCTURED),
+    "structural_tag": (unset, NOT_YET + ": use response_format or structured_outputs"),
     "bad_words": (unset, NOT_YET + "; to ban single tokens, give their ids a logit_bias of -100"),
     "use_beam_search": (unset, NOT_YET), "logits_processors": (unset, NOT_YET), "prompt_logprobs": (unset, NOT_YET),
     "truncate_prompt_tokens": (unset, NOT_YET), "return_tokens_as_token_ids": (unset, NOT_YET),
@@ -121,14 +118,15 @@ class SamplingFields(RequestModel):
     service_tier: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
-    # Refused unless trivial (`refused`); declared so that the 400 names them.
-    best_of: Any = None
+    # Structured output (structured.py reads them into one constraint)
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    # Refused unless trivial (`refused`); declared so that the 400 names them.
+    best_of: Any = None
     structural_tag: Any = None
     bad_words: Any = None
     use_beam_search: Any = None
@@ -163,7 +161,7 @@ class SamplingFields(RequestModel):
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids, structured_outputs=structured_outputs_of(self))
 
 
 class CompletionRequest(SamplingFields):
