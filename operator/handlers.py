@@ -2,6 +2,8 @@
 
 Spec changes (create / update / resume) re-apply the owned objects; pod events (a pod became ready,
 was deleted, lost readiness) and a periodic resync loop redo roles, placement, status and autoscaling.
+Owned objects (Deployment, Service, PDB, InferencePool) are watched too: one deleted or edited by
+hand is repaired by the pass its event starts, within a second, not at the next resync.
 No finalizer: owner references make the garbage collector delete what the operator built.
 """
 from __future__ import annotations
@@ -13,12 +15,18 @@ from typing import Any
 
 import kopf
 
-from kubeinfer.operator.names import GROUP, MANAGED_BY_LABEL, MANAGER, MODEL_LABEL, PLURAL, VERSION
+from kubeinfer.operator.drift import controller_of
+from kubeinfer.operator.names import (GROUP, MANAGED_BY_LABEL, MANAGER, MODEL_LABEL, PLURAL, POOL_GROUP, POOL_PLURAL,
+                                      POOL_VERSION, VERSION)
 from kubeinfer.operator.reconcile import Reconciler
 
 Connect = Callable[[], Awaitable[kopf.ConnectionInfo]]
 SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 RETRY_SECONDS = 10
+# What the operator builds, watched by its label; kopf skips a resource whose CRD is not installed.
+OWNED = {"Deployment": ("apps", "v1", "deployments"), "Service": ("", "v1", "services"),
+         "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+         "InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL)}
 
 
 async def connect_default() -> kopf.ConnectionInfo:
@@ -91,3 +99,16 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, connect: C
     async def pod_changed(namespace: str, labels: dict[str, str], **_: Any) -> None:
         if labels.get(MODEL_LABEL):
             await reconciler.trigger(namespace, labels[MODEL_LABEL])
+
+    for kind, (group, version, plural) in OWNED.items():
+        register_owned(registry, reconciler, kind, group, version, plural)
+
+
+def register_owned(registry: kopf.OperatorRegistry, reconciler: Reconciler, kind: str, group: str, version: str,
+                   plural: str) -> None:
+    @kopf.on.event(group, version, plural, labels={MANAGED_BY_LABEL: MANAGER}, registry=registry,
+                   id=f"owned-{plural}")
+    async def owned_changed(type: str | None, body: kopf.Body, namespace: str, **_: Any) -> None:
+        model = controller_of(body)
+        if model:
+            await reconciler.owned_changed(namespace, model, kind, None if type == "DELETED" else dict(body))

@@ -32,7 +32,7 @@ class ApiError(Exception):
         except (ValueError, AttributeError):
             message = body
         super().__init__(f"{method} {url}: HTTP {status}: {message}")
-        self.status = status
+        self.status, self.method, self.path, self.message = status, method, url, str(message)
 
 
 def api_path(api_version: str, plural: str, namespace: str | None = None, name: str | None = None,

@@ -3,6 +3,8 @@
 Every pass starts from what the API server says now, never from what an earlier pass did, so any
 pass can be repeated, interrupted or skipped. Passes for one model never overlap: a trigger that
 arrives during a pass makes that pass run once more instead (coalescing bursts of pod events).
+A pass that fails on the API is classified (errors.py): retried with backoff, or reported as
+Forbidden or InvalidSpec in status, one log line per distinct failure.
 """
 from __future__ import annotations
 
@@ -17,21 +19,23 @@ from typing import Any
 from kubeinfer.operator.autoscale import Autoscaler, HttpQueueDepths, QueueDepthSource
 from kubeinfer.operator.builders import desired_objects
 from kubeinfer.operator.config import OperatorConfig
-from kubeinfer.operator.kube import ApiError, KubeClient
+from kubeinfer.operator.drift import owned_drift
+from kubeinfer.operator.errors import FORBIDDEN, INVALID, Failure, backoff_seconds, classify
+from kubeinfer.operator.kube import ApiError, KubeClient, api_path
+from kubeinfer.operator.loaded import HttpLoadedAdapters, LoadedAdapterSource, Observed
 from kubeinfer.operator.names import (ACTIVE, ADAPTERS_ANNOTATION, API_VERSION, DELETION_COST_ANNOTATION, PLURAL,
                                       POOL_GROUP, POOL_PLURAL, POOL_VERSION, ROLE_LABEL, selector_labels)
 from kubeinfer.operator.placement import Placement, place_adapters
 from kubeinfer.operator.pods import PodView, pod_view
 from kubeinfer.operator.roles import RolePlan, assign_roles
 from kubeinfer.operator.spec import InferenceModelSpec, SpecError, parse_spec
-from kubeinfer.operator.status import build_status, invalid_status, now_rfc3339
+from kubeinfer.operator.status import build_status, failure_status, invalid_status, now_rfc3339
 
 logger = logging.getLogger(__name__)
 DELETION_COST = {ACTIVE: "100"}  # standby pods keep the default 0 and go first on a scale-down
 POOL_CHECK_SECONDS = 60.0
-REAPPLY_SECONDS = 300.0  # re-apply owned objects this often even without a spec change (drift)
 RESYNC_CONCURRENCY = 16
-REFUSED = (400, 403, 422)  # the object itself is wrong or forbidden: retrying cannot help
+ADAPTER_RECHECK_SECONDS = 5.0  # engines load adapters after the annotation reaches them: look again soon
 
 
 @dataclass
@@ -39,16 +43,23 @@ class ModelState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     dirty: bool = False
     autoscale: bool = False  # a resync asked for autoscaling; survives coalescing into a running pass
-    applied: tuple[int, float] | None = None  # (generation, monotonic time) of the last apply
+    applied: int | None = None  # generation whose owned objects were all applied
+    observed: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # kind -> last watched (None: deleted)
+    suspects: set[str] = field(default_factory=set)  # kinds watched changing since the last pass
+    desired: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> what the last pass would apply
     invalid_reported: int | None = None  # generation whose InvalidSpec event was recorded
+    failure_reported: str | None = None  # the last failure logged: one line per distinct failure, not per pass
+    attempts: int = 0  # consecutive retried failures (the backoff exponent)
+    later: asyncio.Task[None] | None = None  # a pass scheduled for later (retry, adapter re-check)
 
 
 class Reconciler:
     def __init__(self, client: KubeClient, config: OperatorConfig | None = None,
-                 metrics: QueueDepthSource | None = None):
+                 metrics: QueueDepthSource | None = None, engines: LoadedAdapterSource | None = None):
         self.client = client
         self.config = config or OperatorConfig()
         self.metrics = metrics or HttpQueueDepths()
+        self.engines = engines or HttpLoadedAdapters()
         self.autoscaler = Autoscaler()
         self.states: dict[tuple[str, str], ModelState] = defaultdict(ModelState)
         self._pool_known: tuple[bool, float] | None = None
@@ -58,11 +69,13 @@ class Reconciler:
         self._resync = asyncio.create_task(self._resync_forever(interval))
 
     async def stop_resync(self) -> None:
-        if self._resync is not None:
-            self._resync.cancel()
+        tasks = [t for t in [self._resync, *(s.later for s in self.states.values())] if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._resync
-            self._resync = None
+                await task
+        self._resync = None
 
     async def _resync_forever(self, interval: float) -> None:
         """Every `interval`, a pass with autoscaling over every known model, RESYNC_CONCURRENCY at a time."""
@@ -79,8 +92,20 @@ class Reconciler:
             await asyncio.gather(*(one(ns, name) for ns, name in list(self.states)))
 
     def forget(self, namespace: str, name: str) -> None:
-        self.states.pop((namespace, name), None)
+        state = self.states.pop((namespace, name), None)
+        if state is not None and state.later is not None and state.later is not asyncio.current_task():
+            state.later.cancel()
         self.autoscaler.forget(f"{namespace}/{name}")
+
+    async def owned_changed(self, namespace: str, model: str, kind: str, obj: dict[str, Any] | None) -> None:
+        """A watched owned object changed (None: deleted): a pass repairs it if it drifted."""
+        state = self.states[(namespace, model)]
+        state.observed[kind] = obj
+        desired = state.desired.get(kind)
+        if desired is not None and not owned_drift(desired, obj):
+            return  # the usual case (our own apply, a controller's status): no pass, no request
+        state.suspects.add(kind)
+        await self.trigger(namespace, model)
 
     async def trigger(self, namespace: str, name: str, apply: bool = False, autoscale: bool = False) -> None:
         """Run a pass for one model now, or make the running one go again."""
@@ -94,7 +119,61 @@ class Reconciler:
         async with state.lock:
             while state.dirty:
                 state.dirty, wants_autoscale, state.autoscale = False, state.autoscale, False
-                await self._pass(namespace, name, state, wants_autoscale)
+                try:
+                    await self._pass(namespace, name, state, wants_autoscale)
+                except Exception as err:
+                    failure = classify(err)
+                    if failure is None:
+                        raise  # a bug, not the API: let the caller's log show the traceback
+                    await self._report_failure(namespace, name, state, failure)
+                    return
+                if state.failure_reported is not None:
+                    logger.info("%s/%s: reconciled again after: %s", namespace, name, state.failure_reported)
+                state.attempts, state.failure_reported = 0, None
+
+    def _later(self, namespace: str, name: str, delay: float) -> None:
+        """One pass for this model after `delay`, unless one is already scheduled."""
+        state = self.states[(namespace, name)]
+        if state.later is not None and not state.later.done():
+            return
+
+        async def run() -> None:
+            await asyncio.sleep(delay)
+            state.later = None  # a failure inside may schedule the next try
+            if (namespace, name) in self.states:
+                try:
+                    await self.trigger(namespace, name)
+                except Exception:
+                    logger.exception("scheduled pass over %s/%s failed", namespace, name)
+        state.later = asyncio.create_task(run())
+
+    async def _report_failure(self, namespace: str, name: str, state: ModelState, failure: Failure) -> None:
+        """Retry with backoff, or say in status why not; one log line per distinct failure."""
+        first = state.failure_reported != failure.message
+        state.failure_reported = failure.message
+        if failure.retry:
+            delay = backoff_seconds(state.attempts)
+            state.attempts += 1
+            self._later(namespace, name, delay)
+            (logger.warning if first else logger.debug)("%s/%s: %s (next try in %.1f s)", namespace, name,
+                                                        failure.message, delay)
+        else:
+            (logger.error if first else logger.debug)("%s/%s: %s", namespace, name, failure.message)
+        try:
+            body = await self.client.get(API_VERSION, PLURAL, namespace, name)
+            if body is None:
+                return
+            if failure.reason == INVALID:
+                await self._report_invalid(body, failure.message, state, int(body["metadata"].get("generation") or 0))
+                return
+            await self._write_status(body, failure_status(failure, body, now_rfc3339()))
+            if first and failure.reason == FORBIDDEN:
+                await self.client.event(body, "Warning", FORBIDDEN, failure.message)
+        except Exception as err:
+            if classify(err) is None:
+                raise
+            if first:
+                logger.warning("%s/%s: could not record that in status either: %s", namespace, name, err)
 
     async def _pass(self, namespace: str, name: str, state: ModelState, autoscale: bool) -> None:
         body = await self.client.get(API_VERSION, PLURAL, namespace, name)
@@ -107,24 +186,38 @@ class Reconciler:
         except SpecError as err:
             await self._report_invalid(body, str(err), state, generation)
             return
-        if state.applied is None or state.applied[0] != generation or \
-                time.monotonic() - state.applied[1] > REAPPLY_SECONDS:
-            try:
-                for obj in desired_objects(body, spec, self.config, await self._pool_crd_exists()):
-                    await self.client.apply(obj)
-            except ApiError as err:
-                if err.status not in REFUSED:
-                    raise  # transient (conflict, throttling, server error): the handler retries
-                await self._report_invalid(body, f"the API server refused an object built from this spec: {err}",
-                                           state, generation)
-                return
-            state.applied = (generation, time.monotonic())
+        await self._apply_owned(body, spec, state, generation)
         pods = [pod_view(p) for p in await self.client.list("v1", "pods", namespace, selector_labels(name))]
         plan = await self._apply_roles(body, spec, pods)
         placement = await self._apply_placement(body, spec, pods, plan)
-        await self._write_status(body, build_status(body, spec, pods, plan, placement, now_rfc3339()))
+        observed = await self._observe_adapters(spec, pods, placement)
+        status = build_status(body, spec, pods, plan, placement, now_rfc3339(), observed)
+        await self._write_status(body, status)
+        placed = next(c for c in status["conditions"] if c["type"] == "AdaptersPlaced")
+        if placed["reason"] == "NotLoaded":
+            self._later(namespace, name, min(ADAPTER_RECHECK_SECONDS, self.config.resync_seconds))
         if autoscale and spec.autoscaling is not None:
             await self._autoscale(body, spec, pods, plan)
+
+    async def _apply_owned(self, body: dict[str, Any], spec: InferenceModelSpec, state: ModelState,
+                           generation: int) -> None:
+        """Everything on a new generation; otherwise only the watched objects that drifted (no write if none)."""
+        suspects, state.suspects = state.suspects, set()
+        full = state.applied != generation
+        for obj in desired_objects(body, spec, self.config, await self._pool_crd_exists()):
+            kind = obj["kind"]
+            state.desired[kind] = obj
+            if not full:
+                if kind not in suspects:
+                    continue
+                where = owned_drift(obj, state.observed.get(kind))
+                if not where:
+                    continue
+                message = f"{kind} {obj['metadata']['name']} drifted ({', '.join(where[:4])}): re-applied"
+                logger.info("%s/%s: %s", obj["metadata"]["namespace"], spec.name, message)
+                await self.client.event(body, "Normal", "DriftRepaired", message)
+            await self.client.apply(obj)
+        state.applied = generation
 
     async def _report_invalid(self, body: dict[str, Any], message: str, state: ModelState, generation: int) -> None:
         if state.applied is not None or await self.client.get("apps/v1", "deployments", body["metadata"]["namespace"],
@@ -196,18 +289,43 @@ class Reconciler:
         meta = body["metadata"]
         await self.client.patch(API_VERSION, PLURAL, meta["namespace"], meta["name"], {"status": status}, "status")
 
+    async def _observe_adapters(self, spec: InferenceModelSpec, pods: list[PodView],
+                                placement: Placement | None) -> Observed | None:
+        if not spec.adapters or placement is None:
+            return None
+        by_name = {p.name: p for p in pods}
+        return await self.engines.observe([by_name[n] for n in sorted(placement.assignment)])
+
     async def _autoscale(self, body: dict[str, Any], spec: InferenceModelSpec, pods: list[PodView],
                          plan: RolePlan) -> None:
+        """Decide from the /scale subresource's replicas and write back with its resourceVersion.
+
+        Whoever else writes spec.replicas meanwhile (kubectl scale, GitOps, an edit) wins: the API
+        server answers 409 and the autoscaler decides again from the new value at the next resync.
+        """
+        meta = body["metadata"]
+        path = api_path(API_VERSION, PLURAL, meta["namespace"], meta["name"], "scale")
+        scale = await self.client.request("GET", path)
+        if (scale.get("spec") or {}).get("replicas") != spec.replicas:
+            return  # changed since this pass read the model: that pass's decision would be stale
         by_name = {p.name: p for p in pods}
         serving = [by_name[n] for n in plan.active() if by_name[n].ready]
         depths = await self.metrics.queue_depths(serving)
-        meta = body["metadata"]
         wanted = self.autoscaler.decide(f"{meta['namespace']}/{meta['name']}", spec, list(depths.values()),
                                         time.monotonic())
         if wanted == spec.replicas:
             return
         average = sum(depths.values()) / max(len(depths), 1)
-        await self.client.patch(API_VERSION, PLURAL, meta["namespace"], meta["name"], {"spec": {"replicas": wanted}})
+        try:
+            await self.client.patch(API_VERSION, PLURAL, meta["namespace"], meta["name"],
+                                    {"metadata": {"resourceVersion": scale["metadata"]["resourceVersion"]},
+                                     "spec": {"replicas": wanted}}, "scale")
+        except ApiError as err:
+            if err.status != 409:
+                raise
+            logger.info("%s/%s: spec.replicas changed while the autoscaler decided (%s -> %s); the other writer "
+                        "wins, the next resync decides again", meta["namespace"], meta["name"], spec.replicas, wanted)
+            return
         await self.client.event(body, "Normal", "Autoscaled",
                                 f"spec.replicas {spec.replicas} -> {wanted}: {average:.1f} requests waiting per "
                                 f"active pod, target {spec.autoscaling.target_queue_depth:g}")

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kubeinfer.operator.errors import FORBIDDEN, Failure
+from kubeinfer.operator.loaded import Observed
 from kubeinfer.operator.names import HTTP_PORT, STANDBY, active_labels, selector_string
 from kubeinfer.operator.placement import Placement
 from kubeinfer.operator.pods import PodView
@@ -46,7 +48,7 @@ def _trouble(pods: Sequence[PodView], gpu_resource: str) -> tuple[str, str] | No
 
 
 def conditions_for(spec: InferenceModelSpec, pods: Sequence[PodView], plan: RolePlan,
-                   placement: Placement | None) -> list[Condition]:
+                   placement: Placement | None, observed: Observed | None = None) -> list[Condition]:
     alive = live(list(pods))
     by_name = {p.name: p for p in alive}
     ready_active = sum(by_name[n].ready for n in plan.active())
@@ -81,10 +83,12 @@ def conditions_for(spec: InferenceModelSpec, pods: Sequence[PodView], plan: Role
                              f"standby cannot be restored: {trouble[1]}; {counts}")
     else:
         degraded = Condition("Degraded", True, trouble[0], f"{trouble[1]}; {counts}")
-    return [ready, progressing, degraded, adapters_condition(spec, placement)]
+    return [ready, progressing, degraded, adapters_condition(spec, placement, observed)]
 
 
-def adapters_condition(spec: InferenceModelSpec, placement: Placement | None) -> Condition:
+def adapters_condition(spec: InferenceModelSpec, placement: Placement | None,
+                       observed: Observed | None = None) -> Condition:
+    """True only when every adapter is loaded on every pod it is assigned to, as the pods themselves say."""
     if not spec.adapters:
         return Condition("AdaptersPlaced", True, "NoAdapters", "spec.adapters is empty")
     if placement is None or not placement.assignment:
@@ -94,8 +98,39 @@ def adapters_condition(spec: InferenceModelSpec, placement: Placement | None) ->
         return Condition("AdaptersPlaced", False, "InsufficientCapacity",
                          f"not enough adapter slots for: {missing}; raise spec.adapterPool.maxLorasPerReplica "
                          "or spec.replicas, or lower spec.adapterPool.replicasPerAdapter")
+    observed = observed or Observed()
+    not_loaded, unknown = [], []
+    for adapter, pods in sorted(placement.holders().items()):
+        for pod in pods:
+            if pod in observed.unknown:
+                unknown.append(f"{adapter} on {pod}: {observed.unknown[pod]}")
+            elif pod not in observed.loaded:
+                unknown.append(f"{adapter} on {pod}: not observed")
+            elif adapter not in observed.loaded[pod]:
+                not_loaded.append(f"{adapter} on {pod}")
+    if not_loaded:
+        return Condition("AdaptersPlaced", False, "NotLoaded",
+                         f"assigned but not in the pod's /v1/models (loading, or the load failed: see the engine "
+                         f"pod's log): {'; '.join(not_loaded + unknown)}")
+    if unknown:
+        return Condition("AdaptersPlaced", False, "Unobserved",
+                         f"cannot tell whether adapters are loaded: {'; '.join(unknown)}; the operator reads each "
+                         "active pod's /v1/models on port 8000 (run it in-cluster, allow it in NetworkPolicies)")
     return Condition("AdaptersPlaced", True, "Placed",
-                     f"{len(spec.adapters)} adapters on {len(placement.assignment)} active pods")
+                     f"{len(spec.adapters)} adapters loaded on {len(placement.assignment)} active pods")
+
+
+def failure_conditions(failure: Failure, previous: Sequence[dict[str, Any]]) -> list[Condition]:
+    """A refused call (403) or a retried one: Degraded or Progressing says so; Ready keeps what it was."""
+    before = {c.get("type"): c for c in previous or []}
+    ready = before.get("Ready")
+    kept = Condition("Ready", ready.get("status") == "True", ready.get("reason") or "Unknown",
+                     ready.get("message") or "") if ready else Condition("Ready", False, failure.reason, failure.message)
+    if failure.reason == FORBIDDEN:
+        return [kept, Condition("Progressing", False, FORBIDDEN, "stopped until the permission is granted; "
+                                                                 "retried on every resync"),
+                Condition("Degraded", True, FORBIDDEN, failure.message)]
+    return [kept, Condition("Progressing", True, failure.reason, failure.message)]
 
 
 def render_conditions(conditions: Sequence[Condition], previous: Sequence[dict[str, Any]], generation: int,
@@ -119,13 +154,24 @@ def invalid_status(message: str, previous: Sequence[dict[str, Any]], generation:
     return {"observedGeneration": generation, "conditions": render_conditions(conds, previous, generation, now)}
 
 
+def failure_status(failure: Failure, body: dict[str, Any], now: str) -> dict[str, Any]:
+    """The status patch for a pass stopped by a 403 or a retried error: only the conditions it changes."""
+    meta = body["metadata"]
+    previous = (body.get("status") or {}).get("conditions") or []
+    changed = render_conditions(failure_conditions(failure, previous), previous,
+                                int(meta.get("generation") or 0), now)
+    kept = [c for c in previous if c.get("type") not in {c["type"] for c in changed}]
+    return {**(body.get("status") or {}), "conditions": changed + kept}
+
+
 def build_status(body: dict[str, Any], spec: InferenceModelSpec, pods: Sequence[PodView], plan: RolePlan,
-                 placement: Placement | None, now: str) -> dict[str, Any]:
+                 placement: Placement | None, now: str, observed: Observed | None = None) -> dict[str, Any]:
     meta = body["metadata"]
     generation = int(meta.get("generation") or 0)
     by_name = {p.name: p for p in pods}
     active = plan.active()
     holders = placement.holders() if placement else {}
+    loaded = (observed or Observed()).loaded
     return {
         "observedGeneration": generation,
         "replicas": len(active),
@@ -133,8 +179,9 @@ def build_status(body: dict[str, Any], spec: InferenceModelSpec, pods: Sequence[
         "standbyReplicas": sum(by_name[n].ready for n, r in plan.roles.items() if r == STANDBY),
         "selector": selector_string(active_labels(spec.name)),
         "endpoint": f"http://{spec.name}.{meta['namespace']}.svc:{HTTP_PORT}",
-        "adapters": [{"name": a.name, "pods": holders.get(a.name, [])} for a in spec.adapters],
-        "conditions": render_conditions(conditions_for(spec, pods, plan, placement),
+        "adapters": [{"name": a.name, "pods": holders.get(a.name, []),
+                      "loadedPods": sorted(p for p, names in loaded.items() if a.name in names)}
+                     for a in spec.adapters],
+        "conditions": render_conditions(conditions_for(spec, pods, plan, placement, observed),
                                         (body.get("status") or {}).get("conditions") or [], generation, now),
     }
-

@@ -3,13 +3,16 @@
 kmock stores objects and serves list / watch / patch, but runs no controllers: `Cluster.sync_pods`
 plays the Deployment controller (creates or removes pods to match spec.replicas) and
 `Cluster.set_ready` plays the kubelet. `Emulator` adds what kopf relies on and kmock leaves out:
-a new resourceVersion on every write (kopf waits for it after its own patches) and a generation
-that counts spec changes; it also keeps no request history, which kmock's request matching scans.
-uid and creationTimestamp are set by whoever creates an object here.
+a new resourceVersion on every write (kopf waits for it after its own patches), a generation
+that counts spec changes (through /scale too), optimistic concurrency (a PATCH naming an old
+metadata.resourceVersion gets 409, as from a real API server), refusals a test injects (`refuse`:
+403, 422, 500 ... for chosen calls) and a count of writes per resource; it keeps no request history,
+which kmock's request matching scans. uid and creationTimestamp are set by whoever creates an object.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
 import itertools
@@ -18,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp.web
 import kmock
 import kopf
 
@@ -25,7 +29,9 @@ from kubeinfer.operator.autoscale import QueueDepthSource
 from kubeinfer.operator.config import OperatorConfig
 from kubeinfer.operator.handlers import register
 from kubeinfer.operator.kube import KubeClient
-from kubeinfer.operator.names import API_VERSION, PLURAL, selector_labels
+from kubeinfer.operator.loaded import Observed
+from kubeinfer.operator.names import ADAPTERS_ANNOTATION, API_VERSION, PLURAL, selector_labels
+from kubeinfer.operator.pods import parse_adapters
 from kubeinfer.operator.reconcile import Reconciler
 
 VERBS = {"create", "get", "list", "watch", "patch", "delete"}
@@ -47,14 +53,65 @@ POOLS = {"inference.networking.k8s.io/v1/inferencepools": kmock.ResourceInfo(
 _clock = itertools.count()
 
 
+def status_response(code: int, message: str) -> aiohttp.web.Response:
+    reasons = {403: "Forbidden", 404: "NotFound", 409: "Conflict", 422: "Invalid", 500: "InternalError"}
+    return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                                      "reason": reasons.get(code, "Unknown"), "code": code}, status=code)
+
+
 class Emulator(kmock.KubernetesEmulator):
     _versions = itertools.count(1)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refusals: list[dict[str, Any]] = []
+        self.writes: collections.Counter[tuple[str, str]] = collections.Counter()  # (method, plural[/sub])
+        self.conflicts = 0  # PATCHes refused for naming an old resourceVersion
+
+    def refuse(self, method: str, plural: str, code: int, message: str, subresource: str | None = None,
+               times: int | None = None) -> None:
+        """Answer `code` to METHOD on `plural` (every time, or the next `times` times) until `allow()`."""
+        self.refusals.append({"method": method, "plural": plural, "subresource": subresource, "code": code,
+                              "message": message, "times": times})
+
+    def allow(self) -> None:
+        self.refusals.clear()
+
+    def _refusal(self, request: kmock.Request) -> aiohttp.web.Response | None:
+        for rule in self.refusals:
+            if (rule["method"] == str(request.method.value).upper() and request.resource is not None
+                    and rule["plural"] == request.resource.plural and rule["subresource"] == request.subresource):
+                if rule["times"] is not None:
+                    rule["times"] -= 1
+                    if rule["times"] <= 0:
+                        self.refusals.remove(rule)
+                return status_response(rule["code"], rule["message"])
+        return None
+
+    def _stale(self, request: kmock.Request) -> bool:
+        """A PATCH that names a resourceVersion other than the stored one (the API server's precondition)."""
+        wanted = ((request.data or {}).get("metadata") or {}).get("resourceVersion") \
+            if isinstance(request.data, dict) else None
+        key = (request.resource, request.namespace, request.name)
+        if wanted is None or key not in self.objects:
+            return False
+        return (self.objects[key].get("metadata") or {}).get("resourceVersion") != wanted
 
     async def _handle(self, request: kmock.Request):
         # kmock matches each request against its whole request history (for assertions we do not
         # use): keeping only the current one stops every request getting slower than the last.
         del self._requests[:-1]
+        if (refused := self._refusal(request)) is not None:
+            return refused
         data = request.data
+        if request.resource is not None and request.action == kmock.action.UPDATE and self._stale(request):
+            self.conflicts += 1
+            return status_response(409, f"Operation cannot be fulfilled on {request.resource.plural} "
+                                        f"\"{request.name}\": the object has been modified; please apply your "
+                                        "changes to the latest version and try again")
+        if request.resource is not None and request.method.value.upper() in ("POST", "PATCH", "PUT", "DELETE"):
+            plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+            self.writes[(request.method.value.upper(), plural)] += 1
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             version = str(next(self._versions))
             if isinstance(data, list):  # a JSON patch
@@ -64,7 +121,7 @@ class Emulator(kmock.KubernetesEmulator):
                 meta["resourceVersion"] = version
                 if request.action == kmock.action.CREATE:
                     meta.setdefault("generation", 1)
-                elif "spec" in data and request.subresource is None:
+                elif "spec" in data and request.subresource in (None, "scale"):
                     key = (request.resource, request.namespace, request.name)
                     stored = self.objects[key].get("metadata", {}) if key in self.objects else {}
                     meta["generation"] = int(stored.get("generation") or 0) + 1
@@ -87,6 +144,29 @@ class FakeQueueDepths:
         return {p.name: self.every for p in pods} if self.every is not None else {}
 
 
+class FakeEngines:
+    """Plays each engine's GET /v1/models: a pod serves what its annotation assigns it (read from the
+    API, as the engine reads it through the downward API), except the loads a test makes fail."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.client: KubeClient | None = None  # the reconciler's, so requests stay in kopf's loop
+        self.failing: set[tuple[str, str]] = set()  # (pod, adapter) whose load fails
+        self.unreachable: set[str] = set()
+
+    async def observe(self, pods) -> Observed:
+        loaded, unknown = {}, {}
+        for pod in pods:
+            if pod.name in self.unreachable:
+                unknown[pod.name] = "GET /v1/models failed: ConnectTimeout"
+                continue
+            body = await self.client.get("v1", "pods", self.namespace, pod.name)
+            assigned = parse_adapters(((body or {}).get("metadata", {}).get("annotations") or {})
+                                      .get(ADAPTERS_ANNOTATION))
+            loaded[pod.name] = tuple(a for a in assigned if (pod.name, a) not in self.failing)
+        return Observed(loaded, unknown)
+
+
 class Cluster:
     def __init__(self, with_pools: bool = True, resync_seconds: float = 30.0,
                  metrics: QueueDepthSource | None = None, namespace: str = "default", operator: bool = True):
@@ -94,6 +174,7 @@ class Cluster:
         self.run_operator = operator
         self.resync_seconds = resync_seconds
         self.metrics = metrics or FakeQueueDepths()
+        self.engines = FakeEngines(namespace)
         self.namespace = namespace
         self._stack = contextlib.AsyncExitStack()
         self._pod_numbers = itertools.count()
@@ -110,7 +191,8 @@ class Cluster:
 
         self.api = KubeClient(connect)
         self.reconciler = Reconciler(KubeClient(connect), OperatorConfig(resync_seconds=self.resync_seconds),
-                                     self.metrics)
+                                     self.metrics, self.engines)
+        self.engines.client = self.reconciler.client
         if not self.run_operator:
             return self
         registry = kopf.OperatorRegistry()

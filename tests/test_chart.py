@@ -182,10 +182,12 @@ def test_pods_run_unprivileged_on_a_read_only_root(rendered, name):
 
 # The operator's own list of the calls it makes (docs/operator.md): nothing more may be granted.
 OPERATOR_NAMESPACED = {("serving.kubeinfer.io", "inferencemodels", v) for v in ("get", "list", "watch", "patch")} | {
-    ("serving.kubeinfer.io", "inferencemodels/status", "patch")} | {
-    ("apps", "deployments", v) for v in ("get", "create", "patch")} | {
+    ("serving.kubeinfer.io", "inferencemodels/status", "patch"),
+    ("serving.kubeinfer.io", "inferencemodels/scale", "get"), ("serving.kubeinfer.io", "inferencemodels/scale", "patch"),
+    ("serving.kubeinfer.io", "inferencemodels/finalizers", "update")} | {
+    ("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")} | {
     (g, r, v) for g, r in (("", "services"), ("policy", "poddisruptionbudgets"),
-                           ("inference.networking.k8s.io", "inferencepools")) for v in ("create", "patch")
+                           ("inference.networking.k8s.io", "inferencepools")) for v in ("list", "watch", "create", "patch")
 } | {("", "pods", v) for v in ("list", "watch", "patch")} | {("", "events", "create")}
 OPERATOR_CLUSTER = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
 KOPF_CLUSTER_WIDE = {("", "namespaces", v) for v in ("list", "watch")}

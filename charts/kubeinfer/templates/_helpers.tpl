@@ -111,25 +111,34 @@ objects are created, patched and deleted; pods are only relabelled (active/stand
 */}}
 {{- define "kubeinfer.operatorNamespacedRules" -}}
 # Exactly the calls the operator makes: it applies owned objects with server-side apply (PATCH, or
-# POST when absent) and leaves their deletion to owner references and the garbage collector.
+# POST when absent), watches them to repair drift, and leaves their deletion to owner references
+# and the garbage collector.
 - apiGroups: [serving.kubeinfer.io]
   resources: [inferencemodels]
   verbs: [get, list, watch, patch]
 - apiGroups: [serving.kubeinfer.io]
   resources: [inferencemodels/status]
   verbs: [patch]
+# The built-in autoscaler writes replicas where kubectl scale, an HPA or KEDA do.
+- apiGroups: [serving.kubeinfer.io]
+  resources: [inferencemodels/scale]
+  verbs: [get, patch]
+# Owner references with blockOwnerDeletion need it where OwnerReferencesPermissionEnforcement is on (OpenShift).
+- apiGroups: [serving.kubeinfer.io]
+  resources: [inferencemodels/finalizers]
+  verbs: [update]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [services]
-  verbs: [create, patch]
+  verbs: [list, watch, create, patch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [create, patch]
+  verbs: [list, watch, create, patch]
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
-  verbs: [create, patch]
+  verbs: [list, watch, create, patch]
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch, patch]
