@@ -66,6 +66,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0  # prompt tokens of requests that produced their first token
         self.num_generation_tokens = 0
         self.grammar_compiler = None  # built on the first structured-output request
+        self.num_structured_requests = 0
         logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
                     self.device, self.dtype, self.num_kv_blocks, block_size)
 
@@ -124,6 +125,7 @@ class LLMEngine:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.num_structured_requests += request.params.structured_outputs is not None
         for completion in request.completions:
             self.scheduler.add(completion.seq)
 

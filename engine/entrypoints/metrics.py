@@ -114,6 +114,13 @@ class _StateCollector:
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       engine.block_manager.prefix_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", engine.block_manager.prefix_hits)
+        yield counter("kubeinfer:structured_output_requests", "Requests whose output a grammar constrained "
+                      "(response_format, structured_outputs, guided_*, required or named tool calls).",
+                      engine.num_structured_requests)
+        compiler = engine.grammar_compiler
+        yield counter("kubeinfer:grammar_compiles", "Grammars compiled (cache misses).", compiler.compiles if compiler else 0)
+        yield counter("kubeinfer:grammar_compile_seconds", "Time spent compiling grammars.",
+                      compiler.compile_seconds if compiler else 0.0)
         success = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in ("stop", "length", "abort"):

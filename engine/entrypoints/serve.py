@@ -70,6 +70,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "--lora-catalog-dir/NAME and unloaded to match. Implies --enable-lora")
     parser.add_argument("--lora-catalog-dir", default=None, metavar="DIR",
                         help="directory holding one PEFT adapter per subdirectory, named after the adapter")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='tool_choice "auto": find tool calls in free text with --tool-call-parser')
+    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                        help="the model family's tool-call format: hermes (Qwen, Hermes), llama3_json (Llama 3.1+)")
     parser.add_argument("--log-level", default="info")
 
 
@@ -104,7 +108,13 @@ def build_state(args: argparse.Namespace):
             raise SystemExit(f"kubeinfer serve: --lora-modules {name}={path}: {error}") from None
     return ServerState(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests),
                        args.served_model_name or args.model, args.model, api_key=args.api_key,
-                       lora_dirs=list(args.allowed_lora_dirs))
+                       lora_dirs=list(args.allowed_lora_dirs), tool_call_parser=tool_call_parser(args))
+
+
+def tool_call_parser(args: argparse.Namespace) -> str | None:
+    if args.enable_auto_tool_choice != bool(args.tool_call_parser):
+        raise SystemExit("kubeinfer serve: --enable-auto-tool-choice and --tool-call-parser go together")
+    return args.tool_call_parser
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:

@@ -2,6 +2,7 @@
 runs one forward pass and samples."""
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -14,7 +15,7 @@ from .cuda_graphs import DecodeGraphs, capture_cuda_graph, capture_sizes
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
 from .model_loader import ModelFiles, load_model
-from .sampler import SampleResult, sample
+from .sampler import SampleResult, grammar_bitmask, sample
 
 
 @dataclass
@@ -47,6 +48,7 @@ class ModelRunner:
         self.sliding_window = self.spec.sliding_window
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
+        self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
     @staticmethod
     def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
@@ -131,6 +133,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
         inputs, sampling_seqs = self.prepare(batch)
+        # Structured output: the grammars' masks are host work; compute them while the forward pass runs.
+        masks = (self._mask_thread.submit(grammar_bitmask, sampling_seqs, self.spec.vocab_size)
+                 if any(seq.grammar is not None for seq in sampling_seqs) else None)
         lora_slots = self._adapter_slots(batch)
         if self._graph_can_run(inputs, lora_slots):
             rows = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.context_lens,
@@ -141,7 +146,7 @@ class ModelRunner:
             logits = self._run_eager(inputs, lora)
         if not sampling_seqs:
             return [], SampleResult([], [])
-        return sampling_seqs, sample(logits, sampling_seqs)
+        return sampling_seqs, sample(logits, sampling_seqs, masks.result() if masks else None)
 
     def _graph_can_run(self, inputs: StepInputs, lora_slots: list[int] | None) -> bool:
         """Decode-only steps no larger than the largest graph, with adapters only where graphs for them exist."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..sequence import Sequence
@@ -27,7 +28,9 @@ class SampleResult:
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> SampleResult:
+    """`grammar_masks`: the structured-output masks of `seqs`, when the caller computed them already
+    (the model runner does, on another thread, while the forward pass runs)."""
     logits = logits.float()
     device = logits.device
     raw_logprobs = _logprobs(logits, seqs)
@@ -36,7 +39,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     _apply_logit_bias(logits, seqs)
     _keep_only_allowed_tokens(logits, seqs)
     _ban_stop_tokens_before_min_tokens(logits, seqs)
-    _apply_grammars(logits, seqs)
+    _apply_grammars(logits, grammar_masks or grammar_bitmask(seqs, logits.shape[1]))
 
     greedy = [s.params.greedy for s in seqs]
     token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
@@ -67,21 +70,38 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     return SampleResult(tokens, logprobs)
 
 
-def _apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Structured output: tokens the sequence's grammar does not allow next get -inf. The matchers fill a
-    bitmask on the host (4 bytes per 32 tokens); it is unpacked on the logits' device. Rows without a
-    grammar are not touched, so free requests in the batch pay nothing."""
+@dataclass
+class GrammarMasks:
+    rows: list[int]  # the sequences (rows of the logits) that have a grammar
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32 on the host: bit t % 32 of word t // 32 = token t
+
+
+def grammar_bitmask(seqs: list[Sequence], vocab: int) -> GrammarMasks | None:
+    """Structured output: what each constrained sequence's grammar allows next, or None when none is
+    constrained. Host work only (the matchers), so it can run while the device computes the logits."""
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
-        return
-    vocab, device = logits.shape[1], logits.device
+        return None
     bitmask = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
     for r, i in enumerate(rows):
         seqs[i].grammar.fill_bitmask(bitmask, r)
-    bits = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((bitmask.to(device).unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab].bool()
-    index = torch.tensor(rows, device=device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    return GrammarMasks(rows, bitmask)
+
+
+def _apply_grammars(logits: torch.Tensor, masks: GrammarMasks | None) -> None:
+    """Tokens a grammar does not allow get -inf. The bitmask is unpacked on the host to one byte per token
+    and sent to the logits' device; rows without a grammar are not touched, so free requests pay nothing."""
+    if masks is None:
+        return
+    vocab = logits.shape[1]
+    bits = np.unpackbits(masks.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    banned = torch.from_numpy(bits).to(logits.device) == 0
+    if len(masks.rows) == logits.shape[0]:
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        full = torch.zeros_like(logits, dtype=torch.bool)
+        full[torch.tensor(masks.rows, device=logits.device)] = banned
+        logits.masked_fill_(full, float("-inf"))
 
 
 def _logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ and vLLM do, but named in a warning, as vLLM does.
 """
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
@@ -197,6 +198,19 @@ class CompletionRequest(SamplingFields):
 class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer names the call
+    name: str | None = None
+
+    def for_template(self) -> dict:
+        """The message as chat templates take it (a call's JSON-string arguments as an object)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: only text is understood by our models
@@ -209,15 +223,20 @@ class ChatMessage(RequestModel):
         return self.content or ""
 
 
-def no_tool_calls(value: Any, fields: dict) -> bool:
-    return value in (None, "none") or (value == "auto" and not fields.get("tools"))
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    if isinstance(function.get("arguments"), str):
+        try:
+            function["arguments"] = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            pass  # the template gets the text as the client sent it
+    return {**call, "function": function}
 
 
 class ChatCompletionRequest(SamplingFields):
     refused = {**REFUSED_SHARED,
-               "tools": (unset, NOT_YET + ": no tool calling; only an empty list"),
-               "tool_choice": (no_tool_calls, NOT_YET + ': no tool calling; only "none" ("auto" without tools)'),
-               "functions": (unset, NOT_YET + ": no tool calling"), "function_call": (one_of("none"), NOT_YET),
+               "functions": (unset, "deprecated by OpenAI: use tools"),
+               "function_call": (one_of("none"), "deprecated by OpenAI: use tool_choice"),
                "audio": (unset, NOT_YET + ": text only"), "modalities": (one_of(["text"]), NOT_YET + ': only ["text"]'),
                "prediction": (unset, NOT_YET), "reasoning_effort": (unset, NOT_YET), "verbosity": (unset, NOT_YET),
                "web_search_options": (unset, NOT_YET), "echo": (unset, NOT_YET),
@@ -232,10 +251,11 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    parallel_tool_calls: Any = None  # accepted: without tools there is nothing to call
-    # Refused unless trivial (`refused`); tools comes before tool_choice, whose check reads it.
-    tools: Any = None
+    # Tool calling (tool_calls.ToolPlan reads them)
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Refused unless trivial (`refused`); declared so that the 400 names them.
     functions: Any = None
     function_call: Any = None
     audio: Any = None

@@ -27,6 +27,7 @@ class ServerState:
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: EngineMetrics | None = None
+    tool_call_parser: str | None = None  # set by --enable-auto-tool-choice --tool-call-parser: tool_choice "auto"
     # One thread for tokenizers and chat templates: off the event loop, and never two encodes at once on
     # the same tokenizer (fast tokenizers are not safe to share between threads that change settings).
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(

@@ -60,7 +60,9 @@ async def stream_sse(engine: AsyncEngine, requests, fmt, request_id: str, n: int
                 if not new_text and not completion.finish_reason and not (fmt.wants_logprobs and new_tokens):
                     continue
                 sent_text[key], sent_tokens[key] = len(completion.text), len(completion.token_ids)
-                yield sse(fmt.chunk(request_id, index * n + completion.index, new_text, completion, tokens_from, text_from))
+                chunk = fmt.chunk(request_id, index * n + completion.index, new_text, completion, tokens_from, text_from)
+                if chunk is not None:  # a format may hold text back (tool calls are parsed whole)
+                    yield sse(chunk)
             if output.finished:
                 finals[index] = output
         if include_usage:

@@ -1,0 +1,136 @@
+"""Tool calling through the official `openai` client: a named function and `required` constrain decoding
+to the functions' parameter schemas (validated with `jsonschema`), replies carry `tool_calls` with ids
+and JSON-string arguments and finish_reason "tool_calls", streamed and not; `auto` parses the model's
+own format with --tool-call-parser."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_harness import RunningServer
+
+from kubeinfer.engine.entrypoints.openai.tool_parsers import parse_hermes, parse_llama3_json
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "unit": {"enum": ["C", "F"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": ADD}}]
+SCHEMAS = {"get_weather": WEATHER, "add": ADD}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory):
+    """Rendered tools take ~500 tokens of this byte-level vocabulary: a context of 2048."""
+    from kubeinfer.testing.random_model import build_random_model
+
+    return str(build_random_model(tmp_path_factory.mktemp("tools"), "llama", max_position_embeddings=2048))
+
+
+@pytest.fixture(scope="module")
+def server(long_context_dir):
+    with RunningServer(long_context_dir, name="tiny", block_size=8) as running:
+        yield running
+
+
+def check_calls(calls, count=None):
+    assert calls and (count is None or len(calls) == count)
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_a_named_function_is_called_with_valid_arguments(client):
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=200, seed=1,
+                                           tool_choice={"type": "function", "function": {"name": "add"}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    check_calls(choice.message.tool_calls, count=1)
+    assert choice.message.tool_calls[0].function.name == "add"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_required_calls_one_of_the_tools_when_parallel_calls_are_off(client, seed):
+    reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=300, seed=seed)
+    check_calls(reply.choices[0].message.tool_calls, count=1)
+    assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_tool_calls_arrive_as_deltas(client):
+    stream = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                            max_tokens=300, seed=4, stream=True)
+    calls, finish = {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                calls.setdefault(delta.index, delta)
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    check_calls(list(calls.values()))
+
+
+def test_constrained_requests_and_grammar_compiles_are_counted(server, client):
+    before = server.metric("kubeinfer:structured_output_requests_total")
+    for _ in range(2):
+        client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=300, seed=9)
+    assert server.metric("kubeinfer:structured_output_requests_total") == before + 2
+    assert server.metric("kubeinfer:grammar_compiles_total") >= 1
+    assert server.metric("kubeinfer:grammar_compile_seconds_total") > 0
+
+
+def test_tools_reach_the_chat_template_and_earlier_calls_render(client):
+    plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1)
+    with_tools = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                max_tokens=300, seed=5)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+    call = with_tools.choices[0].message.tool_calls[0]
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    follow_up = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
+                                               max_tokens=3)
+    assert follow_up.choices[0].message.tool_calls is None and follow_up.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"tool_choice": "auto"}, "tool_choice"),  # no --tool-call-parser on this server
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"}, "tools"),
+])
+def test_bad_tool_requests_are_a_400_naming_the_field(server, extra, param):
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": TOOLS, **extra}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_auto_finds_hermes_calls_in_free_text(long_context_dir):
+    """The model is steered (a regex constraint) to write a Hermes call; the parser turns it into tool_calls."""
+    written = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    with RunningServer(long_context_dir, name="tiny", block_size=8, tool_call_parser="hermes") as running:
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=100,
+                                               extra_body={"guided_regex": written.replace("{", r"\{")
+                                                           .replace("}", r"\}")})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls[0].function.name == "add"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
+
+
+def test_parsers_keep_content_and_leave_broken_calls_as_text():
+    content, calls = parse_hermes('Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>')
+    assert content == "Let me check." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
+    assert parse_hermes("<tool_call>{not json") == ("<tool_call>{not json", [])
+    content, calls = parse_llama3_json('<|python_tag|>{"name": "f", "parameters": {"s": "a;b"}}; {"name": "g", '
+                                       '"parameters": {}}')
+    assert content is None and [c.name for c in calls] == ["f", "g"] and json.loads(calls[0].arguments) == {"s": "a;b"}
+    assert parse_llama3_json("plain answer") == ("plain answer", [])
