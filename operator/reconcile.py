@@ -311,8 +311,12 @@ class Reconciler:
         by_name = {p.name: p for p in pods}
         serving = [by_name[n] for n in plan.active() if by_name[n].ready]
         depths = await self.metrics.queue_depths(serving)
+        idle = False
+        if spec.min_replicas == 0 and serving:  # scale to zero only on a full reading of no work anywhere
+            activity = await self.metrics.activity(serving)
+            idle = len(activity) == len(serving) and not any(activity.values())
         wanted = self.autoscaler.decide(f"{meta['namespace']}/{meta['name']}", spec, list(depths.values()),
-                                        time.monotonic())
+                                        time.monotonic(), idle)
         if wanted == spec.replicas:
             return
         average = sum(depths.values()) / max(len(depths), 1)
@@ -326,6 +330,7 @@ class Reconciler:
             logger.info("%s/%s: spec.replicas changed while the autoscaler decided (%s -> %s); the other writer "
                         "wins, the next resync decides again", meta["namespace"], meta["name"], spec.replicas, wanted)
             return
-        await self.client.event(body, "Normal", "Autoscaled",
-                                f"spec.replicas {spec.replicas} -> {wanted}: {average:.1f} requests waiting per "
-                                f"active pod, target {spec.autoscaling.target_queue_depth:g}")
+        why = (f"no request for {spec.autoscaling.scale_down_delay_seconds:g} s (minReplicas 0): scaled to zero"
+               if wanted == 0 else f"{average:.1f} requests waiting per active pod, target "
+                                   f"{spec.autoscaling.target_queue_depth:g}")
+        await self.client.event(body, "Normal", "Autoscaled", f"spec.replicas {spec.replicas} -> {wanted}: {why}")

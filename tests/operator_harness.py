@@ -143,6 +143,10 @@ class FakeQueueDepths:
     async def queue_depths(self, pods) -> dict[str, float]:
         return {p.name: self.every for p in pods} if self.every is not None else {}
 
+    async def activity(self, pods) -> dict[str, float]:
+        """Requests running or waiting: the waiting ones here (a test that wants busy sets every > 0)."""
+        return await self.queue_depths(pods)
+
 
 class FakeEngines:
     """Plays each engine's GET /v1/models: a pod serves what its annotation assigns it (read from the

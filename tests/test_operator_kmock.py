@@ -5,7 +5,7 @@ import kubernetes_validate
 import pytest
 from operator_harness import Cluster, eventually
 
-from kubeinfer.operator.names import ADAPTERS_ANNOTATION, ROLE_LABEL
+from kubeinfer.operator.names import ADAPTERS_ANNOTATION, API_VERSION, PLURAL, ROLE_LABEL
 
 K8S_VERSION = "1.34.0"
 SPEC = {"model": {"uri": "pvc://models/tiny"}, "replicas": 2, "standby": {"replicas": 1},
@@ -310,3 +310,26 @@ async def test_default_login_reads_kubeconfig(tmp_path, monkeypatch, with_kubern
     info = await connect_default()
     assert info.server.rstrip("/") == "https://10.0.0.1:6443"
     assert info.as_http_headers()["Authorization"].endswith("s3cret")
+
+
+async def test_an_idle_model_scales_to_zero_keeps_its_standby_warm_and_comes_back_through_scale():
+    """minReplicas 0: idle for scaleDownDelaySeconds, the active replicas go to 0 (Ready=False, reason
+    ScaledToZero, not an error) while the standby stays warm; /scale to 1 promotes the standby (no load)."""
+    async with Cluster(resync_seconds=0.3) as cluster:
+        spec = {**SPEC, "adapters": [], "replicas": 1, "minReplicas": 0, "maxReplicas": 2,
+                "standby": {"replicas": 1}, "autoscaling": {"targetQueueDepth": 2, "scaleDownDelaySeconds": 1}}
+        await serving(cluster, "idle", spec)
+        cluster.metrics.every = 0.0
+        await eventually(lambda: _spec_replicas(cluster, "idle", 0), timeout=20)
+        events = [e["message"] for e in await cluster.events("Autoscaled")]
+        assert any("scaled to zero" in m for m in events)
+
+        async def scaled_to_zero():
+            model = await cluster.model("idle")
+            ready = next((c for c in (model.get("status") or {}).get("conditions", []) if c["type"] == "Ready"), {})
+            return ready.get("reason") == "ScaledToZero" and ready.get("status") == "False"
+        await eventually(scaled_to_zero)
+        assert set(roles(await cluster.pods("idle")).values()) == {"standby"}  # warm, unrouted
+        warm = next(iter(roles(await cluster.pods("idle"))))
+        await cluster.api.patch(API_VERSION, PLURAL, "default", "idle", {"spec": {"replicas": 1}}, "scale")
+        await eventually(lambda: _role_is(cluster, "idle", warm, "active"))  # the standby serves: no model load
