@@ -4,12 +4,15 @@ latest maps. Below zero a request is sheddable.
   * our InferenceModels: a model (and its adapters) gets its `spec.routing.priority`;
   * the Inference Extension's InferenceObjectives (`inference.networking.x-k8s.io/v1alpha2`): a request
     naming one in the `x-gateway-inference-objective` header gets its `spec.priority`.
+The same InferenceModel listing names what to scale up when a request finds a model at zero
+(`scale_targets_of`, for scale_up.ScaleUp).
 A resource whose CRD is not installed is left out, and headers alone decide for it."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import threading
+from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 INFERENCE_MODELS = ("serving.kubeinfer.io", "v1alpha1", "inferencemodels")
@@ -29,6 +32,28 @@ def priorities_of(models: list[dict]) -> dict[str, int]:
     return out
 
 
+@dataclass(frozen=True)
+class ScaleTarget:
+    namespace: str
+    name: str  # the InferenceModel's
+    min_replicas: int
+
+
+def scale_targets_of(models: list[dict]) -> dict[str, ScaleTarget]:
+    """Served name (and each adapter name) -> the InferenceModel whose /scale brings it back from zero."""
+    out: dict[str, ScaleTarget] = {}
+    for model in models:
+        spec, meta = model.get("spec") or {}, model.get("metadata") or {}
+        if not meta.get("name") or not meta.get("namespace"):
+            continue
+        target = ScaleTarget(meta["namespace"], meta["name"], int(spec.get("minReplicas", 1) or 0))
+        served = (spec.get("model") or {}).get("servedName") or meta["name"]
+        for name in [served, *((a or {}).get("name") for a in spec.get("adapters") or [])]:
+            if name:
+                out[name] = target
+    return out
+
+
 def objective_priorities_of(objectives: list[dict]) -> dict[str, int]:
     """InferenceObjective name -> its priority (0 when unset)."""
     return {o["metadata"]["name"]: int((o.get("spec") or {}).get("priority", 0) or 0)
@@ -37,11 +62,14 @@ def objective_priorities_of(objectives: list[dict]) -> dict[str, int]:
 
 class ClusterPriorities:
     def __init__(self, models: dict[str, int], objectives: dict[str, int], *, namespace: str | None, api_client,
-                 interval: float = 10.0) -> None:
-        """Keeps `models` (served name -> priority) and `objectives` (objective name -> priority) current."""
+                 interval: float = 10.0, scale_targets: dict[str, ScaleTarget] | None = None) -> None:
+        """Keeps `models` (served name -> priority), `objectives` (objective name -> priority) and
+        `scale_targets` (served name -> InferenceModel) current."""
         self.namespace, self.api_client, self.interval = namespace, api_client, interval
-        self.sources = {INFERENCE_MODELS: (priorities_of, models),
-                        INFERENCE_OBJECTIVES: (objective_priorities_of, objectives)}
+        self.sources = {INFERENCE_MODELS: [(priorities_of, models)],
+                        INFERENCE_OBJECTIVES: [(objective_priorities_of, objectives)]}
+        if scale_targets is not None:
+            self.sources[INFERENCE_MODELS].append((scale_targets_of, scale_targets))
         self._stop = threading.Event()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -51,7 +79,7 @@ class ClusterPriorities:
     def stop(self) -> None:
         self._stop.set()
 
-    def _publish(self, target: dict[str, int], priorities: dict[str, int]) -> None:
+    def _publish(self, target: dict, priorities: dict) -> None:
         def apply() -> None:
             target.clear()
             target.update(priorities)
@@ -63,14 +91,15 @@ class ClusterPriorities:
 
         api = client.CustomObjectsApi(self.api_client)
         while not self._stop.is_set() and self.sources:
-            for resource, (parse, target) in list(self.sources.items()):
+            for resource, readers in list(self.sources.items()):
                 group, version, plural = resource
                 try:
                     if self.namespace:
                         listing = api.list_namespaced_custom_object(group, version, self.namespace, plural)
                     else:
                         listing = api.list_cluster_custom_object(group, version, plural)
-                    self._publish(target, parse(listing.get("items", [])))
+                    for parse, target in readers:
+                        self._publish(target, parse(listing.get("items", [])))
                 except ApiException as error:
                     if error.status == 404:  # the CRD is not installed: headers alone decide
                         logger.info("no %s CRD (%s/%s); leaving it out of routing priorities", plural, group, version)

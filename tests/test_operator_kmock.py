@@ -333,3 +333,27 @@ async def test_an_idle_model_scales_to_zero_keeps_its_standby_warm_and_comes_bac
         warm = next(iter(roles(await cluster.pods("idle"))))
         await cluster.api.patch(API_VERSION, PLURAL, "default", "idle", {"spec": {"replicas": 1}}, "scale")
         await eventually(lambda: _role_is(cluster, "idle", warm, "active"))  # the standby serves: no model load
+
+
+async def test_the_gateway_asks_for_capacity_once_and_the_operator_promotes_the_warm_standby():
+    """A model at zero with a warm standby: the gateway's ScaleUp sets /scale from 0 to max(1, minReplicas)
+    (only while it is at 0) and the operator relabels the standby active."""
+    from kubernetes import client as k8s_client
+
+    from kubeinfer.gateway.model_priorities import scale_targets_of
+    from kubeinfer.gateway.scale_up import ScaleUp
+
+    async with Cluster(resync_seconds=0.3) as cluster:
+        spec = {**SPEC, "adapters": [], "replicas": 0, "minReplicas": 0, "maxReplicas": 2, "standby": {"replicas": 1},
+                "autoscaling": {"targetQueueDepth": 2, "scaleDownDelaySeconds": 60}}
+        await serving(cluster, "zero", spec)
+        warm = next(iter(roles(await cluster.pods("zero"))))
+        models = [await cluster.model("zero")]
+        scale_up = ScaleUp(scale_targets_of(models), k8s_client.ApiClient(k8s_client.Configuration(host=cluster.url)))
+        assert scale_up.knows(models[0]["spec"]["model"].get("servedName") or "zero")
+        name = next(iter(scale_up.targets))
+        assert await scale_up(name) is True
+        assert await scale_up(name) is False  # already on its way: asked once
+        assert await scale_up("not-a-model") is False
+        await eventually(lambda: _spec_replicas(cluster, "zero", 1))
+        await eventually(lambda: _role_is(cluster, "zero", warm, "active"))

@@ -1,0 +1,85 @@
+"""The gateway's hold queue for models with no ready engine: bounds, timeout, cancellation, arrival
+order, and a single capacity request per wake-up."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kubeinfer.gateway.hold import HoldQueue, HoldRefused
+
+
+class Model:
+    def __init__(self) -> None:
+        self.up = False
+        self.asks = 0
+
+    def ready(self, _: str) -> bool:
+        return self.up
+
+    async def ask(self, _: str) -> bool:
+        self.asks += 1
+        return True
+
+
+async def test_a_ready_model_is_not_held():
+    model = Model()
+    model.up = True
+    assert await HoldQueue(model.ready, model.ask).wait_until_ready("m") == 0.0 and model.asks == 0
+
+
+async def test_held_requests_are_released_in_arrival_order_after_one_ask():
+    model, order = Model(), []
+    queue = HoldQueue(model.ready, model.ask, timeout=5)
+
+    async def request(i: int) -> None:
+        await queue.wait_until_ready("m")
+        order.append(i)
+
+    tasks = []
+    for i in range(5):
+        tasks.append(asyncio.create_task(request(i)))
+        await asyncio.sleep(0.01)
+    assert queue.held("m") == 5 and model.asks == 1  # one scale-up asked while it is pending
+    model.up = True
+    await asyncio.gather(*tasks)
+    assert order == [0, 1, 2, 3, 4] and queue.held("m") == 0
+
+
+async def test_the_hold_is_bounded_and_times_out():
+    model = Model()
+    queue = HoldQueue(model.ready, model.ask, max_held=2, timeout=0.3)
+    held = [asyncio.create_task(queue.wait_until_ready("m")) for _ in range(2)]
+    await asyncio.sleep(0.05)
+    with pytest.raises(HoldRefused, match="already waiting"):
+        await queue.wait_until_ready("m")
+    for task in held:
+        with pytest.raises(HoldRefused, match="within 0.3 s"):
+            await task
+    assert queue.held("m") == 0
+
+
+async def test_a_client_that_leaves_while_held_leaves_the_queue():
+    model = Model()
+    queue = HoldQueue(model.ready, model.ask, timeout=5)
+    task = asyncio.create_task(queue.wait_until_ready("m"))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert queue.held("m") == 0
+
+
+async def test_a_new_wake_up_asks_again_after_the_model_was_ready():
+    model = Model()
+    queue = HoldQueue(model.ready, model.ask, timeout=5)
+    first = asyncio.create_task(queue.wait_until_ready("m"))
+    await asyncio.sleep(0.05)
+    model.up = True
+    await first
+    model.up = False  # scaled to zero again
+    second = asyncio.create_task(queue.wait_until_ready("m"))
+    await asyncio.sleep(0.05)
+    assert model.asks == 2
+    model.up = True
+    await second
