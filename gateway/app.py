@@ -20,6 +20,7 @@ from .picker import Picker, PickerConfig
 from .proxy import build_proxy_app
 from .routing import Router
 from .scraper import Scraper
+from .upstream import UpstreamConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class GatewayConfig:
     picker: PickerConfig = field(default_factory=PickerConfig)
     model_priorities: dict[str, int] = field(default_factory=dict)
     forward_priority: bool = False  # write the engine's `priority` into forwarded bodies
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)  # the proxy's timeouts and retries
     pool_name: str = "default"
 
 
@@ -62,11 +64,15 @@ class Gateway:
                                                 namespace=config.namespace, api_client=api_client)
         self._tasks: list[asyncio.Task] = []
         self._servers: list[uvicorn.Server] = []
+        self._clients: list = []  # upstream HTTP clients to close on stop
         self.extproc = None
         self.ports: dict[str, int] = {}
 
     def _forget_departed(self) -> None:
-        self.picker.prefix_index.retain_only(set(self.pool.endpoints))
+        members = set(self.pool.endpoints)
+        self.scraper.retain_only(members)
+        self.picker.prefix_index.retain_only(members)
+        self.router.metrics.retain_endpoints(members)
 
     async def start(self) -> None:
         if self.discovery is not None:
@@ -80,7 +86,9 @@ class Gateway:
             self.extproc = await start_extproc_server(self.router, cfg.host, cfg.ext_proc_port)
             self.ports["ext_proc"] = self.extproc.port
         if cfg.port is not None:
-            await self._serve_http("proxy", build_proxy_app(self.router), cfg.port)
+            proxy = build_proxy_app(self.router, upstream=cfg.upstream)
+            self._clients.append(proxy.state.client)
+            await self._serve_http("proxy", proxy, cfg.port)
         if cfg.metrics_port is not None:
             await self._serve_http("metrics", self._metrics_app(), cfg.metrics_port)
 
@@ -119,3 +127,5 @@ class Gateway:
         for task in self._tasks:
             task.cancel()
         await self.scraper.close()
+        for client in self._clients:
+            await client.aclose()

@@ -54,11 +54,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forward-priority", action="store_true",
                         help="write each request's priority into the body for the engine (inverted: the engine's lower "
                              "runs first); the engines must run --scheduling-policy priority, as the operator's do")
+    parser.add_argument("--upstream-connect-timeout", type=float, default=10.0,
+                        help="seconds to connect to an engine before trying another")
+    parser.add_argument("--upstream-first-byte-timeout", type=float, default=600.0,
+                        help="seconds an engine may hold a request before its response begins (queueing included)")
+    parser.add_argument("--upstream-idle-timeout", type=float, default=300.0,
+                        help="longest gap in seconds between two chunks of an engine's response")
+    parser.add_argument("--upstream-max-attempts", type=int, default=3,
+                        help="endpoints a request may try when one fails or refuses before answering")
     parser.add_argument("--log-level", default="info")
 
 
 def config_from_args(args: argparse.Namespace):
     from .app import GatewayConfig  # the servers' imports (grpc, Envoy protos, uvicorn) only when used
+    from .upstream import UpstreamConfig
 
     endpoints = [e for e in args.endpoints.split(",") if e.strip()]
     if not endpoints and not (args.selector or args.inference_pool):
@@ -75,7 +84,11 @@ def config_from_args(args: argparse.Namespace):
                          selector=selector, inference_pool=args.inference_pool, target_port=args.target_port,
                          scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout, picker=picker,
                          model_priorities=dict(args.model_priority), forward_priority=args.forward_priority,
-                         pool_name=args.pool_name or args.inference_pool or "default")
+                         pool_name=args.pool_name or args.inference_pool or "default",
+                         upstream=UpstreamConfig(connect_timeout=args.upstream_connect_timeout,
+                                                 first_byte_timeout=args.upstream_first_byte_timeout,
+                                                 idle_timeout=args.upstream_idle_timeout,
+                                                 max_attempts=max(1, args.upstream_max_attempts)))
 
 
 async def _serve(config) -> int:
@@ -93,6 +106,22 @@ async def _serve(config) -> int:
     return 0
 
 
+def raise_open_files_limit() -> None:
+    """Each proxied stream holds two sockets (client and engine): the default soft limit (often 1024)
+    would refuse connections in a burst of a few hundred streams; the hard limit is ours to take."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):  # a container may cap it lower: keep what we have
+            pass
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per scrape and per request: CPU on the loop
+    raise_open_files_limit()
     return asyncio.run(_serve(config_from_args(args)))

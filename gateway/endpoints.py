@@ -60,11 +60,14 @@ def _names(value: str) -> frozenset[str]:
 @dataclass
 class Endpoint:
     address: str  # "ip:port", what Envoy's original-destination cluster dials
-    placed_adapters: frozenset[str] = frozenset()  # from the pod annotation (may still be loading)
+    placed_adapters: frozenset[str] = frozenset()  # from the pod annotation: assigned, maybe not loaded (yet)
     name: str = ""  # pod name, for logs and metrics
     state: EngineState | None = None
     models: frozenset[str] = frozenset()  # ids from /v1/models: base model and loaded adapters
     base_models: frozenset[str] = frozenset()
+    cards: dict[str, dict] = field(default_factory=dict)  # id -> the engine's /v1/models card
+    models_stale: bool = False  # an answer contradicted `models`: read /v1/models again at the next scrape
+    refused_models: frozenset[str] = frozenset()  # answered 404 for these: not sent again until it lists them
     last_scrape: float | None = None  # monotonic time of the last successful scrape
     consecutive_failures: int = 0
     unseen: Counter[float] = field(default_factory=Counter)  # dispatch times of requests no scrape could count
@@ -75,7 +78,18 @@ class Endpoint:
         return f"http://{self.address}"
 
     def serves(self, model: str) -> bool:
-        return model in self.models or model in self.placed_adapters
+        """Observed, not intended: the pod's own /v1/models lists it (placement may not have loaded)."""
+        return model in self.models
+
+    def is_assigned(self, model: str) -> bool:
+        """Placed here and not refused: a pod loads its assigned adapters, unless loading failed."""
+        return model in self.placed_adapters and model not in self.refused_models
+
+    def drop_model(self, model: str) -> None:
+        """The pod answered 404 for `model`: stop sending it there until its /v1/models lists it."""
+        self.models = self.models - {model}
+        self.refused_models = self.refused_models | {model}
+        self.models_stale = True
 
     def is_ready(self, stale_after: float, max_failures: int, now: float | None = None) -> bool:
         """Scraped recently and not failing: stale numbers are never trusted."""
@@ -116,9 +130,12 @@ class Endpoint:
             self.finished_since_scrape += 1
 
     def record_scrape(self, state: EngineState, models: frozenset[str], base_models: frozenset[str],
-                      started: float | None = None) -> None:
+                      started: float | None = None, cards: dict[str, dict] | None = None) -> None:
         """A scrape that began at `started` (default: now) succeeded; it counts every request sent before."""
         self.state, self.models, self.base_models = state, models, base_models
+        if cards is not None:  # a fresh read of /v1/models
+            self.cards, self.models_stale = cards, False
+        self.refused_models = self.refused_models - models
         self.last_scrape = time.monotonic()
         started = self.last_scrape if started is None else started
         self.consecutive_failures = 0

@@ -2,6 +2,10 @@
 
 Pool gauges are computed from the endpoint pool at scrape time; request counters and latency
 histograms are fed as requests are routed (ext_proc) or proxied.
+
+Cardinality stays bounded whatever clients send: a `model_name` label is a name some endpoint serves
+or is assigned (anything else counts under UNKNOWN_MODEL), `endpoint` series are removed when their
+endpoint leaves the pool, and `reason` takes a fixed set of values.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from .picker import Picker
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+UNKNOWN_MODEL = "unknown"  # the label of requests for models no endpoint serves
 PICK_BUCKETS = (0.00001, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05)
 
 
@@ -31,7 +36,21 @@ class GatewayMetrics:
                                        "Time the picker takes to choose an endpoint.", buckets=PICK_BUCKETS, registry=r)
         self.picks = Counter("kubeinfer_gateway_picks", "Routing decisions, by chosen endpoint.", ["endpoint"],
                              registry=r)
-        self.retries = Counter("kubeinfer_gateway_retries", "Requests retried on a fallback endpoint.", registry=r)
+        self.retries = Counter("kubeinfer_gateway_retries", "Attempts moved to another endpoint, by why.", ["reason"],
+                               registry=r)
+        self.cancelled = Counter("kubeinfer_gateway_requests_cancelled", "Requests their client abandoned.",
+                                 ["model_name"], registry=r)
+        self._pick_labels: set[str] = set()
+
+    def count_pick(self, address: str) -> None:
+        self._pick_labels.add(address)
+        self.picks.labels(address).inc()
+
+    def retain_endpoints(self, addresses: set[str]) -> None:
+        """Drop the series of endpoints that left the pool: pod IPs churn, series must not pile up."""
+        for address in self._pick_labels - addresses:
+            self.picks.remove(address)
+        self._pick_labels &= addresses
 
 
 class _PoolCollector:

@@ -1,7 +1,8 @@
 """The endpoint picker: filters, weighted scorers and a pick, as in the Gateway API Inference Extension.
 
 For each request: keep endpoints that are ready (scraped recently, not failing) and serve the requested
-model (base or adapter); prefer those not saturated (queue or KV cache over a threshold); a sheddable
+model (base or adapter) by their own /v1/models; when none has an adapter loaded, the pods it is
+assigned to (they load it); prefer those not saturated (queue or KV cache over a threshold); a sheddable
 request meeting a fully saturated pool is refused (429) instead of queueing behind critical traffic.
 The survivors are scored by plugins, each in [0, 1], combined by configurable weights:
   queue     fewer waiting requests (min-max normalised over the candidates, counting our own dispatches)
@@ -20,7 +21,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from .endpoints import Endpoint, EndpointPool
@@ -47,6 +48,13 @@ class RoutingRequest:
     sheddable: bool = False
     subset: frozenset[str] | None = None  # the data plane's subset hint: only these addresses may be picked
     priority: int = 0  # the Inference Extension's: higher is more important, below 0 sheddable
+    exclude: frozenset[str] = frozenset()  # addresses already tried for this request (a retry picks again)
+    hashes: list[bytes] | None = None  # the prompt's prefix-chunk hashes, computed once per request
+
+    def prefix_hashes(self) -> list[bytes]:
+        if self.hashes is None:
+            self.hashes = chunk_hashes(self.model, self.prompt)
+        return self.hashes
 
 
 @dataclass
@@ -163,9 +171,11 @@ class Picker:
                 raise RoutingError(503, f"none of the {len(request.subset)} endpoints of the subset hint is ready")
         if not ready:
             raise RoutingError(503, "no engine endpoint is ready")
-        serving = [e for e in ready if not request.model or e.serves(request.model)]
+        serving = self.serving(request, ready)
         if not serving:
-            if any(e.serves(request.model) for e in self.pool):
+            if request.exclude and self.serving(replace(request, exclude=frozenset()), ready):
+                raise RoutingError(503, f"no other ready endpoint serves model `{request.model}` right now")
+            if any(e.serves(request.model) or e.is_assigned(request.model) for e in self.pool):
                 raise RoutingError(503, f"no ready endpoint serves model `{request.model}` right now")
             raise RoutingError(404, f"The model `{request.model}` does not exist.")
         candidates = [e for e in serving if not self.saturated(e)]
@@ -176,7 +186,7 @@ class Picker:
             candidates = serving
         if self.config.policy == "round-robin":
             return self._rotate(request.model, serving)
-        ctx = Context(request, candidates, chunk_hashes(request.model, request.prompt), self.prefix_index)
+        ctx = Context(request, candidates, request.prefix_hashes(), self.prefix_index)
         ranked = []
         for endpoint in candidates:
             scores = {name: SCORERS[name](endpoint, ctx) for name, w in self.config.weights.items() if w}
@@ -188,6 +198,15 @@ class Picker:
         self.prefix_index.remember(best.address, ctx.hashes)
         return Decision(best, [r[2] for r in ranked[1:1 + self.config.fallbacks]], {**ranked[0][3], "total": ranked[0][0]},
                         sent)
+
+    @staticmethod
+    def serving(request: RoutingRequest, ready: list[Endpoint]) -> list[Endpoint]:
+        """Ready endpoints not yet tried that have the model loaded, else those it is assigned to."""
+        untried = [e for e in ready if e.address not in request.exclude] if request.exclude else ready
+        if not request.model:
+            return untried
+        loaded = [e for e in untried if e.serves(request.model)]
+        return loaded or [e for e in untried if e.is_assigned(request.model)]
 
     def _rotate(self, model: str, serving: list[Endpoint]) -> Decision:
         """Round-robin: blind to load, cache and adapters, but never to which endpoints serve the model."""

@@ -1,54 +1,59 @@
 """Proxy mode: the gateway as the HTTP front door, for clusters without Envoy and for local runs.
 
-It answers `/v1/models` with the union of its endpoints' models and forwards every other OpenAI request,
-streamed responses included, to the endpoint the picker chose. A request is retried once on the next
-endpoint when the first refuses the connection before any byte of the response, so a pod that just died
-loses nothing. A client that goes away closes the upstream stream, which aborts the engine's request.
-Every request's end is reported to its endpoint (`record_finish`), so the picker's load figures drop
-the moment a response completes, not at the next scrape.
+It answers `/v1/models` and `/v1/models/{id}` with the cards its endpoints publish (merged: each model
+once, as the engines describe it) and forwards every other OpenAI request, streamed responses
+included, to the endpoint the picker chose (forward.py: retries, timeouts, cancellation). Every
+request's end is reported to its endpoint (`record_finish`), so the picker's load figures drop the
+moment a response completes, not at the next scrape. Errors, unknown routes included, use OpenAI's
+shape.
 """
 from __future__ import annotations
 
-import logging
-import time
-
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .extproc import error_body
-from .picker import RoutingError
+from .endpoints import Endpoint
+from .forward import Forwarder, error_response
 from .routing import Router
-
-logger = logging.getLogger(__name__)
-HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-              "proxy-authorization", "proxy-authenticate"}
-MAX_ATTEMPTS = 2  # the pick, then one retry on a fallback
+from .upstream import ClientShards, UpstreamConfig
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status, headers={"Retry-After": "1"} if status == 429 else None)
+def model_cards(endpoints: list[Endpoint]) -> list[dict]:
+    """Each served model once, with the card its engine gives (base models first). An adapter that is
+    assigned but not loaded anywhere yet is listed too (requests for it go to the pods that load it),
+    with what the gateway knows of it."""
+    cards: dict[str, dict] = {}
+    for endpoint in endpoints:
+        for model_id in sorted(endpoint.models):
+            card = endpoint.cards.get(model_id)
+            if card is not None:
+                cards.setdefault(model_id, dict(card))
+    for endpoint in endpoints:
+        base = next((cards[b] for b in sorted(endpoint.base_models) if b in cards), None)
+        for model_id in sorted(endpoint.models | endpoint.placed_adapters):
+            is_base = model_id in endpoint.base_models
+            cards.setdefault(model_id, {
+                "id": model_id, "object": "model", "created": base["created"] if base else 0,
+                "owned_by": "kubeinfer", "root": None, "parent": None if is_base else (base or {}).get("id"),
+                "max_model_len": (base or {}).get("max_model_len")})
+    return sorted(cards.values(), key=lambda c: (c.get("parent") is not None, c["id"]))
 
 
-class UpstreamStream(StreamingResponse):
-    """Relays an upstream response; `on_close` runs however the relay ends (done, error or client gone),
-    so the upstream stream is closed at once and the engine aborts the request."""
-
-    def __init__(self, upstream: httpx.Response, headers: dict[str, str], on_close) -> None:
-        super().__init__(upstream.aiter_raw(), status_code=upstream.status_code, headers=headers)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.on_close()
-
-
-def build_proxy_app(router: Router, client: httpx.AsyncClient | None = None) -> FastAPI:
+def build_proxy_app(router: Router, client: httpx.AsyncClient | None = None,
+                    upstream: UpstreamConfig | None = None) -> FastAPI:
     app = FastAPI(title="kubeinfer gateway", description="OpenAI-compatible front door over kubeinfer engines")
-    client = client or httpx.AsyncClient(timeout=httpx.Timeout(connect=2.0, read=None, write=60.0, pool=60.0))
+    upstream = upstream or UpstreamConfig()
+    forwarder = Forwarder(router, ClientShards(upstream, client), upstream)
     picker = router.picker
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, error: StarletteHTTPException):
+        """Unknown routes and methods answer in OpenAI's shape, as the engines do, not FastAPI's."""
+        response = error_response(error.status_code, str(error.detail))
+        response.headers.update(getattr(error, "headers", None) or {})
+        return response
 
     @app.get("/health")
     async def health():
@@ -57,52 +62,16 @@ def build_proxy_app(router: Router, client: httpx.AsyncClient | None = None) -> 
 
     @app.get("/v1/models")
     async def models():
-        cards: dict[str, dict] = {}
-        for endpoint in picker.ready_endpoints():
-            parent = min(endpoint.base_models, default=None)
-            for model in sorted(endpoint.models | endpoint.placed_adapters):
-                is_base = model in endpoint.base_models
-                cards.setdefault(model, {"id": model, "object": "model", "owned_by": "kubeinfer",
-                                         "parent": None if is_base else parent})
-        return {"object": "list", "data": sorted(cards.values(), key=lambda c: (c["parent"] is not None, c["id"]))}
+        return {"object": "list", "data": model_cards(picker.ready_endpoints())}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        card = next((c for c in model_cards(picker.ready_endpoints()) if c["id"] == model_id), None)
+        return card if card is not None else error_response(404, f"The model `{model_id}` does not exist.")
 
     @app.api_route("/v1/{path:path}", methods=["POST"])
     async def forward(path: str, request: Request):
-        body = await request.body()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        try:
-            routing_request, decision = router.route(body, {k.lower(): v for k, v in request.headers.items()})
-        except RoutingError as error:
-            return error_response(error.status, error.message)
-        body = router.body_for_engine(body, routing_request)
-        headers.pop("content-length", None)  # httpx sets it for the body it sends
-        start = time.perf_counter()
-        for attempt, endpoint in enumerate([decision.endpoint, *decision.fallbacks][:MAX_ATTEMPTS]):
-            sent = decision.sent if attempt == 0 else endpoint.record_dispatch()
-            upstream = client.build_request("POST", f"{endpoint.url}/v1/{path}", content=body, headers=headers,
-                                            params=request.query_params)
-            try:
-                response = await client.send(upstream, stream=True)
-            except httpx.ConnectError as error:  # refused before any byte: safe to retry elsewhere
-                endpoint.record_finish(sent)
-                endpoint.record_failure()
-                logger.warning("endpoint %s refused a request (%s); attempt %d", endpoint.address, error, attempt + 1)
-                router.metrics.retries.inc()
-                continue
-            except httpx.HTTPError as error:  # it took the request, then failed: resending could run it twice
-                endpoint.record_finish(sent)
-                router.metrics.errors.labels(routing_request.model, "502").inc()
-                return error_response(502, f"engine endpoint {endpoint.address} failed: {error}")
+        return await forwarder(path, request)
 
-            async def finish(response=response, endpoint=endpoint, sent=sent) -> None:
-                endpoint.record_finish(sent)  # the request no longer loads the engine: the picker knows at once
-                await response.aclose()
-                router.metrics.duration.labels(routing_request.model).observe(time.perf_counter() - start)
-
-            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
-            out_headers["x-gateway-destination-endpoint"] = endpoint.address
-            return UpstreamStream(response, out_headers, finish)
-        router.metrics.errors.labels(routing_request.model, "503").inc()
-        return error_response(503, "no engine endpoint accepted the connection; retry later")
-
+    app.state.client = forwarder.clients  # closed with the gateway
     return app

@@ -5,7 +5,7 @@ import time
 from collections import ChainMap
 from collections.abc import Mapping
 
-from .metrics import GatewayMetrics
+from .metrics import UNKNOWN_MODEL, GatewayMetrics
 from .picker import Decision, Picker, RoutingError, RoutingRequest
 from .request_info import parse_request, with_engine_priority
 
@@ -33,11 +33,24 @@ class Router:
             decision = self.picker.pick(request)
             self.metrics.pick_duration.observe(time.perf_counter() - start)
         except RoutingError as error:
-            self.metrics.errors.labels(request.model if request else "", str(error.status)).inc()
+            self.metrics.errors.labels(self.model_label(request.model if request else ""), str(error.status)).inc()
             raise
         self.metrics.requests.labels(request.model).inc()
-        self.metrics.picks.labels(decision.endpoint.address).inc()
+        self.metrics.count_pick(decision.endpoint.address)
         return request, decision
+
+    def reroute(self, request: RoutingRequest, tried: str) -> Decision:
+        """Pick again for a request whose attempt on `tried` failed before any response byte; raises
+        RoutingError when no other endpoint can take it."""
+        request.exclude = request.exclude | {tried}
+        decision = self.picker.pick(request)
+        self.metrics.count_pick(decision.endpoint.address)
+        return decision
+
+    def model_label(self, model: str) -> str:
+        """`model` when an endpoint serves or is assigned it, else UNKNOWN_MODEL: clients choose names."""
+        known = any(e.serves(model) or e.is_assigned(model) for e in self.picker.pool) if model else False
+        return model if known else UNKNOWN_MODEL
 
     def body_for_engine(self, raw_body: bytes, request: RoutingRequest) -> bytes:
         """What the chosen engine receives: the client's body, with the engine's priority when forwarded."""

@@ -1,4 +1,8 @@
-"""Polls every endpoint's /health and /metrics on a short interval, and /v1/models less often, with timeouts.
+"""Polls every endpoint's load on a short interval, and /v1/models less often, with timeouts.
+
+Load comes from the engine's compact `/load` report when it has one (load_poller.py: one small
+request on a kept-alive connection, which also says whether the pod is ready and which models it
+serves), else from `/health` and `/metrics` (any vLLM-compatible engine), parsed as Prometheus text.
 
 Load changes by the millisecond; which models a pod serves changes when an adapter is loaded or
 unloaded. So /v1/models is read on the first scrape, then every `models_interval`, and at once when the
@@ -16,7 +20,9 @@ import time
 
 import httpx
 
-from .endpoints import Endpoint, EndpointPool, parse_engine_metrics
+from .endpoints import Endpoint, EndpointPool, EngineState, parse_engine_metrics
+from .load_poller import LoadConnection, LoadReportUnsupported
+from .upstream import describe, make_client
 
 logger = logging.getLogger(__name__)
 
@@ -27,39 +33,67 @@ class Scraper:
         self.pool = pool
         self.interval = interval
         self.models_interval = models_interval
-        self.client = client or httpx.AsyncClient(timeout=timeout)
+        self.timeout = timeout
+        self.fixed = client  # tests hand in one client (a mock transport)
+        # One small pool per endpoint: httpcore scans every connection of a pool on each request, so one
+        # pool for 500 endpoints' scrapes would cost O(endpoints) per request (upstream.py).
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._load: dict[str, LoadConnection | None] = {}  # None: the engine has no /load
         self._models_read: dict[str, float] = {}  # address -> when its /v1/models was last read
 
     async def scrape(self, endpoint: Endpoint) -> bool:
         started = time.monotonic()  # requests dispatched from now on are not in what this scrape reads
         try:
-            health, metrics = await asyncio.gather(self.client.get(endpoint.url + "/health"),
-                                                   self.client.get(endpoint.url + "/metrics"))
-            if health.status_code != 200:
-                raise RuntimeError(f"/health answered {health.status_code}")
-            metrics.raise_for_status()
-            state = parse_engine_metrics(metrics.text)
-            models, base_models = endpoint.models, endpoint.base_models
-            if self._models_due(endpoint, state, started):
-                response = await self.client.get(endpoint.url + "/v1/models")
-                response.raise_for_status()
-                cards = response.json().get("data", [])
-                models = frozenset(c["id"] for c in cards)
-                base_models = frozenset(c["id"] for c in cards if not c.get("parent"))
+            state, reported_models = await self.read_load(endpoint)
+            models, base_models, cards = endpoint.models, endpoint.base_models, None
+            if reported_models is not None:  # the report names the models: read their cards when they change
+                due = (endpoint.address not in self._models_read or endpoint.models_stale
+                       or reported_models != endpoint.models)
+            else:
+                due = self._models_due(endpoint, state, started)
+            if due:
+                models, base_models, cards = await self.read_models(endpoint)
                 self._models_read[endpoint.address] = started
         except Exception as error:  # any failure is the endpoint's, never the gateway's
             if endpoint.consecutive_failures == 0:
-                logger.warning("endpoint %s failed a scrape: %s", endpoint.address, error)
+                logger.warning("endpoint %s failed a scrape: %s", endpoint.address, describe(error))
             endpoint.record_failure()
             self._models_read.pop(endpoint.address, None)  # after a failure, read everything again
             return False
-        endpoint.record_scrape(state, models, base_models, started=started)
+        endpoint.record_scrape(state, models, base_models, started=started, cards=cards)
         return True
+
+    async def read_load(self, endpoint: Endpoint) -> tuple[EngineState, frozenset[str] | None]:
+        """(load, the models the report names, None without /load)."""
+        if self.fixed is None and self._load.get(endpoint.address, True) is not None:
+            connection = self._load.get(endpoint.address)
+            if connection is None:
+                host, _, port = endpoint.address.rpartition(":")
+                connection = self._load[endpoint.address] = LoadConnection(host.strip("[]"), int(port))
+            try:
+                async with asyncio.timeout(self.timeout):
+                    state, report = await connection.read()
+                return state, frozenset(report["models"])
+            except LoadReportUnsupported:
+                self._load[endpoint.address] = None
+        client = self.client_for(endpoint.address)
+        health, metrics = await asyncio.gather(client.get(endpoint.url + "/health"), client.get(endpoint.url + "/metrics"))
+        if health.status_code != 200:
+            raise RuntimeError(f"/health answered {health.status_code}")
+        metrics.raise_for_status()
+        return parse_engine_metrics(metrics.text), None
+
+    async def read_models(self, endpoint: Endpoint) -> tuple[frozenset[str], frozenset[str], dict[str, dict]]:
+        """(loaded model ids, base model ids, cards by id) from the pod's /v1/models."""
+        response = await self.client_for(endpoint.address).get(endpoint.url + "/v1/models")
+        response.raise_for_status()
+        cards = {c["id"]: c for c in response.json().get("data", [])}
+        return frozenset(cards), frozenset(i for i, c in cards.items() if not c.get("parent")), cards
 
     def _models_due(self, endpoint: Endpoint, state, now: float) -> bool:
         last = self._models_read.get(endpoint.address)
         unseen_adapter = not (state.running_adapters | state.waiting_adapters) <= endpoint.models
-        return last is None or now - last >= self.models_interval or unseen_adapter
+        return last is None or now - last >= self.models_interval or unseen_adapter or endpoint.models_stale
 
     async def scrape_all(self) -> None:
         await asyncio.gather(*(self.scrape(e) for e in self.pool))
@@ -69,5 +103,25 @@ class Scraper:
             await self.scrape_all()
             await asyncio.sleep(self.interval)
 
+    def client_for(self, address: str) -> httpx.AsyncClient:
+        if self.fixed is not None:
+            return self.fixed
+        if address not in self._clients:
+            self._clients[address] = make_client(self.timeout)
+        return self._clients[address]
+
+    def retain_only(self, members: set[str]) -> None:
+        """Close the pools of endpoints that left (in the background: discovery calls this synchronously)."""
+        for address in [a for a in self._clients if a not in members]:
+            asyncio.ensure_future(self._clients.pop(address).aclose())
+        for address in [a for a in self._load if a not in members]:
+            connection = self._load.pop(address)
+            if connection is not None:
+                connection.close()
+
     async def close(self) -> None:
-        await self.client.aclose()
+        for connection in self._load.values():
+            if connection is not None:
+                connection.close()
+        for client in [*self._clients.values(), *([self.fixed] if self.fixed else [])]:
+            await client.aclose()

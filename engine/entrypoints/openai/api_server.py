@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubeinfer import __version__
 
+from ..load_report import add_load_route
 from .errors import APIError, error_response
 from .lora_routes import add_lora_routes
 from .protocol import ChatCompletionRequest, CompletionRequest
@@ -104,4 +105,5 @@ def build_app(state: ServerState) -> FastAPI:
         return await create_chat_completion(state, body, request)
 
     add_lora_routes(app, state)
+    add_load_route(app, state)
     return app

@@ -1,0 +1,226 @@
+"""One proxied request: its attempts on engines, and the relay of the response that wins.
+
+An attempt that fails before the first byte of a response (no connection, a reset, no answer within
+the first-byte timeout) or that an engine refuses with a status meaning "not here" (429 queue full,
+503 not ready, 404 for a model it does not hold) is moved to another endpoint, picked again without
+the ones already tried. When none is left the client gets the engine's own refusal, or a 502/503/504
+naming every cause. A client that goes away, before the response or during it, is counted as a
+cancellation, never as an upstream error, and its upstream connection is closed (the engine aborts).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from .endpoints import Endpoint
+from .extproc import error_body
+from .picker import RoutingError, RoutingRequest
+from .routing import Router
+from .upstream import (RETRY_ELSEWHERE, ClientShards, FirstByteTimeout, UpstreamConfig, describe, failure_status,
+                       retry_reason)
+
+logger = logging.getLogger(__name__)
+HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+              "proxy-authorization", "proxy-authenticate"}
+CLIENT_CLOSED = 499  # nginx's convention; nobody receives it, the client is gone
+
+
+def error_response(status: int, message: str, retry_after: str | None = None) -> Response:
+    if retry_after is None and status in (429, 503):
+        retry_after = "1"
+    headers = {"Retry-After": retry_after} if retry_after else None
+    return Response(json.dumps(error_body(status, message)), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+@dataclass
+class Refusal:
+    """An engine's own non-success answer, kept (read whole) in case no other endpoint takes the request."""
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def response(self) -> Response:
+        return Response(self.body, status_code=self.status, headers=self.headers)
+
+
+def _model_missing(response: httpx.Response, body: bytes) -> bool:
+    """A 404 about the model (not an unknown path, which every pod would answer the same)."""
+    try:
+        error = json.loads(body).get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return error.get("param") == "model" or "model" in str(error.get("message", "")).lower()
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Forwarder:
+    def __init__(self, router: Router, clients: ClientShards, config: UpstreamConfig) -> None:
+        self.router, self.clients, self.config = router, clients, config
+
+    async def __call__(self, path: str, request: Request) -> Response:
+        raw = await request.body()
+        try:
+            routing_request, decision = self.router.route(raw, {k.lower(): v for k, v in request.headers.items()})
+        except RoutingError as error:
+            return error_response(error.status, error.message)
+        body = self.router.body_for_engine(raw, routing_request)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        start, metrics, model = time.perf_counter(), self.router.metrics, routing_request.model
+        endpoint, sent = decision.endpoint, decision.sent
+        errors: list[str] = []
+        failures: list[BaseException] = []
+        refusal: Refusal | None = None
+        for attempt in range(self.config.max_attempts):
+            if attempt:
+                try:
+                    retry = self.router.reroute(routing_request, endpoint.address)
+                except RoutingError:
+                    break
+                endpoint, sent = retry.endpoint, retry.sent
+            client, release = self.clients.acquire()
+            upstream = client.build_request("POST", f"{endpoint.url}/v1/{path}", content=body, headers=headers,
+                                            params=request.query_params)
+            try:
+                response = await self._send(client, upstream, request)
+            except asyncio.CancelledError:  # the client went away while the engine had not answered
+                release()
+                endpoint.record_finish(sent)
+                metrics.cancelled.labels(model).inc()
+                return Response(status_code=CLIENT_CLOSED)
+            except (httpx.HTTPError, FirstByteTimeout) as error:
+                release()
+                endpoint.record_finish(sent)
+                if isinstance(error, (httpx.ConnectError, httpx.ConnectTimeout)):
+                    endpoint.record_failure()
+                errors.append(f"{endpoint.address}: {describe(error)}")
+                failures.append(error)
+                refusal = None
+                metrics.retries.labels(retry_reason(error)).inc()
+                logger.warning("endpoint %s failed before answering: %s", endpoint.address, describe(error))
+                continue
+            if response.status_code in RETRY_ELSEWHERE and attempt + 1 < self.config.max_attempts:
+                refused = await self._read_refusal(response, endpoint, sent, routing_request)
+                release()
+                if refused is not None:
+                    refusal = refused
+                    metrics.retries.labels(retry_reason(status=response.status_code)).inc()
+                    continue
+            return self._relay(response, endpoint, sent, model, start, release)
+        if refusal is not None:  # every endpoint refused: the last engine's own answer, Retry-After and all
+            metrics.errors.labels(model, str(refusal.status)).inc()
+            return refusal.response()
+        status = failure_status(failures) if failures else 503
+        metrics.errors.labels(model, str(status)).inc()
+        causes = "; ".join(errors) or "no other endpoint serves the model"
+        return error_response(status, f"no engine endpoint could take the request ({causes})")
+
+    async def _send(self, client: httpx.AsyncClient, upstream: httpx.Request, request: Request) -> httpx.Response:
+        """The engine's response head, or an error; CancelledError when the client leaves first."""
+        sending = asyncio.ensure_future(asyncio.wait_for(client.send(upstream, stream=True),
+                                                         self.config.first_byte_timeout))
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not sending.done():
+            sending.cancel()
+            raise asyncio.CancelledError
+        try:
+            return sending.result()
+        except TimeoutError:
+            raise FirstByteTimeout(f"no response within {self.config.first_byte_timeout:g} s") from None
+
+    async def _read_refusal(self, response: httpx.Response, endpoint: Endpoint, sent: float,
+                            request: RoutingRequest) -> Refusal | None:
+        """Reads a refusal whole; None when it is final (a 404 that is not about the model)."""
+        try:
+            body = await response.aread()
+        except httpx.HTTPError:
+            body = b""
+        finally:
+            await response.aclose()
+            endpoint.record_finish(sent)
+        if response.status_code == 404:
+            if not _model_missing(response, body):
+                return None
+            endpoint.drop_model(request.model)  # placement said so, the pod disagrees: believe the pod
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
+        return Refusal(response.status_code, headers, body)
+
+    def _relay(self, response: httpx.Response, endpoint: Endpoint, sent: float, model: str,
+               start: float, release) -> Response:
+        relay = Relay(response, self.config.idle_timeout)
+        metrics = self.router.metrics
+
+        async def finish() -> None:
+            endpoint.record_finish(sent)  # the request no longer loads the engine: the picker knows at once
+            await response.aclose()
+            release()
+            if relay.completed:
+                metrics.duration.labels(model).observe(time.perf_counter() - start)
+            elif relay.error is not None:
+                metrics.errors.labels(model, "502").inc()
+                logger.warning("endpoint %s failed mid-response: %s", endpoint.address, describe(relay.error))
+            else:
+                metrics.cancelled.labels(model).inc()
+
+        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
+        out_headers["x-gateway-destination-endpoint"] = endpoint.address
+        return UpstreamStream(relay, response.status_code, out_headers, finish)
+
+
+class Relay:
+    """The upstream body, chunk by chunk, with a bound on the gap between chunks. It records how it
+    ended: `completed`, `error` (the engine failed or went silent), or neither (the client left)."""
+
+    def __init__(self, upstream: httpx.Response, idle_timeout: float) -> None:
+        self.upstream, self.idle_timeout = upstream, idle_timeout
+        self.completed, self.error = False, None
+        self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def chunks(self):
+        iterator = self.upstream.aiter_raw().__aiter__()
+        while True:
+            try:
+                async with asyncio.timeout(self.idle_timeout):
+                    chunk = await anext(iterator)
+            except StopAsyncIteration:
+                self.completed = True
+                return
+            except (httpx.HTTPError, TimeoutError) as error:
+                self.error = error if not isinstance(error, TimeoutError) else TimeoutError(
+                    f"no data for {self.idle_timeout:g} s")
+                if not self.sse:
+                    raise  # the client's connection is cut: a truncated body must not look complete
+                # A stream ends with an error event (vLLM's convention; the openai client raises on it).
+                yield f"data: {json.dumps(error_body(502, f'engine failed mid-stream: {describe(self.error)}'))}\n\n"
+                return
+            yield chunk
+
+
+class UpstreamStream(StreamingResponse):
+    """Relays an upstream response; `on_close` runs however the relay ends (done, error or client gone),
+    so the upstream stream is closed at once and the engine aborts the request."""
+
+    def __init__(self, relay: Relay, status: int, headers: dict[str, str], on_close) -> None:
+        super().__init__(relay.chunks(), status_code=status, headers=headers)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.on_close()
