@@ -14,11 +14,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .discovery import KubernetesDiscovery, static_endpoints
 from .endpoints import EndpointPool
 from .extproc import start_extproc_server
+from .hold import HoldQueue
 from .metrics import GatewayMetrics
 from .model_priorities import ClusterPriorities
 from .picker import Picker, PickerConfig
 from .proxy import build_proxy_app
 from .routing import Router
+from .scale_up import ScaleUp
 from .scraper import Scraper
 from .upstream import UpstreamConfig
 
@@ -42,6 +44,8 @@ class GatewayConfig:
     model_priorities: dict[str, int] = field(default_factory=dict)
     forward_priority: bool = False  # write the engine's `priority` into forwarded bodies
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)  # the proxy's timeouts and retries
+    hold_max: int = 256  # requests held per model while it has no ready engine
+    hold_timeout: float = 120.0  # seconds a request is held before a 503
     pool_name: str = "default"
 
 
@@ -53,15 +57,21 @@ class Gateway:
         self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities,
                              forward_priority=config.forward_priority)
         self.scraper = Scraper(self.pool, config.scrape_interval, config.scrape_timeout)
-        self.discovery = self.priorities = None
+        self.discovery = self.priorities = self.scale_up = None
         if config.endpoints:
             self.pool.set_members(static_endpoints(config.endpoints))
         else:
             self.discovery = KubernetesDiscovery(self.pool, namespace=config.namespace, selector=config.selector,
                                                  inference_pool=config.inference_pool, target_port=config.target_port,
                                                  api_client=api_client, on_change=self._forget_departed)
+            scale_targets: dict = {}
             self.priorities = ClusterPriorities(self.router.discovered_priorities, self.router.objective_priorities,
-                                                namespace=config.namespace, api_client=api_client)
+                                                namespace=config.namespace, api_client=api_client,
+                                                scale_targets=scale_targets)
+            self.scale_up = ScaleUp(scale_targets, api_client)
+            self.router.scalable = scale_targets
+        self.router.hold = HoldQueue(self.router.has_ready_endpoint, self.scale_up, max_held=config.hold_max,
+                                     timeout=config.hold_timeout, metrics=self.router.metrics)
         self._tasks: list[asyncio.Task] = []
         self._servers: list[uvicorn.Server] = []
         self._clients: list = []  # upstream HTTP clients to close on stop
@@ -77,7 +87,7 @@ class Gateway:
     async def start(self) -> None:
         if self.discovery is not None:
             self.discovery.start(asyncio.get_running_loop())
-            self.priorities.api_client = self.discovery.api_client
+            self.priorities.api_client = self.scale_up.api_client = self.discovery.api_client
             self.priorities.start(asyncio.get_running_loop())
         await self.scraper.scrape_all()  # route on real numbers from the first request on
         self._tasks.append(asyncio.create_task(self.scraper.run()))

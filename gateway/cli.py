@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="e.g. queue=2,active=1,kv_cache=1,lora=2,prefix=4")
     parser.add_argument("--model-priority", type=_priority, action="append", default=[], metavar="NAME=INT",
                         help="routing priority of a model; below 0 its requests are sheddable")
+    parser.add_argument("--hold-max", type=int, default=256,
+                        help="requests held per model while it has no ready engine (scaled to zero, starting); "
+                             "beyond it, 503 with Retry-After")
+    parser.add_argument("--hold-timeout", type=float, default=120.0,
+                        help="seconds a held request waits for an engine before a 503 with Retry-After")
     parser.add_argument("--forward-priority", action="store_true",
                         help="write each request's priority into the body for the engine (inverted: the engine's lower "
                              "runs first); the engines must run --scheduling-policy priority, as the operator's do")
@@ -84,6 +89,7 @@ def config_from_args(args: argparse.Namespace):
                          selector=selector, inference_pool=args.inference_pool, target_port=args.target_port,
                          scrape_interval=args.scrape_interval, scrape_timeout=args.scrape_timeout, picker=picker,
                          model_priorities=dict(args.model_priority), forward_priority=args.forward_priority,
+                         hold_max=args.hold_max, hold_timeout=args.hold_timeout,
                          pool_name=args.pool_name or args.inference_pool or "default",
                          upstream=UpstreamConfig(connect_timeout=args.upstream_connect_timeout,
                                                  first_byte_timeout=args.upstream_first_byte_timeout,

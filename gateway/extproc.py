@@ -113,10 +113,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def decide(self, phase: str, headers: dict[str, str], body: bytes, subset: frozenset[str] | None,
-               full_duplex: bool = False) -> tuple[list[ep.ProcessingResponse], Decision | None]:
+    async def decide(self, phase: str, headers: dict[str, str], body: bytes, subset: frozenset[str] | None,
+                     full_duplex: bool = False) -> tuple[list[ep.ProcessingResponse], Decision | None]:
         try:
-            request, decision = self.router.route(body, headers, subset)
+            request, decision = await self.router.route_or_hold(body, headers, subset)
         except RoutingError as error:
             return [refused(error)], None
         if not full_duplex:
@@ -141,7 +141,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 if phase == "request_headers":
                     headers, subset = header_map(message.request_headers.headers), subset_hint(message)
                     if message.request_headers.end_of_stream:  # no body follows (GET): route on headers alone
-                        replies, decision = self.decide(phase, headers, b"", subset)
+                        replies, decision = await self.decide(phase, headers, b"", subset)
                         for reply in replies:
                             yield reply
                     elif not request_full_duplex:  # full duplex: the answer waits for the body
@@ -149,7 +149,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 elif phase == "request_body":
                     body += message.request_body.body
                     if message.request_body.end_of_stream:
-                        replies, decision = self.decide(phase, headers, bytes(body), subset, request_full_duplex)
+                        replies, decision = await self.decide(phase, headers, bytes(body), subset, request_full_duplex)
                         for reply in replies:
                             yield reply
                     elif not request_full_duplex:  # streamed: chunks pass; the decision comes with the last one

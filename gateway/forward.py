@@ -23,8 +23,15 @@ from .endpoints import Endpoint
 from .extproc import error_body
 from .picker import RoutingError, RoutingRequest
 from .routing import Router
-from .upstream import (RETRY_ELSEWHERE, ClientShards, FirstByteTimeout, UpstreamConfig, describe, failure_status,
-                       retry_reason)
+from .upstream import (
+    RETRY_ELSEWHERE,
+    ClientShards,
+    FirstByteTimeout,
+    UpstreamConfig,
+    describe,
+    failure_status,
+    retry_reason,
+)
 
 logger = logging.getLogger(__name__)
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -60,6 +67,13 @@ def _model_missing(response: httpx.Response, body: bytes) -> bool:
     return error.get("param") == "model" or "model" in str(error.get("message", "")).lower()
 
 
+def _model_of(raw: bytes) -> str:
+    try:
+        return str(json.loads(raw).get("model", ""))
+    except (ValueError, AttributeError):
+        return ""
+
+
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -72,9 +86,12 @@ class Forwarder:
     async def __call__(self, path: str, request: Request) -> Response:
         raw = await request.body()
         try:
-            routing_request, decision = self.router.route(raw, {k.lower(): v for k, v in request.headers.items()})
+            routed = await self._route_or_hold(raw, request)
         except RoutingError as error:
             return error_response(error.status, error.message)
+        if routed is None:  # the client left while its request was held
+            return Response(status_code=CLIENT_CLOSED)
+        routing_request, decision = routed
         body = self.router.body_for_engine(raw, routing_request)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         start, metrics, model = time.perf_counter(), self.router.metrics, routing_request.model
@@ -125,6 +142,22 @@ class Forwarder:
         metrics.errors.labels(model, str(status)).inc()
         causes = "; ".join(errors) or "no other endpoint serves the model"
         return error_response(status, f"no engine endpoint could take the request ({causes})")
+
+    async def _route_or_hold(self, raw: bytes, request: Request):
+        """The routing decision, after a hold if the model has no ready engine; None if the client leaves."""
+        routing = asyncio.ensure_future(self.router.route_or_hold(raw, {k.lower(): v for k, v in request.headers.items()}))
+        if routing.done() or not self.router.hold:
+            return await routing
+        gone = asyncio.ensure_future(_until_disconnected(request))
+        try:
+            await asyncio.wait({routing, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not routing.done():
+            routing.cancel()  # leaves the hold queue
+            self.router.metrics.cancelled.labels(self.router.model_label(_model_of(raw))).inc()
+            return None
+        return routing.result()
 
     async def _send(self, client: httpx.AsyncClient, upstream: httpx.Request, request: Request) -> httpx.Response:
         """The engine's response head, or an error; CancelledError when the client leaves first."""

@@ -9,7 +9,7 @@ endpoint leaves the pool, and `reason` takes a fixed set of values.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from .picker import Picker
@@ -40,6 +40,12 @@ class GatewayMetrics:
                                registry=r)
         self.cancelled = Counter("kubeinfer_gateway_requests_cancelled", "Requests their client abandoned.",
                                  ["model_name"], registry=r)
+        self.held = Gauge("kubeinfer_gateway_requests_held", "Requests waiting for a model with no ready engine "
+                          "(scaled to zero, or starting).", registry=r)
+        self.hold_seconds = Histogram("kubeinfer_gateway_hold_duration_seconds", "Time requests waited for an engine "
+                                      "before they were routed.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r)
+        self.scale_ups = Counter("kubeinfer_gateway_scale_ups", "Scale-ups asked through an InferenceModel's /scale "
+                                 "for a held request.", ["model_name"], registry=r)
         self._pick_labels: set[str] = set()
 
     def count_pick(self, address: str) -> None:

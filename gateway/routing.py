@@ -5,6 +5,7 @@ import time
 from collections import ChainMap
 from collections.abc import Mapping
 
+from .hold import HoldQueue, HoldRefused
 from .metrics import UNKNOWN_MODEL, GatewayMetrics
 from .picker import Decision, Picker, RoutingError, RoutingRequest
 from .request_info import parse_request, with_engine_priority
@@ -19,15 +20,45 @@ class Router:
         self.model_priorities = dict(model_priorities or {})  # configured: wins
         self.discovered_priorities: dict[str, int] = {}  # from InferenceModels in the cluster
         self.objective_priorities: dict[str, int] = {}  # from the Inference Extension's InferenceObjectives
+        self.hold: HoldQueue | None = None  # set by the gateway: requests for a model with no ready engine wait
+        self.scalable: set[str] | dict = set()  # served names an InferenceModel can bring back from zero
 
-    def route(self, raw_body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None = None
-              ) -> tuple[RoutingRequest, Decision]:
-        """Raises RoutingError with the HTTP status to answer (400, 404, 429, 503). `subset`: the only
-        endpoints (ip:port) the data plane allows for this request."""
-        request = None
+    async def route_or_hold(self, raw_body: bytes, headers: Mapping[str, str],
+                            subset: frozenset[str] | None = None) -> tuple[RoutingRequest, Decision]:
+        """As `route`, but a request for a known model with no ready engine is held until one is ready
+        (503 with Retry-After when the hold is full or times out); cancelling the caller ends the hold."""
+        request = self._parse(raw_body, headers)
+        if self.hold is not None and request.model and self._holdable(request.model):
+            try:
+                await self.hold.wait_until_ready(request.model)
+            except HoldRefused as refused:
+                self.metrics.errors.labels(request.model, "503").inc()
+                raise RoutingError(503, refused.message) from None
+        return self.route(raw_body, headers, subset, request)
+
+    def has_ready_endpoint(self, model: str) -> bool:
+        return any(e.serves(model) or e.is_assigned(model) for e in self.picker.ready_endpoints())
+
+    def _holdable(self, model: str) -> bool:
+        """A model the gateway knows (an InferenceModel, or an endpoint serving it that is not ready)."""
+        return model in self.scalable or any(e.serves(model) or e.is_assigned(model) for e in self.picker.pool)
+
+    def _parse(self, raw_body: bytes, headers: Mapping[str, str]) -> RoutingRequest:
         try:
-            request = parse_request(raw_body, headers, ChainMap(self.model_priorities, self.discovered_priorities),
-                                    self.objective_priorities)
+            return parse_request(raw_body, headers, ChainMap(self.model_priorities, self.discovered_priorities),
+                                 self.objective_priorities)
+        except RoutingError as error:
+            self.metrics.errors.labels(UNKNOWN_MODEL, str(error.status)).inc()
+            raise
+
+    def route(self, raw_body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None = None,
+              request: RoutingRequest | None = None) -> tuple[RoutingRequest, Decision]:
+        """Raises RoutingError with the HTTP status to answer (400, 404, 429, 503). `subset`: the only
+        endpoints (ip:port) the data plane allows for this request; `request`: the body already parsed."""
+        try:
+            request = request or parse_request(raw_body, headers,
+                                               ChainMap(self.model_priorities, self.discovered_priorities),
+                                               self.objective_priorities)
             request.subset = subset
             start = time.perf_counter()
             decision = self.picker.pick(request)

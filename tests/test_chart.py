@@ -262,11 +262,12 @@ def test_gateway_service_name_is_what_the_operator_points_pools_at(rendered):
     assert OperatorConfig().endpoint_picker_port in {p["port"] for p in service["spec"]["ports"]}
 
 
-def test_gateway_rbac_only_reads_pods_pools_models_and_objectives(rendered):
+def test_gateway_rbac_reads_pods_pools_models_and_objectives_and_only_scales_models(rendered):
     reads = {(g, r, v) for g, r in (("", "pods"), ("inference.networking.k8s.io", "inferencepools"),
                                     ("serving.kubeinfer.io", "inferencemodels"),
                                     ("inference.networking.x-k8s.io", "inferenceobjectives"))
-             for v in ("get", "list", "watch")}
+             for v in ("get", "list", "watch")} | {
+        ("serving.kubeinfer.io", "inferencemodels/scale", v) for v in ("get", "patch")}  # scale from zero
     assert granted(rendered["defaults"], "kubeinfer-gateway") == {NAMESPACE: reads}
     assert granted(rendered["all-on"], "kubeinfer-gateway") == {"team-a": reads}
     assert granted(rendered["gateway-cluster-wide"], "kubeinfer-gateway") == {None: reads}

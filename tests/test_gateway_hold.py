@@ -83,3 +83,53 @@ async def test_a_new_wake_up_asks_again_after_the_model_was_ready():
     assert model.asks == 2
     model.up = True
     await second
+
+
+async def test_the_proxy_holds_a_request_until_its_engine_is_back(llama_dir):
+    """The only engine goes away (scaled to zero, restarting): a request for its model is held, not
+    refused, and is served as soon as an engine answers on that address again; the hold is in the metrics."""
+    import httpx
+    from server_harness import RunningServer
+    from test_gateway import proxy_url, start_gateway
+
+    with RunningServer(llama_dir, name="tiny", block_size=8) as engine:
+        port = engine.port
+        gateway = await start_gateway([engine.url])
+    try:
+        await asyncio.sleep(0.5)  # the gateway sees the engine gone, and still knows what it served
+        assert not gateway.picker.ready_endpoints()
+        async with httpx.AsyncClient(timeout=60) as http:
+            request = asyncio.create_task(http.post(proxy_url(gateway) + "/v1/completions",
+                                                    json={"model": "tiny", "prompt": "Hello", "max_tokens": 2}))
+            await asyncio.sleep(0.5)
+            assert not request.done() and gateway.router.hold.held("tiny") == 1
+            with RunningServer(llama_dir, name="tiny", block_size=8, port=port):
+                response = await request
+            metrics = (await http.get(f"http://127.0.0.1:{gateway.ports['metrics']}/metrics")).text
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+        assert 'kubeinfer_gateway_hold_duration_seconds_count{model_name="tiny"} 1.0' in metrics
+        assert "kubeinfer_gateway_requests_held 0.0" in metrics
+    finally:
+        await gateway.stop()
+
+
+async def test_a_held_request_times_out_with_retry_after(llama_dir):
+    import httpx
+    from server_harness import RunningServer
+    from test_gateway import proxy_url, start_gateway
+
+    with RunningServer(llama_dir, name="tiny", block_size=8) as engine:
+        gateway = await start_gateway([engine.url])
+    gateway.router.hold.timeout = 0.5
+    try:
+        await asyncio.sleep(0.5)
+        async with httpx.AsyncClient(timeout=60) as http:
+            response = await http.post(proxy_url(gateway) + "/v1/completions",
+                                       json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+            unknown = await http.post(proxy_url(gateway) + "/v1/completions",
+                                      json={"model": "nope", "prompt": "Hello", "max_tokens": 2})
+        assert response.status_code == 503 and response.headers["retry-after"]
+        assert "within 0.5 s" in response.json()["error"]["message"]
+        assert unknown.status_code in (404, 503) and "within" not in unknown.text  # never held: not a known model
+    finally:
+        await gateway.stop()

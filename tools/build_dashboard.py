@@ -140,6 +140,17 @@ ROWS = [
               [Query(f"histogram_quantile({q}, sum by (le) (rate(inference_model_request_duration_seconds_bucket"
                      f"{{{GATEWAY}}}[{RATE}])))", f"p{round(q * 100)}") for q in (0.5, 0.95, 0.99)], "s"),
     ]),
+    Row("Scale from zero", [
+        Panel("Held requests", "Requests waiting at the gateway for a model with no ready engine (scaled to zero "
+              "or starting), and scale-ups the gateway asked for through an InferenceModel's /scale.",
+              [Query(f"sum(kubeinfer_gateway_requests_held{{{GATEWAY}}})", "held"),
+               Query(f"sum by (model_name) (increase(kubeinfer_gateway_scale_ups_total{{{GATEWAY}}}[{RATE}]))",
+                     "scale-ups {{model_name}}")], width=12),
+        Panel("Hold time", "How long held requests waited for an engine before they were routed.",
+              [Query(f"histogram_quantile({q}, sum by (model_name, le) (rate("
+                     f"kubeinfer_gateway_hold_duration_seconds_bucket{{{GATEWAY}}}[{RATE}])))", f"p{round(q * 100)} "
+                     "{{model_name}}") for q in (0.5, 0.95, 0.99)], "s", width=12),
+    ]),
 ]
 
 

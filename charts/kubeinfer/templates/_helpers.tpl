@@ -160,6 +160,10 @@ objects are created, patched and deleted; pods are only relabelled (active/stand
 - apiGroups: [serving.kubeinfer.io]
   resources: [inferencemodels]
   verbs: [get, list, watch]
+# A request for a model scaled to zero is held while the gateway asks for one replica (0 -> minReplicas).
+- apiGroups: [serving.kubeinfer.io]
+  resources: [inferencemodels/scale]
+  verbs: [get, patch]
 - apiGroups: [inference.networking.x-k8s.io]
   resources: [inferenceobjectives]
   verbs: [get, list, watch]
