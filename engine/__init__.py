@@ -5,6 +5,7 @@ imports in a cycle):
 
     entrypoints/      offline LLM, `kubeinfer serve`, OpenAI HTTP API, gRPC API, Prometheus metrics
     core/             engine loop, async engine, scheduler, block manager, detokenizer, outputs
+    spec_decode/      speculative decoding: config, n-gram proposer, rejection sampler, adaptive switch
     model_executor/   model runner, loader, CUDA graphs, sampler, layers/ (+ Triton kernels), models/
     lora/             adapter files, device pool, manager, LoRA layers and kernels, placement
     config, sampling_params, sequence, triton_utils

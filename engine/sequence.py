@@ -56,6 +56,9 @@ class Sequence:
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         # Structured output: the grammar matcher that says which tokens may come next (engine.structured_output).
         self.grammar = None
+        # Speculative decoding: guessed tokens after the last one, verified by the next forward pass (spec_decode).
+        # Never part of token_ids; the scheduler computes them as extra query tokens, then they are dropped.
+        self.spec_token_ids: list[int] = []
         self.cumulative_logprob = 0.0
         # timing, for metrics
         self.first_scheduled_time: float | None = None

@@ -12,7 +12,7 @@ ENGINE = Path(__file__).parents[1] / "engine"
 PACKAGE = "kubeinfer.engine"
 # Top to bottom; a module may import its own layer or any layer below. The shared modules at the
 # engine's top level (config, sampling_params, sequence, triton_utils) are the bottom layer.
-LAYERS = ("entrypoints", "core", "model_executor", "structured_output", "lora", "")
+LAYERS = ("entrypoints", "core", "spec_decode", "model_executor", "structured_output", "lora", "")
 MAX_LINES = 300
 GENERATED = {"entrypoints/grpc/proto/engine_pb2.py", "entrypoints/grpc/proto/engine_pb2_grpc.py"}
 

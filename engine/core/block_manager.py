@@ -134,6 +134,18 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
 
+    def free_tail(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's computed tokens: after speculative decoding they held
+        only rejected draft tokens. Never hashed (only full computed blocks are), so they go back uncached,
+        at the front of the pool, to be reused first."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                block.block_hash = None
+                self.free_uncached.appendleft(block.block_id)
+
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Register blocks that became full of computed tokens, so later requests can reuse them."""
         if not self.enable_prefix_caching:

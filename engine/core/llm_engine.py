@@ -19,12 +19,14 @@ from ..lora.request import LoRARequest
 from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence
+from ..spec_decode.config import SpeculativeConfig
+from ..spec_decode.speculator import Speculator
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from .errors import StepFailedError
 from .model_setup import build_runner
 from .outputs import RequestOutput
-from .request import Completion, Request
+from .request import Completion, Request, prompt_tokens
 from .scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        speculative = SpeculativeConfig.parse(config.speculative_config)  # refused before any model work
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {config.device} asked for, but this torch ({torch.__version__}) sees no CUDA "
@@ -60,6 +63,9 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
                                                    config.scheduling_policy), self.block_manager, pool)
+        self.speculator = Speculator(speculative, self.max_model_len) if speculative else None
+        if self.speculator is not None:
+            self.runner.verify_drafts = self.speculator.verify
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._rng_lock = threading.Lock()  # prepare_request runs on front-end threads
@@ -94,7 +100,7 @@ class LLMEngine:
             raise ValueError(f"lora_request: adapter id {lora_id} is not loaded"
                              + ("" if self.lora else "; LoRA is not enabled (enable_lora=True / --enable-lora)"))
         lora_generation = self.lora.generation(lora_id) if lora_id else 0  # ids can be reused; generations can't
-        prompt_text, token_ids = self._prompt_tokens(prompt)
+        prompt_text, token_ids = prompt_tokens(prompt, self.tokenize, self.spec.vocab_size)
         self.validate_prompt_length(len(token_ids), params)
         params.check_token_ids(self.spec.vocab_size)
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
@@ -128,26 +134,6 @@ class LLMEngine:
         self.num_structured_requests += request.params.structured_outputs is not None
         for completion in request.completions:
             self.scheduler.add(completion.seq)
-
-    def _prompt_tokens(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenize(prompt)
-        token_ids = list(prompt)
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
-        vocab = self.spec.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, token_ids
 
     def validate_prompt_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         if num_prompt_tokens >= self.max_model_len:
@@ -211,6 +197,8 @@ class LLMEngine:
         """One scheduler step. A sequence that fails alone (its adapter, its text) ends its request with an
         error and the step goes on; if the model itself raises, the batch's requests end and
         StepFailedError carries their outputs."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
         batch = self.scheduler.schedule()
         failed = {seq.request_id for seq in batch.failed}
         outputs = self.fail_requests(failed, {s.request_id: s.error for s in batch.failed})
@@ -236,13 +224,18 @@ class LLMEngine:
             if request is None or seq.is_finished:
                 continue
             try:
-                self._append_token(request, seq, result.token_ids[i], result.logprobs[i], now)
+                for token, logprob in result.tokens(i):  # with speculative decoding, accepted drafts first
+                    self._append_token(request, seq, token, logprob, now)
+                    self.num_generation_tokens += 1
+                    if seq.is_finished:  # a stop or the length: the tokens after it are dropped
+                        break
+                if seq.spec_token_ids:
+                    self.scheduler.accept_drafts(seq, len(result.accepted[i]))
             except Exception as error:  # e.g. the tokenizer cannot decode it: this request alone ends
                 logger.exception("request %s failed after a step", seq.request_id)
                 broken[seq.request_id] = f"{type(error).__name__}: {error}"
                 continue
             touched[request.request_id] = request
-        self.num_generation_tokens += len(sampled_seqs)
         return outputs + self.fail_requests(set(broken), broken) + self._finish_outputs(touched)
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprob, now: float) -> None:

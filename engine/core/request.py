@@ -101,3 +101,24 @@ class Request:
                                       "last_token_time": max((s.last_token_time or 0) for s in seqs),
                                       "num_preemptions": sum(s.num_preemptions for s in seqs)},
                              error=next((s.error for s in seqs if s.error), None))
+
+
+def prompt_tokens(prompt, tokenize: Callable[[str], list[int]], vocab: int) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt given as text, token ids, or {"prompt" | "prompt_token_ids": ...}."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            prompt = prompt["prompt_token_ids"]
+        elif "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt, tokenize(prompt)
+    token_ids = list(prompt)
+    if not token_ids:
+        raise ValueError("prompt must not be empty")
+    if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+    return None, token_ids

@@ -93,6 +93,7 @@ class Scheduler:
         self._release_adapter(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
@@ -106,8 +107,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            del seq.spec_token_ids[max(0, budget - 1):]  # drafts that do not fit the budget are dropped
+            num_new = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
             while not bm.allocate_slots(seq, num_new):
+                if seq.spec_token_ids:  # drop the drafts before preempting anyone for them
+                    num_new -= len(seq.spec_token_ids)
+                    seq.spec_token_ids = []
+                    continue
                 victim = self.running[-1]  # lowest priority, most recent: never one already scheduled
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -193,7 +199,18 @@ class Scheduler:
         return {s.lora_id for s in self.running if s.lora_id}
 
     def on_step_done(self, batch: ScheduledBatch) -> None:
-        """Advance each scheduled sequence past the tokens just computed, and cache its full blocks."""
+        """Advance each scheduled sequence past the tokens just computed, and cache its full blocks. Draft
+        tokens are not counted here: `accept_drafts` counts those the verification kept."""
         for seq, num_new in batch.entries:
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - len(seq.spec_token_ids)
             self.block_manager.commit_computed_blocks(seq)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verification step whose tokens were appended: the K/V of the accepted drafts is valid (it
+        was computed on the right prefix), the rejected ones' blocks go back to the pool."""
+        seq.spec_token_ids = []
+        if seq.is_finished:
+            return  # finish() freed everything
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.commit_computed_blocks(seq)
+        self.block_manager.free_tail(seq)

@@ -121,8 +121,27 @@ class _StateCollector:
         yield counter("kubeinfer:grammar_compiles", "Grammars compiled (cache misses).", compiler.compiles if compiler else 0)
         yield counter("kubeinfer:grammar_compile_seconds", "Time spent compiling grammars.",
                       compiler.compile_seconds if compiler else 0.0)
+        yield from _spec_decode_counters(engine.speculator, name)
         success = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in ("stop", "length", "abort"):
             success.add_metric(name + [reason], m.success_by_reason.get(reason, 0))
         yield success
+
+
+def _spec_decode_counters(speculator, name: list[str]):
+    """vLLM's speculative-decoding counters; zero when speculation is off, so dashboards find every series."""
+    values = ((speculator.num_drafts, speculator.num_draft_tokens, speculator.num_accepted_tokens)
+              if speculator is not None else (0, 0, 0))
+    for metric, doc, value in zip(("drafts", "draft_tokens", "accepted_tokens"),
+                                  ("Verification steps with draft tokens.", "Draft tokens verified.",
+                                   "Draft tokens accepted."), values):
+        family = CounterMetricFamily(f"vllm:spec_decode_num_{metric}", doc, labels=["model_name"])
+        family.add_metric(name, value)
+        yield family
+    per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted, by their position in the draft.",
+                                       labels=["model_name", "position"])
+    for position, value in enumerate(speculator.accepted_per_position if speculator is not None else []):
+        per_position.add_metric(name + [str(position)], value)
+    yield per_position

@@ -51,6 +51,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                         help="fcfs: arrival order; priority: a request's `priority` first (lower runs first), then "
                              "arrival. Under fcfs a request with a priority is refused")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (optional: "disable_by_batch_size"; '
+                             'draft models are not supported yet)')
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight work gets after SIGTERM")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
@@ -97,7 +101,7 @@ def build_state(args: argparse.Namespace):
                               max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                               attention_backend=args.attention_backend,
                               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                              scheduling_policy=args.scheduling_policy)
+                              scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config)
         engine = LLMEngine(config)
     except ValueError as error:
         raise SystemExit(f"kubeinfer serve: {error}") from None

@@ -49,6 +49,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
         self._mask_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        # Speculative decoding (set by the engine): samples a step whose sequences carry draft tokens, from
+        # their 1 + drafts logits rows each: verify_drafts(logits, seqs, grammar_masks) -> SampleResult.
+        self.verify_drafts: Callable | None = None
 
     @staticmethod
     def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
@@ -110,7 +113,8 @@ class ModelRunner:
         for seq, num_new in batch.entries:
             start = seq.num_computed_tokens
             end = start + num_new
-            inputs.input_ids.extend(seq.token_ids[start:end])
+            drafts = seq.spec_token_ids  # speculative decoding: guesses after the last token, checked in this pass
+            inputs.input_ids.extend(seq.token_ids[start:end - len(drafts)] + drafts)
             inputs.positions.extend(range(start, end))
             table = seq.block_table
             inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -119,8 +123,9 @@ class ModelRunner:
             inputs.block_tables.append(table)
             if ScheduledBatch.is_decode(seq, num_new):
                 inputs.num_decodes += 1
-            if end == seq.num_tokens:  # the last known token is computed: its logits give the next token
-                inputs.logits_indices.append(inputs.query_start_loc[-1] - 1)
+            if end - len(drafts) == seq.num_tokens:  # the last known token is computed: its logits give the next
+                last = inputs.query_start_loc[-1]  # (and each draft's logits judge the draft after it)
+                inputs.logits_indices.extend(range(last - 1 - len(drafts), last))
                 sampling_seqs.append(seq)
         return inputs, sampling_seqs
 
@@ -146,7 +151,10 @@ class ModelRunner:
             logits = self._run_eager(inputs, lora)
         if not sampling_seqs:
             return [], SampleResult([], [])
-        return sampling_seqs, sample(logits, sampling_seqs, masks.result() if masks else None)
+        masks = masks.result() if masks else None
+        if self.verify_drafts is not None and any(seq.spec_token_ids for seq in sampling_seqs):
+            return sampling_seqs, self.verify_drafts(logits, sampling_seqs, masks)
+        return sampling_seqs, sample(logits, sampling_seqs, masks)
 
     def _graph_can_run(self, inputs: StepInputs, lora_slots: list[int] | None) -> bool:
         """Decode-only steps no larger than the largest graph, with adapters only where graphs for them exist."""

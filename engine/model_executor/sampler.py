@@ -26,6 +26,14 @@ class SampleResult:
     token_ids: list[int]
     # per row: (logprob of the sampled token, its rank, top-N [(token, logprob)]) or None
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
+    # Speculative decoding: per row, the draft tokens accepted before token_ids[i], and their logprobs
+    accepted: list[list[int]] | None = None
+    accepted_logprobs: list[list] | None = None
+
+    def tokens(self, i: int) -> list[tuple[int, tuple | None]]:
+        """Row i's new tokens in order, with their logprobs: accepted drafts (if any), then the sampled one."""
+        drafts = list(zip(self.accepted[i], self.accepted_logprobs[i])) if self.accepted else []
+        return drafts + [(self.token_ids[i], self.logprobs[i])]
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> SampleResult:
@@ -33,13 +41,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
     (the model runner does, on another thread, while the forward pass runs)."""
     logits = logits.float()
     device = logits.device
-    raw_logprobs = _logprobs(logits, seqs)
-    logits = logits.clone()
-    _apply_penalties(logits, seqs)
-    _apply_logit_bias(logits, seqs)
-    _keep_only_allowed_tokens(logits, seqs)
-    _ban_stop_tokens_before_min_tokens(logits, seqs)
-    _apply_grammars(logits, grammar_masks or grammar_bitmask(seqs, logits.shape[1]))
+    raw_logprobs = raw_logprobs_of(logits, seqs)
+    logits = process_logits(logits, seqs, grammar_masks)
 
     greedy = [s.params.greedy for s in seqs]
     token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
@@ -49,11 +52,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
     random_rows = [i for i, g in enumerate(greedy) if not g]
     if random_rows:
         rows = torch.tensor(random_rows, device=device)
-        temperature = torch.tensor([seqs[i].params.temperature for i in random_rows], device=device).unsqueeze(1)
-        probs = torch.softmax(logits[rows] / temperature, dim=-1)
-        probs = _filter(probs, [seqs[i] for i in random_rows])
-        noise = torch.stack([torch.empty(probs.shape[1], device=device).exponential_(generator=seqs[i].generator)
-                             for i in random_rows])
+        probs = target_probs(logits[rows], [seqs[i] for i in random_rows])
+        noise = torch.stack([exponential_noise(probs.shape[1], seqs[i].generator, device) for i in random_rows])
         token_ids[rows] = (probs / noise).argmax(dim=-1)
 
     tokens = token_ids.tolist()
@@ -61,13 +61,41 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
     if raw_logprobs is not None:
         for i, seq in enumerate(seqs):
             if seq.params.logprobs is not None:
-                row = raw_logprobs[i]
-                chosen = row[tokens[i]]
-                rank = int((row > chosen).sum().item()) + 1
-                top = torch.topk(row, seq.params.logprobs) if seq.params.logprobs else None
-                top_list = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-                logprobs[i] = (float(chosen), rank, top_list)
+                logprobs[i] = logprob_entry(raw_logprobs[i], tokens[i], seq.params.logprobs)
     return SampleResult(tokens, logprobs)
+
+
+def process_logits(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> torch.Tensor:
+    """A copy of the fp32 logits with every per-request rule applied (penalties, bias, allowed ids, the
+    min_tokens ban, grammars): what greedy takes the argmax of, and what temperature turns into a distribution.
+    Shared with speculative decoding's verification, so that a draft is judged by the very same rules."""
+    logits = logits.float().clone()
+    _apply_penalties(logits, seqs)
+    _apply_logit_bias(logits, seqs)
+    _keep_only_allowed_tokens(logits, seqs)
+    _ban_stop_tokens_before_min_tokens(logits, seqs)
+    _apply_grammars(logits, grammar_masks or grammar_bitmask(seqs, logits.shape[1]))
+    return logits
+
+
+def target_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """The distribution a non-greedy row samples from, from processed logits: temperature, then top-k,
+    top-p and min-p. Not renormalised after the filters (a draw by exponential race does not need it)."""
+    temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device).unsqueeze(1)
+    return _filter(torch.softmax(logits / temperature, dim=-1), seqs)
+
+
+def exponential_noise(vocab: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise from the sequence's own generator: argmax(p / noise) is a draw from p (normalised or not)."""
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
+
+
+def logprob_entry(row: torch.Tensor, token: int, num_top: int) -> tuple[float, int, list[tuple[int, float]]]:
+    """(logprob of `token`, its rank from 1, the top `num_top` [(token, logprob)]) from one row of raw logprobs."""
+    chosen = row[token]
+    rank = int((row > chosen).sum().item()) + 1
+    top = torch.topk(row, num_top) if num_top else None
+    return float(chosen), rank, list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
 
 
 @dataclass
@@ -104,7 +132,7 @@ def _apply_grammars(logits: torch.Tensor, masks: GrammarMasks | None) -> None:
         logits.masked_fill_(full, float("-inf"))
 
 
-def _logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+def raw_logprobs_of(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
     if all(s.params.logprobs is None for s in seqs):
         return None
     return torch.log_softmax(logits, dim=-1)

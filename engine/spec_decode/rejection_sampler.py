@@ -1,0 +1,108 @@
+"""Verification of draft tokens against the target model, one forward pass for all of them.
+
+A sequence with k drafts d1..dk has k + 1 logits rows: row j is the target's next-token distribution after
+the known tokens and d1..dj. Each row is processed exactly as the sampler processes a normal step (its
+penalties and min_tokens see the drafts before it as already generated), then:
+
+- greedy: d(j+1) is accepted while it equals row j's argmax; the first mismatch is replaced by that argmax;
+  if all k pass, row k's argmax is a free extra token. The output is what non-speculative greedy gives.
+- sampling: the n-gram proposal is a point mass q = 1{d}, so the rule min(1, p(d) / q(d)) of Leviathan et
+  al. / Chen et al. accepts d with probability p(d); on a rejection the residual max(0, p - q), normalised,
+  is p with d removed and renormalised, drawn from. Each emitted token is then distributed as p exactly:
+  P(d) = p(d), and P(t != d) = (1 - p(d)) * p(t) / (1 - p(d)) = p(t). All draws come from the sequence's
+  own generator, so a seeded request is reproducible run to run (though not equal to its non-speculative
+  output: the draws are consumed differently).
+
+Sequences without drafts in the same step go through the normal sampler unchanged.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model_executor.sampler import (
+    GrammarMasks,
+    SampleResult,
+    exponential_noise,
+    logprob_entry,
+    process_logits,
+    raw_logprobs_of,
+    sample,
+    target_probs,
+)
+from ..sequence import Sequence
+
+
+class DraftPrefix:
+    """A sequence as it would be after its first j drafts: what the sampler's rules read (penalties,
+    min_tokens) when they judge row j."""
+    grammar = None  # sequences with a grammar never speculate
+
+    def __init__(self, seq: Sequence, j: int) -> None:
+        self.params, self.generator = seq.params, seq.generator
+        self.token_ids = seq.token_ids + seq.spec_token_ids[:j]
+        self.num_prompt_tokens = seq.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def verify(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> SampleResult:
+    """`logits` holds 1 + len(seq.spec_token_ids) rows per sequence, in order. Returns each sequence's sampled
+    token (a correction, or the extra token after all drafts) and its accepted drafts, with logprobs."""
+    starts, row = [], 0
+    for seq in seqs:
+        starts.append(row)
+        row += 1 + len(seq.spec_token_ids)
+    result = SampleResult([0] * len(seqs), [None] * len(seqs), [[] for _ in seqs], [[] for _ in seqs])
+    plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
+    if plain:
+        position = {i: r for r, i in enumerate(plain)}  # grammar masks index seqs; only plain ones have grammars
+        masks = GrammarMasks([position[i] for i in grammar_masks.rows], grammar_masks.bitmask) if grammar_masks else None
+        out = sample(logits[torch.tensor([starts[i] for i in plain], device=logits.device)], [seqs[i] for i in plain],
+                     masks)
+        for r, i in enumerate(plain):
+            result.token_ids[i], result.logprobs[i] = out.token_ids[r], out.logprobs[r]
+    for i, seq in enumerate(seqs):
+        if seq.spec_token_ids:
+            rows = logits[starts[i]:starts[i] + 1 + len(seq.spec_token_ids)]
+            _verify_one(rows, seq, result, i)
+    return result
+
+
+def _verify_one(rows: torch.Tensor, seq: Sequence, result: SampleResult, i: int) -> None:
+    drafts = seq.spec_token_ids
+    views = [DraftPrefix(seq, j) for j in range(len(drafts) + 1)]
+    processed = process_logits(rows, views)
+    if seq.params.greedy:
+        targets = processed.argmax(dim=-1).tolist()
+        num_accepted = next((j for j, d in enumerate(drafts) if d != targets[j]), len(drafts))
+        token = targets[num_accepted]
+    else:
+        num_accepted, token = _accept_by_probability(target_probs(processed, views), drafts, seq.generator)
+    raw = raw_logprobs_of(rows.float(), views)
+    num_top = seq.params.logprobs
+    emitted = drafts[:num_accepted] + [token]
+    entries = [logprob_entry(raw[j], t, num_top) if raw is not None else None for j, t in enumerate(emitted)]
+    result.accepted[i], result.accepted_logprobs[i] = drafts[:num_accepted], entries[:-1]
+    result.token_ids[i], result.logprobs[i] = token, entries[-1]
+
+
+def _accept_by_probability(probs: torch.Tensor, drafts: list[int], generator: torch.Generator) -> tuple[int, int]:
+    """(drafts accepted, the token after them). `probs`: the k + 1 target rows, filtered but unnormalised."""
+    device = probs.device
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    draft_ids = torch.tensor(drafts, device=device)
+    p_draft = probs[torch.arange(len(drafts), device=device), draft_ids]
+    uniform = torch.rand(len(drafts), generator=generator, device=device)
+    rejected = (uniform >= p_draft).tolist()  # u < p(d): accepted with probability p(d)
+    num_accepted = rejected.index(True) if True in rejected else len(drafts)
+    target = probs[num_accepted].clone()
+    if num_accepted < len(drafts):
+        target[drafts[num_accepted]] = 0.0  # the residual: p without the rejected draft
+    token = int((target / exponential_noise(target.shape[0], generator, device)).argmax())
+    return num_accepted, token

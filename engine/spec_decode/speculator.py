@@ -1,0 +1,98 @@
+"""Per step: which sequences speculate and with how many drafts, the verification, and the counters.
+
+Speculation pays when the model is memory-bound (small batches) and the drafts are right; it costs when
+neither holds. So it is off for the whole step once `disable_by_batch_size` requests are in the engine
+(vLLM's switch), and off for one request for a while when its acceptance stays low: every
+`acceptance_window` draft tokens its rate is checked, and below `min_acceptance_rate` it pauses for a
+number of its own tokens that doubles each time (the text may turn copy-heavy later).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ..model_executor.sampler import GrammarMasks, SampleResult
+from ..sequence import Sequence
+from . import rejection_sampler
+from .config import SpeculativeConfig
+from .ngram import NgramProposer
+
+FIRST_PAUSE = 16  # tokens a request generates without speculation after its first low-acceptance window
+MAX_PAUSE = 512
+
+
+@dataclass
+class Acceptance:
+    """One request's recent record, for the adaptive switch."""
+    drafted: int = 0
+    accepted: int = 0
+    resume_at: int = 0  # its number of output tokens from which it may speculate again
+    pause: int = FIRST_PAUSE
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self._records: weakref.WeakKeyDictionary[Sequence, Acceptance] = weakref.WeakKeyDictionary()
+        # vLLM's counters: verification steps with drafts, draft tokens verified, of those accepted (and by position)
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_position = [0] * config.num_speculative_tokens
+
+    # -- before scheduling ----------------------------------------------------------------------------
+    def propose(self, running: list[Sequence], num_waiting: int) -> None:
+        """Set `spec_token_ids` on the running sequences that speculate this step (and clear the others)."""
+        limit = self.config.disable_by_batch_size
+        on = limit is None or len(running) + num_waiting < limit
+        for seq in running:
+            seq.spec_token_ids = self._drafts(seq) if on and self._may_speculate(seq) else []
+
+    def _may_speculate(self, seq: Sequence) -> bool:
+        """Decoding (one token left to compute), free of a grammar (the drafts would have to be checked
+        against it token by token: not done), and not paused for low acceptance."""
+        if seq.num_tokens - seq.num_computed_tokens != 1 or seq.grammar is not None:
+            return False
+        record = self._records.get(seq)
+        return record is None or seq.num_output_tokens >= record.resume_at
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        # Never past max_tokens or the context: the accepted drafts plus one sampled token must fit both.
+        room = min(self.config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        return self.proposer.propose(seq.token_ids, room)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def verify(self, logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None) -> SampleResult:
+        """The model runner's hook for steps with drafts: sample every sequence, and count."""
+        result = rejection_sampler.verify(logits, seqs, grammar_masks)
+        for seq, accepted in zip(seqs, result.accepted):
+            if seq.spec_token_ids:
+                self._count(seq, len(seq.spec_token_ids), len(accepted))
+        return result
+
+    def _count(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+        record = self._records.setdefault(seq, Acceptance())
+        record.drafted += drafted
+        record.accepted += accepted
+        if record.drafted < self.config.acceptance_window:
+            return
+        if record.accepted < self.config.min_acceptance_rate * record.drafted:
+            record.resume_at = seq.num_output_tokens + record.pause
+            record.pause = min(2 * record.pause, MAX_PAUSE)
+        else:
+            record.pause = FIRST_PAUSE
+        record.drafted = record.accepted = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
