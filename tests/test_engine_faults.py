@@ -25,6 +25,7 @@ from server_harness import RunningServer, free_port
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.core.async_engine import AsyncEngine
 from kubeinfer.engine.core.errors import EngineDeadError, RequestFailedError, StepFailedError
+from kubeinfer.local_stack import wait_healthy
 
 PROMPT = "The licensee may copy and distribute"
 
@@ -189,15 +190,7 @@ def test_serve_exits_non_zero_when_the_engine_dies(llama_dir, tmp_path):
                                 str(port), "--served-model-name", "tiny", "--grpc-port", str(grpc_port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("server never became healthy")
+        assert wait_healthy(url, process, time.monotonic() + 60), "server never became healthy"
         response = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 3},
                               timeout=30)
         assert response.status_code == 503 and "device-side assert" in response.json()["error"]["message"]

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_harness import free_port
 
 from kubeinfer.engine.entrypoints.grpc.proto import engine_pb2, engine_pb2_grpc
+from kubeinfer.local_stack import wait_healthy
 
 
 def test_sigterm_drains_in_flight_work_then_exits_zero(llama_dir):
@@ -22,15 +23,7 @@ def test_sigterm_drains_in_flight_work_then_exits_zero(llama_dir):
                                 "--grpc-port", str(grpc_port)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        else:
-            raise AssertionError("server never became healthy")
+        assert wait_healthy(url, process, time.monotonic() + 60), "server never became healthy"
         channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
