@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from kubeinfer.local_scaler import LocalScaler, Replica
+
 DEFAULT_DEMO_DIR = Path(".cache/demo-model")
 SERVED_NAME = "demo"
 QUESTION = "Tell me something."
@@ -27,6 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-ports", default="8001,8002", help="the two engine replicas' ports")
     parser.add_argument("--metrics-port", type=int, default=9090, help="gateway metrics port")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--scale-to-zero", type=float, default=None, metavar="SECONDS",
+                        help="stop an engine replica idle for SECONDS and start it again when the gateway holds a "
+                             "request for it (watch kubeinfer_gateway_requests_held on the gateway's metrics)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="engines decode with n-gram speculation (--speculative-config)")
+
+
+SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
 
 
 def placements(adapters: list[Path], replicas: int) -> list[list[Path]]:
@@ -93,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     # threads are several times slower than one each.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     processes: list[subprocess.Popen] = []
+    replicas: list[Replica] = []
 
     def stop_all(*_) -> None:
         for process in reversed(processes):  # gateway first, then engines (they drain)
@@ -114,8 +125,12 @@ def run(args: argparse.Namespace) -> int:
                        "--scheduling-policy", "priority"]
             if modules:
                 command += ["--lora-modules", *modules, "--max-lora-rank", "64", "--max-loras", str(len(modules))]
-            processes.append(subprocess.Popen(command, env=env))
-            engine_urls.append(f"http://127.0.0.1:{port}")
+            if args.speculative:
+                command += ["--speculative-config", SPECULATIVE_CONFIG]
+            replicas.append(Replica(f"http://127.0.0.1:{port}", command, env))
+            replicas[-1].start()
+            processes.append(replicas[-1].process)
+            engine_urls.append(replicas[-1].url)
         for url, process in zip(engine_urls, processes):
             _wait_ready(url, process, args.ready_timeout)
         processes.append(subprocess.Popen([*kubeinfer, "gateway", "--host", "127.0.0.1", "--port", str(args.port),
@@ -124,7 +139,13 @@ def run(args: argparse.Namespace) -> int:
                                            "--forward-priority"], env=env))
         _wait_ready(f"http://127.0.0.1:{args.port}", processes[-1], 60)
         print(_instructions(args.port, args.metrics_port, engine_urls, [a.name for a in adapters]), flush=True)
-        while all(p.poll() is None for p in processes):
+        scaler = (LocalScaler(replicas, f"http://127.0.0.1:{args.metrics_port}/metrics", args.scale_to_zero)
+                  if args.scale_to_zero is not None else None)
+        while processes[-1].poll() is None and all(r.running for r in replicas
+                                                   if scaler is None or r not in scaler.stopped):
+            if scaler is not None:
+                scaler.tick()
+                processes[:-1] = [r.process for r in replicas]  # restarted replicas are new processes
             time.sleep(0.5)
         print("local-stack: a component exited; stopping the rest", file=sys.stderr)
         return 1

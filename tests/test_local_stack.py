@@ -80,3 +80,49 @@ def test_local_stack_serves_base_and_adapters_then_stops(tmp_path):
             raise AssertionError(f"port {port_} still serving after Ctrl-C")
         except httpx.TransportError:
             pass
+
+
+def test_local_stack_scales_an_idle_replica_to_zero_and_back_on_a_held_request(tmp_path):
+    """`--scale-to-zero 1`: idle engines stop; the next request is held at the gateway (not refused),
+    the engines start again, and it is answered; the gateway's metrics show the hold."""
+    demo = build_demo_model(tmp_path / "demo", recipe=QUICK, progress=False)
+    port, metrics_port, engines = free_port(), free_port(), [free_port(), free_port()]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubeinfer.cli", "local-stack", "--demo-dir", str(demo), "--port", str(port),
+         "--metrics-port", str(metrics_port), "--engine-ports", ",".join(map(str, engines)), "--scale-to-zero", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        printed, deadline = [], time.time() + 120
+        for line in process.stdout:
+            printed.append(line)
+            if "stopping it (scale to zero)" in line and sum("scale to zero" in p for p in printed) == 2:
+                break
+            assert time.time() < deadline, "".join(printed)
+
+        def stopped(engine: int) -> bool:
+            try:
+                httpx.get(f"http://127.0.0.1:{engine}/health", timeout=1)
+                return False
+            except httpx.TransportError:
+                return True
+
+        stop_deadline = time.time() + 60  # each drains, then exits
+        while not all(stopped(e) for e in engines):
+            assert time.time() < stop_deadline, "the idle replicas did not stop"
+            time.sleep(0.2)
+        while 'inference_pool_ready_pods{name="default"} 0.0' not in httpx.get(
+                f"http://127.0.0.1:{metrics_port}/metrics").text:  # the gateway has seen them go
+            assert time.time() < stop_deadline, "the gateway still counts the stopped replicas as ready"
+            time.sleep(0.2)
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=120,
+                              json={"model": "demo", "prompt": "Hello", "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        assert 'kubeinfer_gateway_hold_duration_seconds_count{model_name="demo"} 1.0' in metrics
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=60)
+        finally:
+            if process.poll() is None:
+                process.kill()
