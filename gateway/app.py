@@ -64,6 +64,7 @@ class Gateway:
             self.discovery = KubernetesDiscovery(self.pool, namespace=config.namespace, selector=config.selector,
                                                  inference_pool=config.inference_pool, target_port=config.target_port,
                                                  api_client=api_client, on_change=self._forget_departed)
+            self.router.metrics.discovery = self.discovery
             scale_targets: dict = {}
             self.priorities = ClusterPriorities(self.router.discovered_priorities, self.router.objective_priorities,
                                                 namespace=config.namespace, api_client=api_client,

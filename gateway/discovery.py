@@ -92,6 +92,8 @@ class KubernetesDiscovery:
         self.watch_timeout = watch_timeout  # a quiet watch is re-opened after this long (and stop() takes effect)
         self._stop = threading.Event()
         self._pods: dict[str, dict] = {}
+        self.failures: dict[str, int] = {}  # failed lists/watches by reason (forbidden, unauthorized, error)
+        self.last_error: str | None = None  # cleared by the next successful list
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -130,6 +132,9 @@ class KubernetesDiscovery:
                 label_selector = ",".join(f"{k}={v}" for k, v in self.selector.items()) or None
                 listing = self._list(core, label_selector)
                 self._pods = {p["metadata"]["name"]: p for p in listing.get("items", [])}
+                if self.last_error is not None:
+                    logger.info("pod discovery works again: %d pods", len(self._pods))
+                self.last_error = None
                 self._publish()
                 stream = watch.Watch().stream(self._lister(core), label_selector=label_selector,
                                               timeout_seconds=max(1, int(self.watch_timeout)),
@@ -146,8 +151,22 @@ class KubernetesDiscovery:
                         self._pods[name] = pod
                     self._publish()
             except Exception as error:  # API server hiccup, expired watch: list again shortly
-                logger.warning("pod discovery: %s; relisting", error)
-                self._stop.wait(1.0)
+                self._stop.wait(self._failed(error))
+
+    def _failed(self, error: Exception) -> float:
+        """Records a failed list or watch; one log line per new cause (never a traceback a second); the
+        seconds to wait before listing again. A refusal (401/403) is a configuration error: it waits longer."""
+        status = getattr(error, "status", None)
+        reason = {401: "unauthorized", 403: "forbidden"}.get(status, "error")
+        self.failures[reason] = self.failures.get(reason, 0) + 1
+        where = f"namespace {self.namespace}" if self.namespace else "all namespaces"
+        message = (f"pod discovery is {reason}: the gateway's ServiceAccount may not list pods in {where} "
+                   "(grant get/list/watch on pods there, e.g. the chart's gateway.watchAllNamespaces, or put the "
+                   "models in the gateway's namespace)" if reason != "error" else f"pod discovery: {error}")
+        if message != self.last_error:
+            (logger.error if reason != "error" else logger.warning)("%s; retrying", message.splitlines()[0])
+        self.last_error = message
+        return 10.0 if reason != "error" else 1.0
 
     def _lister(self, core):
         if self.namespace:

@@ -10,7 +10,7 @@ endpoint leaves the pool, and `reason` takes a fixed set of values.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .picker import Picker
 
@@ -47,6 +47,7 @@ class GatewayMetrics:
         self.scale_ups = Counter("kubeinfer_gateway_scale_ups", "Scale-ups asked through an InferenceModel's /scale "
                                  "for a held request.", ["model_name"], registry=r)
         self._pick_labels: set[str] = set()
+        self.discovery = None  # the Kubernetes pod discovery, when there is one: its failures are exported
 
     def count_pick(self, address: str) -> None:
         self._pick_labels.add(address)
@@ -78,3 +79,10 @@ class _PoolCollector:
         yield gauge("inference_pool_average_queue_size", "Average waiting requests over ready endpoints.", queue)
         yield gauge("inference_pool_average_kv_cache_utilization", "Average KV-cache usage over ready endpoints.", kv)
         yield gauge("inference_pool_ready_pods", "Endpoints ready to take requests.", len(ready))
+        discovery = self.metrics.discovery
+        if discovery is not None:
+            failures = CounterMetricFamily("kubeinfer_gateway_discovery_failures", "Failed pod lists or watches, "
+                                           "by reason: forbidden and unauthorized mean missing RBAC.", labels=["reason"])
+            for reason in ("forbidden", "unauthorized", "error"):
+                failures.add_metric([reason], discovery.failures.get(reason, 0))
+            yield failures

@@ -216,3 +216,39 @@ async def test_gateway_in_kubernetes_mode_routes_to_discovered_pods(lora_base_di
                 assert not parsed.sheddable  # the objective the request names outranks the model
             finally:
                 await gateway.stop()
+
+
+async def test_forbidden_discovery_is_one_clear_log_line_and_a_metric(caplog):
+    """The gateway's ServiceAccount may not list pods (the quick start's namespace mismatch): it says so
+    once, in one line naming what to grant, counts it, and recovers when the permission arrives."""
+    import logging
+
+    from operator_harness import RESOURCES, Emulator
+
+    from kubeinfer.gateway.metrics import GatewayMetrics
+    from kubeinfer.gateway.picker import Picker
+
+    async with Emulator() as k8s, kmock.Server(k8s) as server:
+        for key, info in RESOURCES.items():
+            k8s.resources[key] = info
+        k8s.refuse("GET", "pods", 403, 'pods is forbidden: User "system:serviceaccount:kubeinfer:gw" cannot list '
+                                       'resource "pods" in API group "" in the namespace "default"')
+        pool = EndpointPool()
+        discovery = KubernetesDiscovery(pool, namespace="default", selector={"app": "x"}, watch_timeout=1,
+                                        api_client=k8s_client.ApiClient(k8s_client.Configuration(
+                                            host=str(server.url).rstrip("/"))))
+        metrics = GatewayMetrics(Picker(pool))
+        metrics.discovery = discovery
+        with caplog.at_level(logging.INFO, logger="kubeinfer.gateway.discovery"):
+            discovery.start(asyncio.get_running_loop())
+            try:
+                assert await wait_for(lambda: discovery.failures.get("forbidden", 0) >= 1)
+                from prometheus_client import generate_latest
+                text = generate_latest(metrics.registry).decode()
+                assert 'kubeinfer_gateway_discovery_failures_total{reason="forbidden"} 1.0' in text
+                errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+                assert len(errors) == 1 and "\n" not in errors[0].getMessage()
+                assert "may not list pods in namespace default" in errors[0].getMessage()
+                assert "Traceback" not in caplog.text
+            finally:
+                discovery.stop()
