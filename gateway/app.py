@@ -14,6 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .discovery import KubernetesDiscovery, static_endpoints
 from .endpoints import EndpointPool
 from .extproc import start_extproc_server
+from .fair_queue import FairQueue
+from .fallback import Fallbacks
 from .hold import HoldQueue
 from .metrics import GatewayMetrics
 from .model_priorities import ClusterPriorities
@@ -22,7 +24,11 @@ from .proxy import build_proxy_app
 from .routing import Router
 from .scale_up import ScaleUp
 from .scraper import Scraper
+from .tenant_gate import TenantGate
+from .tenant_limits import TenantLimits
+from .tenants import TenantDirectory
 from .upstream import UpstreamConfig
+from .usage import UsageRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,15 @@ class GatewayConfig:
     hold_max: int = 256  # requests held per model while it has no ready engine
     hold_timeout: float = 120.0  # seconds a request is held before a 503
     pool_name: str = "default"
+    tenants_file: str | None = None  # --tenants: who may call, and each tenant's limits
+    trust_tenant_header: bool = False  # x-gateway-tenant names the tenant (a proxy in front authenticated)
+    tenant_limit_scope: str = "replica"  # or "divided": each replica enforces 1/gateway_replicas of a limit
+    gateway_replicas: int = 1
+    usage_log: str | None = None  # JSON lines, one per request
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)  # (model, fallback), in order
+    fair_queue: bool | None = None  # saturated models' requests wait at the gateway; None: on with tenants
+    fair_queue_max_per_tenant: int = 128
+    fair_queue_timeout: float = 30.0  # then routed as before, onto a saturated pod
 
 
 class Gateway:
@@ -56,6 +71,18 @@ class Gateway:
         self.picker = Picker(self.pool, config.picker)
         self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities,
                              forward_priority=config.forward_priority)
+        self.router.fallbacks = Fallbacks(config.fallbacks)
+        self.usage = None
+        if config.tenants_file or config.usage_log:
+            self.usage = UsageRecorder(self.router.metrics, config.usage_log)
+            directory = (TenantDirectory(config.tenants_file, config.trust_tenant_header)
+                         if config.tenants_file else None)
+            self.router.tenants = TenantGate(directory, TenantLimits(config.tenant_limit_scope,
+                                                                     config.gateway_replicas),
+                                             self.usage, self.router.model_label)
+        if config.fair_queue or (config.fair_queue is None and config.tenants_file):
+            self.router.fair_queue = FairQueue(self.picker, max_per_tenant=config.fair_queue_max_per_tenant,
+                                               timeout=config.fair_queue_timeout, metrics=self.router.metrics)
         self.scraper = Scraper(self.pool, config.scrape_interval, config.scrape_timeout)
         self.discovery = self.priorities = self.scale_up = None
         if config.endpoints:
@@ -68,7 +95,8 @@ class Gateway:
             scale_targets: dict = {}
             self.priorities = ClusterPriorities(self.router.discovered_priorities, self.router.objective_priorities,
                                                 namespace=config.namespace, api_client=api_client,
-                                                scale_targets=scale_targets)
+                                                scale_targets=scale_targets,
+                                                fallbacks=self.router.fallbacks.discovered)
             self.scale_up = ScaleUp(scale_targets, api_client)
             self.router.scalable = scale_targets
         self.router.hold = HoldQueue(self.router.has_ready_endpoint, self.scale_up, max_held=config.hold_max,
@@ -140,3 +168,5 @@ class Gateway:
         await self.scraper.close()
         for client in self._clients:
             await client.aclose()
+        if self.usage is not None:
+            self.usage.close()

@@ -7,7 +7,10 @@ import logging
 import signal
 
 from .discovery import parse_selector
+from .fallback import parse_fallback
 from .picker import DEFAULT_WEIGHTS, POLICIES, PickerConfig
+from .tenant_limits import SCOPES
+from .tenants import load_tenants
 
 
 def _weights(text: str) -> dict[str, float]:
@@ -26,6 +29,13 @@ def _priority(text: str) -> tuple[str, int]:
         return name, int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"--model-priority takes NAME=INT, got {text!r}") from None
+
+
+def _fallback(text: str) -> tuple[str, str]:
+    try:
+        return parse_fallback(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +77,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest gap in seconds between two chunks of an engine's response")
     parser.add_argument("--upstream-max-attempts", type=int, default=3,
                         help="endpoints a request may try when one fails or refuses before answering")
+    parser.add_argument("--tenants", default=None, metavar="FILE",
+                        help="tenants YAML (API keys and limits per tenant; re-read when it changes); without it "
+                             "every caller is admitted")
+    parser.add_argument("--trust-tenant-header", action="store_true",
+                        help="take the tenant from the x-gateway-tenant header (set by an authenticating proxy "
+                             "in front) before the Authorization key")
+    parser.add_argument("--tenant-limit-scope", choices=SCOPES, default="replica",
+                        help="replica: each gateway replica enforces the full limits (N replicas admit up to N "
+                             "times them); divided: each enforces 1/--gateway-replicas of every limit")
+    parser.add_argument("--gateway-replicas", type=int, default=1, help="replicas sharing the tenant limits "
+                        "(with --tenant-limit-scope divided)")
+    parser.add_argument("--usage-log", default=None, metavar="FILE", help="append one JSON line per request "
+                        "(tenant, model, status, prompt/cached/completion tokens, seconds) for chargeback")
+    parser.add_argument("--fallback", type=_fallback, action="append", default=[], metavar="MODEL=OTHER",
+                        help="serve MODEL's requests with OTHER when MODEL has no ready pod, all its pods are "
+                             "saturated, or (proxy) all failed before answering; repeat for more, in order")
+    parser.add_argument("--fair-queue", action=argparse.BooleanOptionalAction, default=None,
+                        help="when every pod of a model is saturated, hold its requests at the gateway and dispatch "
+                             "them by weighted fair share across tenants, priority first within one (default: on "
+                             "with --tenants)")
+    parser.add_argument("--fair-queue-max-per-tenant", type=int, default=128,
+                        help="requests of one tenant that may wait in the fair queue; beyond, 429 with Retry-After")
+    parser.add_argument("--fair-queue-timeout", type=float, default=30.0,
+                        help="seconds a request waits in the fair queue before it is routed to a saturated pod anyway")
     parser.add_argument("--log-level", default="info")
 
 
@@ -82,6 +116,8 @@ def config_from_args(args: argparse.Namespace):
                               kv_threshold=args.kv_threshold, stale_after=args.stale_after,
                               policy=args.routing)
         selector = parse_selector(args.selector)
+        if args.tenants:
+            load_tenants(args.tenants)  # a broken file stops the start with its reason (TenantFileError)
     except ValueError as error:
         raise SystemExit(f"kubeinfer gateway: {error}") from None
     return GatewayConfig(host=args.host, port=args.port or None, ext_proc_port=args.ext_proc_port or None,
@@ -91,6 +127,11 @@ def config_from_args(args: argparse.Namespace):
                          model_priorities=dict(args.model_priority), forward_priority=args.forward_priority,
                          hold_max=args.hold_max, hold_timeout=args.hold_timeout,
                          pool_name=args.pool_name or args.inference_pool or "default",
+                         tenants_file=args.tenants, trust_tenant_header=args.trust_tenant_header,
+                         tenant_limit_scope=args.tenant_limit_scope, gateway_replicas=max(1, args.gateway_replicas),
+                         usage_log=args.usage_log, fallbacks=list(args.fallback), fair_queue=args.fair_queue,
+                         fair_queue_max_per_tenant=max(1, args.fair_queue_max_per_tenant),
+                         fair_queue_timeout=args.fair_queue_timeout,
                          upstream=UpstreamConfig(connect_timeout=args.upstream_connect_timeout,
                                                  first_byte_timeout=args.upstream_first_byte_timeout,
                                                  idle_timeout=args.upstream_idle_timeout,

@@ -18,6 +18,10 @@ Two body modes, told apart by the `protocol_config` Envoy (1.34+) sends with the
 When the filter also sends the response phases, the end of the response body, or the stream closing
 after the response began, tells the picker the request is over (on the pod that served it, when the
 data plane names one after a retry); without them it stays counted until the next scrape of its pod.
+Tenants (tenant_gate.py): a request's tenant slot is held until its response ends, or until Envoy closes
+the stream; its usage is read from the response body when Envoy sends it (response_body_mode STREAMED
+or FULL_DUPLEX_STREAMED), else its token charge stays the admission estimate and its status is unknown.
+A fallback model is used only in full duplex, the one mode where the body (its `model`) can be rewritten.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from ..grpc_health import HealthCheckedServer
+from .deadline import TIMEOUT_HEADER, remaining_ms_header
 from .picker import Decision, RoutingError
 from .routing import Router
 
@@ -43,7 +48,7 @@ SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-en
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # in envoy.lb, on the response: where a retry landed
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 HEALTH_SERVICES = ("envoy.service.ext_proc.v3.ExternalProcessor", "liveness", "readiness")
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 502: "BadGatewayError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError", 502: "BadGatewayError",
                503: "ServiceUnavailableError"}
 _PASS_THROUGH = {
     "response_headers": lambda: ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
@@ -65,14 +70,21 @@ def subset_hint(message: ep.ProcessingRequest) -> frozenset[str] | None:
     return frozenset(v.string_value for v in namespace.fields[SUBSET_KEY].list_value.values)
 
 
+def response_status(headers: base_pb2.HeaderMap) -> int | None:
+    status = header_map(headers).get(":status", "")
+    return int(status) if status.isdigit() else None
+
+
 def served_endpoint(message: ep.ProcessingRequest) -> str | None:
     namespace = message.metadata_context.filter_metadata.get(METADATA_NAMESPACE)
     return namespace.fields[SERVED_KEY].string_value if namespace and SERVED_KEY in namespace.fields else None
 
 
-def routed(phase: str, destination: str, content_length: int | None = None) -> ep.ProcessingResponse:
-    """Continue, with the destination header set and the same value in dynamic metadata."""
-    values = [(DESTINATION_HEADER, destination)]
+def routed(phase: str, destination: str, content_length: int | None = None,
+           extra: tuple[tuple[str, str], ...] = ()) -> ep.ProcessingResponse:
+    """Continue, with the destination header set (and `extra` headers) and the same value in dynamic
+    metadata."""
+    values = [(DESTINATION_HEADER, destination), *extra]
     if content_length is not None:  # full duplex: Envoy dropped the header, the body we return is this long
         values.append(("content-length", str(content_length)))
     mutation = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
@@ -102,8 +114,9 @@ def refused(error: RoutingError) -> ep.ProcessingResponse:
     body = error_body(error.status, error.message)
     headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="content-type",
                                                                        raw_value=b"application/json"))]
-    if error.status == 429:
-        headers.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="retry-after", raw_value=b"1")))
+    if error.status in (429, 503) or error.retry_after is not None:
+        retry_after = str(error.retry_after if error.retry_after is not None else 1).encode()
+        headers.append(base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key="retry-after", raw_value=retry_after)))
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=error.status), headers=ep.HeaderMutation(set_headers=headers),
         body=json.dumps(body).encode(), details=f"kubeinfer_gateway_{error.status}"))
@@ -114,23 +127,28 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         self.router = router
 
     async def decide(self, phase: str, headers: dict[str, str], body: bytes, subset: frozenset[str] | None,
-                     full_duplex: bool = False) -> tuple[list[ep.ProcessingResponse], Decision | None]:
+                     full_duplex: bool = False) -> tuple[list[ep.ProcessingResponse], Decision | None, object]:
+        """The replies, the decision, and the tenant ticket to settle when the response ends. Only full
+        duplex can rewrite the body, so only it may send a request to a fallback model."""
         try:
-            request, decision = await self.router.route_or_hold(body, headers, subset)
+            request, decision = await self.router.route_or_hold(body, headers, subset, rewrite_body=full_duplex)
         except RoutingError as error:
-            return [refused(error)], None
+            return [refused(error)], None, None
+        budget = remaining_ms_header(request.deadline)
+        extra = ((TIMEOUT_HEADER, budget),) if budget is not None else ()  # what is left, for the engine
         if not full_duplex:
-            return [routed(phase, decision.destination)], decision
+            return [routed(phase, decision.destination, extra=extra)], decision, request.ticket
         # The headers' answer waited for the body; the body itself goes back whole, after it.
         body = self.router.body_for_engine(body, request)
-        return [routed("request_headers", decision.destination, content_length=len(body)),
-                streamed_body("request_body", body, end_of_stream=True)], decision
+        return [routed("request_headers", decision.destination, content_length=len(body), extra=extra),
+                streamed_body("request_body", body, end_of_stream=True)], decision, request.ticket
 
     async def Process(self, request_iterator, context):
         headers: dict[str, str] = {}
         body = bytearray()
         subset: frozenset[str] | None = None
         decision: Decision | None = None
+        ticket = None  # the tenant admission: settled when the response ends, or when the stream closes
         response_began = request_full_duplex = response_full_duplex = False
         try:
             async for message in request_iterator:
@@ -141,7 +159,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 if phase == "request_headers":
                     headers, subset = header_map(message.request_headers.headers), subset_hint(message)
                     if message.request_headers.end_of_stream:  # no body follows (GET): route on headers alone
-                        replies, decision = await self.decide(phase, headers, b"", subset)
+                        replies, decision, ticket = await self.decide(phase, headers, b"", subset)
                         for reply in replies:
                             yield reply
                     elif not request_full_duplex:  # full duplex: the answer waits for the body
@@ -149,7 +167,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 elif phase == "request_body":
                     body += message.request_body.body
                     if message.request_body.end_of_stream:
-                        replies, decision = await self.decide(phase, headers, bytes(body), subset, request_full_duplex)
+                        replies, decision, ticket = await self.decide(phase, headers, bytes(body), subset,
+                                                                      request_full_duplex)
                         for reply in replies:
                             yield reply
                     elif not request_full_duplex:  # streamed: chunks pass; the decision comes with the last one
@@ -158,6 +177,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     response_began = response_began or phase.startswith("response")
                     if phase == "response_headers" and decision is not None:
                         decision = self._follow_retry(decision, served_endpoint(message))
+                    if phase == "response_headers" and ticket is not None:
+                        ticket.response_began(response_status(message.response_headers.headers))
+                    if phase == "response_body" and ticket is not None:
+                        ticket.feed(message.response_body.body)
                     if phase == "response_body" and response_full_duplex:
                         chunk = message.response_body
                         yield streamed_body(phase, chunk.body, chunk.end_of_stream)
@@ -168,9 +191,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     if ended and decision is not None:
                         decision.endpoint.record_finish(decision.sent)
                         decision = None
+                    if ended and ticket is not None:
+                        ticket.finish()
         finally:  # the stream closed: after a response began, the request is over (done or abandoned)
             if decision is not None and response_began:
                 decision.endpoint.record_finish(decision.sent)
+            if ticket is not None:  # without response phases we never learn more: the estimate stands
+                ticket.finish()
 
     def _follow_retry(self, decision: Decision, served: str | None) -> Decision:
         """Envoy retried on a fallback: the load we counted on the pick moves to the pod that served."""

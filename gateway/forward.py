@@ -6,6 +6,8 @@ the first-byte timeout) or that an engine refuses with a status meaning "not her
 the ones already tried. When none is left the client gets the engine's own refusal, or a 502/503/504
 naming every cause. A client that goes away, before the response or during it, is counted as a
 cancellation, never as an upstream error, and its upstream connection is closed (the engine aborts).
+When no pod of the model is left, the request moves to the model's first fallback that has a pod
+(fallback.py). The tenant ticket sees the response pass (its `usage`) and is settled when it ends.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from .deadline import TIMEOUT_HEADER, remaining_ms_header
 from .endpoints import Endpoint
 from .extproc import error_body
 from .picker import RoutingError, RoutingRequest
@@ -37,6 +40,10 @@ logger = logging.getLogger(__name__)
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
               "proxy-authorization", "proxy-authenticate"}
 CLIENT_CLOSED = 499  # nginx's convention; nobody receives it, the client is gone
+
+
+def _retry_after(error: RoutingError) -> str | None:
+    return str(error.retry_after) if error.retry_after is not None else None
 
 
 def error_response(status: int, message: str, retry_after: str | None = None) -> Response:
@@ -88,10 +95,23 @@ class Forwarder:
         try:
             routed = await self._route_or_hold(raw, request)
         except RoutingError as error:
-            return error_response(error.status, error.message)
+            return error_response(error.status, error.message, _retry_after(error))
         if routed is None:  # the client left while its request was held
             return Response(status_code=CLIENT_CLOSED)
         routing_request, decision = routed
+        ticket = routing_request.ticket
+        try:
+            response = await self._attempts(path, request, raw, routing_request, decision)
+        except BaseException:
+            if ticket is not None:  # the tenant's concurrency slot must not leak
+                ticket.finish(500)
+            raise
+        if ticket is not None and not isinstance(response, UpstreamStream):
+            ticket.finish(response.status_code)  # a relayed stream settles its ticket when it ends
+        return response
+
+    async def _attempts(self, path: str, request: Request, raw: bytes, routing_request: RoutingRequest,
+                        decision) -> Response:
         body = self.router.body_for_engine(raw, routing_request)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         start, metrics, model = time.perf_counter(), self.router.metrics, routing_request.model
@@ -103,9 +123,16 @@ class Forwarder:
             if attempt:
                 try:
                     retry = self.router.reroute(routing_request, endpoint.address)
-                except RoutingError:
-                    break
+                except RoutingError:  # no other pod of this model: its fallback, if one can take it
+                    retry = self.router.fall_back(routing_request, endpoint.address)
+                    if retry is None:
+                        break
+                    body = self.router.body_for_engine(raw, routing_request)
+                    model = routing_request.model
                 endpoint, sent = retry.endpoint, retry.sent
+            budget = remaining_ms_header(routing_request.deadline)
+            if budget is not None:  # what the gateway did not spend, for the engine to honour
+                headers[TIMEOUT_HEADER] = budget
             client, release = self.clients.acquire()
             upstream = client.build_request("POST", f"{endpoint.url}/v1/{path}", content=body, headers=headers,
                                             params=request.query_params)
@@ -134,7 +161,7 @@ class Forwarder:
                     refusal = refused
                     metrics.retries.labels(retry_reason(status=response.status_code)).inc()
                     continue
-            return self._relay(response, endpoint, sent, model, start, release)
+            return self._relay(response, endpoint, sent, model, start, release, routing_request.ticket)
         if refusal is not None:  # every endpoint refused: the last engine's own answer, Retry-After and all
             metrics.errors.labels(model, str(refusal.status)).inc()
             return refusal.response()
@@ -194,9 +221,11 @@ class Forwarder:
         return Refusal(response.status_code, headers, body)
 
     def _relay(self, response: httpx.Response, endpoint: Endpoint, sent: float, model: str,
-               start: float, release) -> Response:
-        relay = Relay(response, self.config.idle_timeout)
+               start: float, release, ticket=None) -> Response:
+        relay = Relay(response, self.config.idle_timeout, observe=ticket.feed if ticket is not None else None)
         metrics = self.router.metrics
+        if ticket is not None:
+            ticket.response_began(response.status_code)
 
         async def finish() -> None:
             endpoint.record_finish(sent)  # the request no longer loads the engine: the picker knows at once
@@ -209,6 +238,8 @@ class Forwarder:
                 logger.warning("endpoint %s failed mid-response: %s", endpoint.address, describe(relay.error))
             else:
                 metrics.cancelled.labels(model).inc()
+            if ticket is not None:
+                ticket.finish(response.status_code if relay.completed else 502 if relay.error else CLIENT_CLOSED)
 
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
         out_headers["x-gateway-destination-endpoint"] = endpoint.address
@@ -219,8 +250,9 @@ class Relay:
     """The upstream body, chunk by chunk, with a bound on the gap between chunks. It records how it
     ended: `completed`, `error` (the engine failed or went silent), or neither (the client left)."""
 
-    def __init__(self, upstream: httpx.Response, idle_timeout: float) -> None:
+    def __init__(self, upstream: httpx.Response, idle_timeout: float, observe=None) -> None:
         self.upstream, self.idle_timeout = upstream, idle_timeout
+        self.observe = observe  # sees each chunk as it passes (usage accounting)
         self.completed, self.error = False, None
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
@@ -241,6 +273,8 @@ class Relay:
                 # A stream ends with an error event (vLLM's convention; the openai client raises on it).
                 yield f"data: {json.dumps(error_body(502, f'engine failed mid-stream: {describe(self.error)}'))}\n\n"
                 return
+            if self.observe is not None:
+                self.observe(chunk)
             yield chunk
 
 

@@ -46,6 +46,22 @@ class GatewayMetrics:
                                       "before they were routed.", ["model_name"], buckets=LATENCY_BUCKETS, registry=r)
         self.scale_ups = Counter("kubeinfer_gateway_scale_ups", "Scale-ups asked through an InferenceModel's /scale "
                                  "for a held request.", ["model_name"], registry=r)
+        self.fallbacks = Counter("kubeinfer_gateway_fallbacks", "Requests served by a fallback model, by why "
+                                 "(no_ready_endpoint, saturated, failed).", ["model_name", "fallback", "reason"],
+                                 registry=r)
+        self.queued = Gauge("kubeinfer_gateway_requests_queued", "Requests waiting in the gateway's fair queue for "
+                            "a pod of their model to drop below the saturation thresholds.", registry=r)
+        tenant = ["tenant", "model_name"]  # tenant: only names from the tenants file (usage.py)
+        self.tenant_requests = Counter("kubeinfer_gateway_tenant_requests", "Requests per tenant and model, by HTTP "
+                                       "status (the gateway's 429 refusals included).", [*tenant, "code"], registry=r)
+        self.tenant_prompt_tokens = Counter("kubeinfer_gateway_tenant_prompt_tokens", "Prompt tokens the engines "
+                                            "reported, per tenant.", tenant, registry=r)
+        self.tenant_cached_tokens = Counter("kubeinfer_gateway_tenant_cached_prompt_tokens", "Prompt tokens served "
+                                            "from the engines' prefix cache, per tenant.", tenant, registry=r)
+        self.tenant_completion_tokens = Counter("kubeinfer_gateway_tenant_completion_tokens", "Completion tokens the "
+                                                "engines reported, per tenant.", tenant, registry=r)
+        self.tenant_engine_seconds = Counter("kubeinfer_gateway_tenant_engine_seconds", "Seconds from dispatch to the "
+                                             "end of the response, summed per tenant.", tenant, registry=r)
         self._pick_labels: set[str] = set()
         self.discovery = None  # the Kubernetes pod discovery, when there is one: its failures are exported
 

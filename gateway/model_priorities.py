@@ -4,7 +4,8 @@ latest maps. Below zero a request is sheddable.
   * our InferenceModels: a model (and its adapters) gets its `spec.routing.priority`;
   * the Inference Extension's InferenceObjectives (`inference.networking.x-k8s.io/v1alpha2`): a request
     naming one in the `x-gateway-inference-objective` header gets its `spec.priority`.
-The same InferenceModel listing names what to scale up when a request finds a model at zero
+The same InferenceModel listing gives each model's fallbacks (`spec.routing.fallback`) and names what
+to scale up when a request finds a model at zero
 (`scale_targets_of`, for scale_up.ScaleUp).
 A resource whose CRD is not installed is left out, and headers alone decide for it."""
 from __future__ import annotations
@@ -13,6 +14,8 @@ import asyncio
 import logging
 import threading
 from dataclasses import dataclass
+
+from .fallback import fallbacks_of
 
 logger = logging.getLogger(__name__)
 INFERENCE_MODELS = ("serving.kubeinfer.io", "v1alpha1", "inferencemodels")
@@ -62,7 +65,8 @@ def objective_priorities_of(objectives: list[dict]) -> dict[str, int]:
 
 class ClusterPriorities:
     def __init__(self, models: dict[str, int], objectives: dict[str, int], *, namespace: str | None, api_client,
-                 interval: float = 10.0, scale_targets: dict[str, ScaleTarget] | None = None) -> None:
+                 interval: float = 10.0, scale_targets: dict[str, ScaleTarget] | None = None,
+                 fallbacks: dict[str, list[str]] | None = None) -> None:
         """Keeps `models` (served name -> priority), `objectives` (objective name -> priority) and
         `scale_targets` (served name -> InferenceModel) current."""
         self.namespace, self.api_client, self.interval = namespace, api_client, interval
@@ -70,6 +74,8 @@ class ClusterPriorities:
                         INFERENCE_OBJECTIVES: [(objective_priorities_of, objectives)]}
         if scale_targets is not None:
             self.sources[INFERENCE_MODELS].append((scale_targets_of, scale_targets))
+        if fallbacks is not None:  # served name -> spec.routing.fallback
+            self.sources[INFERENCE_MODELS].append((fallbacks_of, fallbacks))
         self._stop = threading.Event()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:

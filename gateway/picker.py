@@ -36,9 +36,9 @@ POLICIES = ("scored", "round-robin")
 class RoutingError(Exception):
     """No endpoint can take the request; `status` is the HTTP status to answer with."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.retry_after = status, message, retry_after
 
 
 @dataclass
@@ -50,6 +50,10 @@ class RoutingRequest:
     priority: int = 0  # the Inference Extension's: higher is more important, below 0 sheddable
     exclude: frozenset[str] = frozenset()  # addresses already tried for this request (a retry picks again)
     hashes: list[bytes] | None = None  # the prompt's prefix-chunk hashes, computed once per request
+    max_tokens: int | None = None  # the completion budget the client asked for (tenant token estimate)
+    requested_model: str = ""  # the model the client named, when a fallback serves it instead
+    ticket: object | None = None  # the tenant admission (tenant_gate.Ticket), settled when the request ends
+    deadline: float | None = None  # monotonic end of the client's time budget (x-request-timeout-ms)
 
     def prefix_hashes(self) -> list[bytes]:
         if self.hashes is None:

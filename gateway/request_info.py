@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from .deadline import deadline_of
 from .picker import RoutingError, RoutingRequest
 
 PRIORITY_HEADER = "x-gateway-inference-priority"
@@ -67,7 +68,10 @@ def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities:
             priority = int(header)
         except ValueError:
             raise RoutingError(400, f"{PRIORITY_HEADER} must be an integer, got {header!r}") from None
-    return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0, priority=priority)
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0, priority=priority,
+                          max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
+                          deadline=deadline_of(headers))
 
 
 def engine_priority(gateway_priority: int) -> int:

@@ -1,10 +1,16 @@
-"""One routing decision, shared by the ext_proc server and the proxy: parse, pick, count."""
+"""One routing decision, shared by the ext_proc server and the proxy: parse, admit (tenants), fall
+back, hold, wait in the fair queue when saturated, pick, count."""
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections import ChainMap
 from collections.abc import Mapping
+from dataclasses import replace
 
+from .deadline import TIMEOUT_HEADER, remaining_seconds
+from .fallback import Fallbacks
 from .hold import HoldQueue, HoldRefused
 from .metrics import UNKNOWN_MODEL, GatewayMetrics
 from .picker import Decision, Picker, RoutingError, RoutingRequest
@@ -22,19 +28,99 @@ class Router:
         self.objective_priorities: dict[str, int] = {}  # from the Inference Extension's InferenceObjectives
         self.hold: HoldQueue | None = None  # set by the gateway: requests for a model with no ready engine wait
         self.scalable: set[str] | dict = set()  # served names an InferenceModel can bring back from zero
+        self.tenants = None  # tenant_gate.TenantGate: identifies, limits and accounts each request
+        self.fallbacks = Fallbacks()
+        self.fair_queue = None  # fair_queue.FairQueue: saturated models' requests wait at the gateway
 
-    async def route_or_hold(self, raw_body: bytes, headers: Mapping[str, str],
-                            subset: frozenset[str] | None = None) -> tuple[RoutingRequest, Decision]:
-        """As `route`, but a request for a known model with no ready engine is held until one is ready
-        (503 with Retry-After when the hold is full or times out); cancelling the caller ends the hold."""
+    async def route_or_hold(self, raw_body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None = None,
+                            rewrite_body: bool = True) -> tuple[RoutingRequest, Decision]:
+        """As `route`, after the tenant's admission (401, 429), and with a fallback model when the
+        requested one cannot serve now (only when the caller can rewrite the body: `rewrite_body`). A
+        request for a known model with no ready engine is held until one is ready (503 with Retry-After
+        when the hold is full or times out); cancelling the caller ends the hold. The request's ticket,
+        when routing fails, is settled here; otherwise the caller settles it when the response ends."""
         request = self._parse(raw_body, headers)
-        if self.hold is not None and request.model and self._holdable(request.model):
+        if self.tenants is not None:
             try:
-                await self.hold.wait_until_ready(request.model)
-            except HoldRefused as refused:
-                self.metrics.errors.labels(request.model, "503").inc()
-                raise RoutingError(503, refused.message) from None
-        return self.route(raw_body, headers, subset, request)
+                request.ticket = self.tenants.admit(headers, request)
+            except RoutingError as error:
+                self.metrics.errors.labels(self.model_label(request.model), str(error.status)).inc()
+                raise
+        try:
+            if rewrite_body and request.model:
+                self._fall_back_if_unservable(request)
+            if self.hold is not None and request.model and self._holdable(request.model):
+                budget = remaining_seconds(request.deadline)
+                waiting = self.hold.wait_until_ready(request.model)
+                try:
+                    await (waiting if budget is None else asyncio.wait_for(waiting, max(0.0, budget)))
+                except HoldRefused as refused:
+                    self.metrics.errors.labels(request.model, "503").inc()
+                    raise RoutingError(503, refused.message, retry_after=1) from None
+                except TimeoutError:  # only the client's budget times the hold out this way
+                    self.metrics.errors.labels(request.model, "503").inc()
+                    raise RoutingError(503, f"the request's {TIMEOUT_HEADER} ran out while `{request.model}` had no "
+                                            "ready engine", retry_after=1) from None
+            if self.fair_queue is not None:
+                request.subset = subset
+                if self.fair_queue.should_wait(request):
+                    ticket = request.ticket
+                    try:
+                        decision = await self.fair_queue.wait(request, getattr(ticket, "tenant", None) or "",
+                                                              getattr(ticket, "weight", 1.0))
+                    except RoutingError as error:  # the tenant's queue bound, or its time budget
+                        self.metrics.errors.labels(request.model, str(error.status)).inc()
+                        raise
+                    if decision is not None:  # else it waited its longest: routed as before
+                        return request, self._routed(request, decision)
+            return self.route(raw_body, headers, subset, request)
+        except RoutingError as error:
+            if request.ticket is not None:
+                request.ticket.finish(error.status)
+            raise
+        except BaseException:  # cancelled while held: the client left
+            if request.ticket is not None:
+                request.ticket.finish(499)
+            raise
+
+    def _serves_unsaturated(self, model: str) -> bool:
+        return any((e.serves(model) or e.is_assigned(model)) and not self.picker.saturated(e)
+                   for e in self.picker.ready_endpoints())
+
+    def _fall_back_if_unservable(self, request: RoutingRequest) -> None:
+        """No ready pod, or every pod saturated: the first fallback with an unsaturated pod serves."""
+        chain = self.fallbacks.of(request.model)
+        if not chain or self._serves_unsaturated(request.model):
+            return
+        reason = "saturated" if self.has_ready_endpoint(request.model) else "no_ready_endpoint"
+        alternative = next((m for m in chain if self._serves_unsaturated(m)), None)
+        if alternative is not None:
+            self._switch(request, alternative, reason)
+
+    def _switch(self, request: RoutingRequest, model: str, reason: str) -> None:
+        requested = request.requested_model or request.model
+        request.requested_model, request.model, request.hashes = requested, model, None
+        request.exclude = frozenset()
+        self.metrics.fallbacks.labels(requested, model, reason).inc()
+
+    def fall_back(self, request: RoutingRequest, tried: str) -> Decision | None:
+        """After the request's model failed on every pod before any response byte: a pick on the next
+        fallback that has a pod for it, the request switched to it; None when none can take it."""
+        requested = request.requested_model or request.model
+        chain = [requested, *self.fallbacks.of(requested)]
+        position = chain.index(request.model) if request.model in chain else 0
+        for model in chain[position + 1:]:
+            candidate = replace(request, model=model, hashes=None, exclude=frozenset())
+            try:
+                decision = self.picker.pick(candidate)
+            except RoutingError:
+                continue
+            self._switch(request, model, "failed")
+            self.metrics.count_pick(decision.endpoint.address)
+            if request.ticket is not None:
+                request.ticket.dispatched_to(decision.endpoint.address)
+            return decision
+        return None
 
     def has_ready_endpoint(self, model: str) -> bool:
         return any(e.serves(model) or e.is_assigned(model) for e in self.picker.ready_endpoints())
@@ -66,9 +152,14 @@ class Router:
         except RoutingError as error:
             self.metrics.errors.labels(self.model_label(request.model if request else ""), str(error.status)).inc()
             raise
+        return request, self._routed(request, decision)
+
+    def _routed(self, request: RoutingRequest, decision: Decision) -> Decision:
         self.metrics.requests.labels(request.model).inc()
         self.metrics.count_pick(decision.endpoint.address)
-        return request, decision
+        if request.ticket is not None:
+            request.ticket.dispatched_to(decision.endpoint.address)
+        return decision
 
     def reroute(self, request: RoutingRequest, tried: str) -> Decision:
         """Pick again for a request whose attempt on `tried` failed before any response byte; raises
@@ -76,6 +167,8 @@ class Router:
         request.exclude = request.exclude | {tried}
         decision = self.picker.pick(request)
         self.metrics.count_pick(decision.endpoint.address)
+        if request.ticket is not None:
+            request.ticket.dispatched_to(decision.endpoint.address)
         return decision
 
     def model_label(self, model: str) -> str:
@@ -84,5 +177,11 @@ class Router:
         return model if known else UNKNOWN_MODEL
 
     def body_for_engine(self, raw_body: bytes, request: RoutingRequest) -> bytes:
-        """What the chosen engine receives: the client's body, with the engine's priority when forwarded."""
-        return with_engine_priority(raw_body, request.priority) if self.forward_priority else raw_body
+        """What the chosen engine receives: the client's body, with the engine's priority when forwarded,
+        and the fallback's name as `model` when a fallback serves it."""
+        body = with_engine_priority(raw_body, request.priority) if self.forward_priority else raw_body
+        if request.requested_model and request.requested_model != request.model:
+            document = json.loads(body)
+            document["model"] = request.model
+            body = json.dumps(document).encode()
+        return body

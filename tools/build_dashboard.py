@@ -140,6 +140,26 @@ ROWS = [
               [Query(f"histogram_quantile({q}, sum by (le) (rate(inference_model_request_duration_seconds_bucket"
                      f"{{{GATEWAY}}}[{RATE}])))", f"p{round(q * 100)}") for q in (0.5, 0.95, 0.99)], "s"),
     ]),
+    Row("Tenants", [
+        Panel("Requests / s per tenant", "Requests per tenant (from the gateway's tenants file) by status; 429s are "
+              "the tenant's own limits or shedding.",
+              [Query(f"sum by (tenant, code) (rate(kubeinfer_gateway_tenant_requests_total{{{GATEWAY}}}[{RATE}]))",
+                     "{{tenant}} {{code}}")], "reqps", width=8),
+        Panel("Tokens / s per tenant", "Prompt and completion tokens the engines reported, per tenant; cached: prompt "
+              "tokens served from the prefix cache.",
+              [Query(f"sum by (tenant) (rate(kubeinfer_gateway_tenant_prompt_tokens_total{{{GATEWAY}}}[{RATE}]))",
+                     "prompt {{tenant}}"),
+               Query(f"sum by (tenant) (rate(kubeinfer_gateway_tenant_cached_prompt_tokens_total{{{GATEWAY}}}"
+                     f"[{RATE}]))", "cached {{tenant}}"),
+               Query(f"sum by (tenant) (rate(kubeinfer_gateway_tenant_completion_tokens_total{{{GATEWAY}}}[{RATE}]))",
+                     "completion {{tenant}}")], width=8),
+        Panel("Engine time and fallbacks", "Engine seconds used per second, per tenant; requests a fallback model "
+              "served, by model and why.",
+              [Query(f"sum by (tenant) (rate(kubeinfer_gateway_tenant_engine_seconds_total{{{GATEWAY}}}[{RATE}]))",
+                     "engine s/s {{tenant}}"),
+               Query(f"sum by (model_name, fallback, reason) (rate(kubeinfer_gateway_fallbacks_total{{{GATEWAY}}}"
+                     f"[{RATE}]))", "{{model_name}} → {{fallback}} ({{reason}})")], width=8),
+    ]),
     Row("Scale from zero", [
         Panel("Held requests", "Requests waiting at the gateway for a model with no ready engine (scaled to zero "
               "or starting), and scale-ups the gateway asked for through an InferenceModel's /scale.",

@@ -21,7 +21,7 @@ from ...core.outputs import RequestOutput
 from .errors import RETRY_AFTER_SECONDS, APIError, engine_unavailable, param_of
 from .protocol import SamplingFields
 from .server_state import ServerState
-from .streaming import merged, stream_sse
+from .streaming import budget_deadline, merged, stream_sse
 
 
 def check_serving(state: ServerState, body: SamplingFields) -> int:
@@ -88,14 +88,15 @@ async def prepare_all(state: ServerState, body: SamplingFields, prompts: list | 
 
 async def respond(state: ServerState, http_request: Request, body: SamplingFields, prepared, fmt):
     request_id, requests = prepared
+    deadline = budget_deadline(http_request.headers, asyncio.get_running_loop().time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream_sse(state.async_engine, requests, fmt, request_id, body.n, include_usage),
-                                 media_type="text/event-stream")
+        return StreamingResponse(stream_sse(state.async_engine, requests, fmt, request_id, body.n, include_usage,
+                                            deadline), media_type="text/event-stream")
     final: dict[int, RequestOutput] = {}
 
     async def collect() -> None:
-        async for index, output in merged(state.async_engine, requests):
+        async for index, output in merged(state.async_engine, requests, deadline):
             if output.finished:
                 final[index] = output
 

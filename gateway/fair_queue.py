@@ -1,0 +1,153 @@
+"""A gateway queue for requests that find every pod of their model saturated.
+
+Without it such a request is piled onto the least bad saturated pod, where it waits in the engine's
+queue in arrival order: a tenant sending ten times its share takes ten times the places in front of
+everyone else. Here it waits at the gateway instead, and is dispatched (picked onto a pod) as soon as a
+pod of its model drops below the saturation thresholds, in this order:
+  * across tenants, weighted fair share: each tenant has a virtual time that a dispatch advances by
+    1 / weight; the waiting tenant with the lowest goes first. A tenant that was idle starts at the
+    current virtual time (no credit banked while idle).
+  * within a tenant, higher priority first, then arrival order.
+Each model has its own queue, so a saturated model does not hold back another. Bounds: at most
+`max_per_tenant` requests of a tenant wait (beyond that, 429 with Retry-After), at most `timeout`
+seconds each; then the request is routed as before, onto a saturated pod (the queue never turns
+work away for being slow, it only reorders). Sheddable requests never wait: the picker sheds them (429).
+Without tenants every request is one tenant's: priority, then arrival order.
+A request with a time budget (deadline.py) is refused at once (429) when the expected wait, from the
+model's recent dispatch rate, exceeds what is left of it, and gets a 503 when it runs out while waiting.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import time
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+from .deadline import TIMEOUT_HEADER, remaining_seconds
+from .picker import Decision, Picker, RoutingError, RoutingRequest
+
+POLL_SECONDS = 0.01  # how often a model with waiting requests is checked for a free pod
+RATE_WINDOW = 32  # recent dispatches the expected wait is measured on
+STALE_RATE = 30.0  # seconds after the last dispatch when the measured rate no longer says anything
+
+
+@dataclass(order=True)
+class _Waiter:
+    order: tuple[int, int]  # (-priority, arrival): higher priority first, then first come
+    request: RoutingRequest = field(compare=False)
+    tenant: str = field(compare=False)
+    future: asyncio.Future = field(compare=False)
+
+
+class FairQueue:
+    def __init__(self, picker: Picker, *, max_per_tenant: int = 128, timeout: float = 30.0, metrics=None) -> None:
+        self.picker, self.max_per_tenant, self.timeout, self.metrics = picker, max_per_tenant, timeout, metrics
+        self._queues: dict[str, dict[str, list[_Waiter]]] = defaultdict(dict)  # model -> tenant -> heap
+        self._per_tenant: dict[str, int] = defaultdict(int)
+        self._virtual: dict[str, float] = defaultdict(float)  # tenant -> virtual time
+        self._weights: dict[str, float] = {}
+        self._now = 0.0  # the virtual time of the last dispatch
+        self._arrivals = itertools.count()
+        self._dispatchers: dict[str, asyncio.Task] = {}
+        self._dispatched: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=RATE_WINDOW))
+
+    def expected_wait(self, model: str) -> float | None:
+        """Seconds a request joining the model's queue now should wait, by the recent dispatch rate;
+        None while the rate is unknown (fewer than two recent dispatches)."""
+        times = self._dispatched.get(model)
+        if not times or len(times) < 2 or times[-1] - times[0] <= 0 or time.monotonic() - times[-1] > STALE_RATE:
+            return None
+        rate = (len(times) - 1) / (times[-1] - times[0])
+        return (self.waiting(model) + 1) / rate
+
+    def waiting(self, model: str | None = None) -> int:
+        models = [model] if model is not None else list(self._queues)
+        return sum(len(h) for m in models for h in self._queues.get(m, {}).values())
+
+    def has_free_pod(self, request: RoutingRequest) -> bool:
+        ready = self.picker.ready_endpoints()
+        if request.subset is not None:
+            ready = [e for e in ready if e.address in request.subset]
+        return any(not self.picker.saturated(e) for e in self.picker.serving(request, ready))
+
+    def should_wait(self, request: RoutingRequest) -> bool:
+        """Every pod of the model is saturated, or others already wait for it (no overtaking)."""
+        if request.sheddable or not request.model:
+            return False
+        serving = self.picker.serving(request, self.picker.ready_endpoints())
+        return bool(serving) and (self.waiting(request.model) > 0 or not self.has_free_pod(request))
+
+    async def wait(self, request: RoutingRequest, tenant: str = "", weight: float = 1.0) -> Decision | None:
+        """The decision once a pod is free; None after `timeout` (route as before). RoutingError(429)
+        when the tenant already has `max_per_tenant` waiting; cancellation (the client left) leaves."""
+        if self._per_tenant[tenant] >= self.max_per_tenant:
+            raise RoutingError(429, f"{self.max_per_tenant} requests of tenant {tenant or 'default'!r} already wait "
+                                    f"for a free pod of `{request.model}`; retry later", retry_after=1)
+        budget = remaining_seconds(request.deadline)
+        expected = self.expected_wait(request.model)
+        if budget is not None and expected is not None and expected > budget:
+            raise RoutingError(429, f"waiting for a free pod of `{request.model}` would take about {expected:.1f} s, "
+                                    f"more than the {max(0, budget * 1000):.0f} ms left of the request's "
+                                    f"{TIMEOUT_HEADER}", retry_after=max(1, math.ceil(expected)))
+        self._weights[tenant] = weight
+        heaps = self._queues[request.model]
+        if not heaps.get(tenant):  # (re)joining the backlog: no credit for the time it was idle
+            self._virtual[tenant] = max(self._virtual[tenant], self._now)
+        waiter = _Waiter((-request.priority, next(self._arrivals)), request, tenant,
+                         asyncio.get_running_loop().create_future())
+        heapq.heappush(heaps.setdefault(tenant, []), waiter)
+        self._count(tenant, +1)
+        dispatcher = self._dispatchers.get(request.model)
+        if dispatcher is None or dispatcher.done():
+            self._dispatchers[request.model] = asyncio.create_task(self._dispatch(request.model))
+        limit = self.timeout if budget is None else min(self.timeout, max(0.0, budget))
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), limit)
+        except TimeoutError:
+            if budget is not None and limit < self.timeout:
+                raise RoutingError(503, f"the request's {TIMEOUT_HEADER} ran out while it waited for a free pod of "
+                                        f"`{request.model}`", retry_after=1) from None
+            return None
+        finally:
+            if not waiter.future.done():  # timed out or cancelled: leave the queue
+                waiter.future.cancel()
+                heap = heaps.get(tenant, [])
+                if waiter in heap:
+                    heap.remove(waiter)
+                    heapq.heapify(heap)
+                    self._count(tenant, -1)
+            elif waiter.future.cancelled() is False and waiter.future.exception() is None and \
+                    asyncio.current_task().cancelling():  # dispatched as the client left: undo the pick
+                decision = waiter.future.result()
+                decision.endpoint.record_finish(decision.sent)
+
+    async def _dispatch(self, model: str) -> None:
+        heaps = self._queues[model]
+        while any(heaps.values()):
+            while True:
+                tenants = [t for t, heap in heaps.items() if heap]
+                if not tenants:
+                    break
+                tenant = min(tenants, key=lambda t: (self._virtual[t], t))
+                waiter = heaps[tenant][0]
+                if not self.has_free_pod(waiter.request):
+                    break  # the model's pods are shared: no tenant's request fits either
+                heapq.heappop(heaps[tenant])
+                self._count(tenant, -1)
+                self._dispatched[model].append(time.monotonic())
+                self._now = self._virtual[tenant]
+                self._virtual[tenant] += 1.0 / self._weights.get(tenant, 1.0)
+                try:
+                    waiter.future.set_result(self.picker.pick(waiter.request))
+                except RoutingError as error:
+                    waiter.future.set_exception(error)
+            await asyncio.sleep(POLL_SECONDS)
+        self._queues.pop(model, None)
+
+    def _count(self, tenant: str, delta: int) -> None:
+        self._per_tenant[tenant] += delta
+        if self.metrics is not None:
+            self.metrics.queued.inc(delta)

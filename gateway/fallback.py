@@ -1,0 +1,40 @@
+"""Fallback models: where a request goes when its model cannot serve it.
+
+Two sources, the static one first: `--fallback MODEL=OTHER` (repeatable, in order) and the
+InferenceModels' `spec.routing.fallback: [OTHER, ...]` (polled by model_priorities.ClusterPriorities).
+The router moves a request to the first fallback that can serve when its model has no ready pod, when
+every pod of it is saturated, or (proxy mode) when every pod of it failed before the first byte. The
+body's `model` is rewritten, so the engine's response names the model that served.
+"""
+from __future__ import annotations
+
+
+def parse_fallback(text: str) -> tuple[str, str]:
+    model, sep, other = text.partition("=")
+    if not sep or not model.strip() or not other.strip():
+        raise ValueError(f"--fallback takes MODEL=OTHER, got {text!r}")
+    return model.strip(), other.strip()
+
+
+def fallbacks_of(models: list[dict]) -> dict[str, list[str]]:
+    """Served name -> its InferenceModel's `spec.routing.fallback` (models without one left out)."""
+    out: dict[str, list[str]] = {}
+    for model in models:
+        spec = model.get("spec") or {}
+        chain = [str(m) for m in (spec.get("routing") or {}).get("fallback") or [] if m]
+        served = (spec.get("model") or {}).get("servedName") or (model.get("metadata") or {}).get("name")
+        if served and chain:
+            out[served] = chain
+    return out
+
+
+class Fallbacks:
+    def __init__(self, static: list[tuple[str, str]] | None = None) -> None:
+        self.static: dict[str, list[str]] = {}
+        for model, other in static or []:
+            self.static.setdefault(model, []).append(other)
+        self.discovered: dict[str, list[str]] = {}  # kept current by ClusterPriorities
+
+    def of(self, model: str) -> list[str]:
+        """The fallbacks of `model`, in order, never the model itself."""
+        return [m for m in self.static.get(model) or self.discovered.get(model) or [] if m != model]

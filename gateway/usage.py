@@ -1,0 +1,126 @@
+"""Usage accounting: what each response reports it used, as Prometheus counters per tenant and model,
+and as one JSON line per request in `--usage-log FILE` (for chargeback).
+
+The engines report `usage` ({prompt_tokens, completion_tokens, prompt_tokens_details.cached_tokens}) in
+every non-streamed response, and in the last event of a stream when the client asked for
+`stream_options.include_usage`. UsageScanner reads it from the response bytes as they pass, keeping
+only a bounded buffer. A stream without it reports no usage: its tokens are not counted (the token
+limit keeps the admission estimate), its request still is.
+
+The `tenant` label takes only names from the tenants file, so clients cannot grow the series.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+MAX_JSON_BODY = 4 << 20  # a non-streamed body larger than this is not parsed for usage
+MAX_SSE_LINE = 1 << 20
+
+
+class UsageScanner:
+    """Fed the response body chunk by chunk; `usage` is the last usage object seen (None if none)."""
+
+    def __init__(self) -> None:
+        self.usage: dict | None = None
+        self.model: str | None = None
+        self._buffer = bytearray()
+        self._sse: bool | None = None  # decided by the first bytes: `data:` lines, or one JSON document
+        self._overflow = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self._overflow or not chunk:
+            return
+        self._buffer += chunk
+        if self._sse is None:
+            head = self._buffer.lstrip()
+            if not head:
+                return
+            self._sse = head[:1] != b"{"
+        if self._sse:
+            *lines, rest = self._buffer.split(b"\n")
+            self._buffer = bytearray(rest)
+            for line in lines:
+                self._line(line.strip())
+            if len(self._buffer) > MAX_SSE_LINE:
+                self._overflow = True
+        elif len(self._buffer) > MAX_JSON_BODY:
+            self._overflow = True
+            self._buffer.clear()
+
+    def _line(self, line: bytes) -> None:
+        if line.startswith(b"data:") and b'"usage"' in line:
+            self._document(line[5:].strip())
+
+    def _document(self, raw: bytes) -> None:
+        try:
+            document = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if isinstance(document, dict):
+            if isinstance(document.get("usage"), dict):
+                self.usage = document["usage"]
+            if isinstance(document.get("model"), str):
+                self.model = document["model"]
+
+    def finish(self) -> dict | None:
+        if self._sse is False and not self._overflow:
+            self._document(bytes(self._buffer))
+        elif self._sse and not self._overflow:
+            self._line(bytes(self._buffer).strip())
+        self._buffer.clear()
+        return self.usage
+
+
+def token_counts(usage: dict | None) -> tuple[int, int, int] | None:
+    """(prompt, cached prompt, completion) tokens of a usage report; None without one."""
+    if not usage:
+        return None
+
+    def number(value) -> int:
+        return value if isinstance(value, int) and value >= 0 else 0
+    details = usage.get("prompt_tokens_details") or {}
+    return (number(usage.get("prompt_tokens")), number(details.get("cached_tokens") if isinstance(details, dict)
+                                                       else 0), number(usage.get("completion_tokens")))
+
+
+class UsageRecorder:
+    """Feeds the tenant counters of GatewayMetrics and, with `log_path`, the JSON-lines usage log."""
+
+    def __init__(self, metrics, log_path: str | None = None) -> None:
+        self.requests, self.prompt_tokens = metrics.tenant_requests, metrics.tenant_prompt_tokens
+        self.cached_tokens, self.completion_tokens = metrics.tenant_cached_tokens, metrics.tenant_completion_tokens
+        self.engine_seconds = metrics.tenant_engine_seconds
+        self._log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115 - lives with the gateway
+        self._lock = threading.Lock()
+
+    def record(self, *, tenant: str | None, model: str, status: int | None, usage: dict | None,
+               seconds: float | None, requested_model: str | None = None, endpoint: str | None = None) -> None:
+        counts = token_counts(usage)
+        code = str(status) if status else "unknown"
+        if tenant is not None:
+            self.requests.labels(tenant, model, code).inc()
+            if counts:
+                self.prompt_tokens.labels(tenant, model).inc(counts[0])
+                self.cached_tokens.labels(tenant, model).inc(counts[1])
+                self.completion_tokens.labels(tenant, model).inc(counts[2])
+            if seconds is not None:
+                self.engine_seconds.labels(tenant, model).inc(seconds)
+        if self._log is not None:
+            line = {"time": round(time.time(), 3), "tenant": tenant, "model": model, "status": status,
+                    "prompt_tokens": counts[0] if counts else None, "cached_tokens": counts[1] if counts else None,
+                    "completion_tokens": counts[2] if counts else None,
+                    "seconds": round(seconds, 4) if seconds is not None else None}
+            if requested_model and requested_model != model:
+                line["requested_model"] = requested_model
+            if endpoint:
+                line["endpoint"] = endpoint
+            with self._lock:
+                self._log.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        if self._log is not None:
+            self._log.close()

@@ -1,0 +1,157 @@
+"""The fair queue: requests that find every pod of their model saturated wait at the gateway and are
+dispatched by weighted fair share across tenants, priority first within a tenant, bounded per tenant;
+sheddable requests are still shed. Unit tests on the queue, then proxy and ext_proc end to end."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import generate_latest
+from test_gateway_tenants import Engine, _immediate, _request, _run, metrics_text, post, start_gateway, write_tenants
+
+from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
+from kubeinfer.gateway.fair_queue import FairQueue
+from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingError, RoutingRequest
+
+
+def saturated_pool(waiting: float = 5.0) -> tuple[Picker, Endpoint]:
+    pod = Endpoint("10.0.0.1:8000")
+    pod.record_scrape(EngineState(waiting=waiting), frozenset({"base"}), frozenset({"base"}))
+    pool = EndpointPool()
+    pool.set_members([pod])
+    return Picker(pool, PickerConfig(queue_threshold=5)), pod
+
+
+async def drain(queue: FairQueue, pod: Endpoint, requests: list[tuple[str, float, int]]) -> list[tuple[str, int]]:
+    """Queues (tenant, weight, priority) requests in order on a saturated pod, then frees one slot:
+    each dispatched request ends at once, so they go one at a time. Returns the dispatch order."""
+    order: list[tuple[str, int]] = []
+
+    async def one(tenant: str, weight: float, priority: int) -> None:
+        decision = await queue.wait(RoutingRequest(model="base", priority=priority), tenant, weight)
+        order.append((tenant, priority))
+        decision.endpoint.record_finish(decision.sent)
+
+    tasks = [asyncio.create_task(one(*r)) for r in requests]
+    await asyncio.sleep(0.05)
+    assert order == [] and queue.waiting("base") == len(requests)
+    pod.state = EngineState(waiting=4)  # one free slot
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    return order
+
+
+async def test_tenants_share_by_weight_whatever_the_arrival_order():
+    picker, pod = saturated_pool()
+    order = await drain(FairQueue(picker), pod, [("noisy", 1, 0)] * 6 + [("quiet", 2, 0)] * 4)
+    tenants = [t for t, _ in order]
+    # the quiet tenant arrived last with twice the weight: two of its requests for each noisy one
+    assert tenants[:6] == ["noisy", "quiet", "quiet", "noisy", "quiet", "quiet"]
+    assert tenants[6:] == ["noisy"] * 4
+
+
+async def test_within_a_tenant_higher_priority_goes_first_then_arrival_order():
+    picker, pod = saturated_pool()
+    order = await drain(FairQueue(picker), pod, [("a", 1, 0), ("a", 1, 5), ("a", 1, 1), ("a", 1, 5)])
+    assert [p for _, p in order] == [5, 5, 1, 0]
+
+
+async def test_an_idle_tenant_banks_no_credit():
+    picker, pod = saturated_pool()
+    queue = FairQueue(picker)
+    await drain(queue, pod, [("a", 1, 0)] * 3)  # only a: its virtual time moves to 3
+    pod.state = EngineState(waiting=5)
+    order = await drain(queue, pod, [("b", 1, 0)] * 3 + [("a", 1, 0)] * 3)
+    assert [t for t, _ in order] == ["b", "a", "b", "a", "b", "a"]  # b starts at a's time, not at 0
+
+
+async def test_each_tenant_is_bounded_with_a_429_naming_the_bound():
+    picker, _ = saturated_pool()
+    queue = FairQueue(picker, max_per_tenant=2)
+    held = [asyncio.create_task(queue.wait(RoutingRequest(model="base"), "a")) for _ in range(2)]
+    await asyncio.sleep(0.02)
+    with pytest.raises(RoutingError) as refused:
+        await queue.wait(RoutingRequest(model="base"), "a")
+    assert (refused.value.status, refused.value.retry_after) == (429, 1)
+    assert refused.value.message == "2 requests of tenant 'a' already wait for a free pod of `base`; retry later"
+    other = asyncio.create_task(queue.wait(RoutingRequest(model="base"), "b"))  # another tenant still queues
+    await asyncio.sleep(0.02)
+    assert queue.waiting("base") == 3
+    for task in [*held, other]:
+        task.cancel()
+    await asyncio.gather(*held, other, return_exceptions=True)
+    assert queue.waiting("base") == 0
+
+
+async def test_a_request_that_waits_its_longest_is_routed_as_before():
+    picker, _ = saturated_pool()
+    assert await FairQueue(picker, timeout=0.1).wait(RoutingRequest(model="base"), "a") is None
+
+
+def test_sheddable_requests_and_free_pools_do_not_wait():
+    picker, pod = saturated_pool()
+    queue = FairQueue(picker)
+    assert queue.should_wait(RoutingRequest(model="base"))
+    assert not queue.should_wait(RoutingRequest(model="base", priority=-1, sheddable=True))
+    assert not queue.should_wait(RoutingRequest(model="other"))  # nobody serves it: the picker answers
+    pod.state = EngineState(waiting=0)
+    assert not queue.should_wait(RoutingRequest(model="base"))
+
+
+async def test_proxy_holds_requests_for_a_saturated_pool_until_a_pod_frees(tmp_path):
+    async with Engine(waiting=10) as engine:
+        gateway = await start_gateway([engine], tenants_file=write_tenants(tmp_path))
+        try:
+            request = asyncio.create_task(post(gateway, "key-a"))
+            await asyncio.sleep(0.4)
+            assert not request.done() and engine.bodies == []
+            assert "kubeinfer_gateway_requests_queued 1.0" in await metrics_text(gateway)
+            engine.waiting = 0  # the next scrape sees a free pod
+            response = await asyncio.wait_for(request, 5)
+        finally:
+            await gateway.stop()
+    assert response.status_code == 200 and len(engine.bodies) == 1
+
+
+async def test_proxy_still_sheds_sheddable_requests_at_once(tmp_path):
+    async with Engine(waiting=10) as engine:
+        gateway = await start_gateway([engine], tenants_file=write_tenants(tmp_path))
+        try:
+            response = await asyncio.wait_for(post(gateway, "key-a", headers={"x-gateway-inference-priority": "-1"}),
+                                              2)
+        finally:
+            await gateway.stop()
+    assert response.status_code == 429 and "sheddable requests are refused" in response.json()["error"]["message"]
+
+
+async def test_ext_proc_holds_requests_for_a_saturated_pool_until_a_pod_frees(tmp_path):
+    from test_gateway_tenants import _processor
+
+    processor, router = _processor(tmp_path)
+    router.fair_queue = FairQueue(router.picker, metrics=router.metrics)
+    pod = next(iter(router.picker.pool))
+    pod.state = EngineState(waiting=10)
+    answer = asyncio.create_task(_run(processor, _request("key-a")))
+    await asyncio.sleep(0.1)
+    assert not answer.done()
+    assert "kubeinfer_gateway_requests_queued 1.0" in generate_latest(router.metrics.registry).decode()
+    pod.state = EngineState(waiting=0)
+    replies = await asyncio.wait_for(answer, 2)
+    assert not replies[-1].HasField("immediate_response")
+    header = replies[-1].request_body.response.header_mutation.set_headers[0].header
+    assert (header.key, header.raw_value) == ("x-gateway-destination-endpoint", b"10.0.0.1:8000")
+
+
+async def test_ext_proc_refuses_beyond_the_tenant_bound(tmp_path):
+    from test_gateway_tenants import _processor
+
+    processor, router = _processor(tmp_path)
+    router.fair_queue = FairQueue(router.picker, max_per_tenant=1)
+    next(iter(router.picker.pool)).state = EngineState(waiting=10)
+    waiting = asyncio.create_task(_run(processor, _request("key-a")))
+    await asyncio.sleep(0.05)
+    status, headers, body = _immediate(await _run(processor, _request("key-a")))
+    assert (status, headers["retry-after"]) == (429, "1")
+    assert body["error"]["message"] == "1 requests of tenant 'team-a' already wait for a free pod of `base`; retry later"
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert router.fair_queue.waiting() == 0
