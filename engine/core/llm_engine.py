@@ -17,6 +17,7 @@ from ..config import EngineConfig, ModelSpec
 from ..lora.manager import LoRAManager
 from ..lora.request import LoRARequest
 from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
+from ..model_executor.step_timer import StepProfileLog
 from ..sampling_params import SamplingParams
 from ..sequence import Sequence
 from ..spec_decode.config import SpeculativeConfig
@@ -30,6 +31,8 @@ from .request import Completion, Request, prompt_tokens
 from .scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
+# At DEBUG, every 100 steps: the mean time of each phase of a step (see model_executor/step_timer).
+profile_logger = logging.getLogger("kubeinfer.engine.step_profile")
 
 
 class LLMEngine:
@@ -66,6 +69,9 @@ class LLMEngine:
         self.speculator = Speculator(speculative, self.max_model_len) if speculative else None
         if self.speculator is not None:
             self.runner.verify_drafts = self.speculator.verify
+        self.step_timer = self.runner.timer
+        if profile_logger.isEnabledFor(logging.DEBUG):
+            self.step_timer.enabled, self.step_timer.log = True, StepProfileLog(profile_logger)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._rng_lock = threading.Lock()  # prepare_request runs on front-end threads
@@ -197,9 +203,12 @@ class LLMEngine:
         """One scheduler step. A sequence that fails alone (its adapter, its text) ends its request with an
         error and the step goes on; if the model itself raises, the batch's requests end and
         StepFailedError carries their outputs."""
+        timer = self.step_timer
+        timer.start()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
         batch = self.scheduler.schedule()
+        timer.mark("schedule")
         failed = {seq.request_id for seq in batch.failed}
         outputs = self.fail_requests(failed, {s.request_id: s.error for s in batch.failed})
         if not batch:
@@ -236,7 +245,10 @@ class LLMEngine:
                 broken[seq.request_id] = f"{type(error).__name__}: {error}"
                 continue
             touched[request.request_id] = request
-        return outputs + self.fail_requests(set(broken), broken) + self._finish_outputs(touched)
+        timer.mark("outputs")
+        outputs += self.fail_requests(set(broken), broken) + self._finish_outputs(touched)
+        timer.mark("deliver")  # the async engine's loop adds its hand-off to the slots to this phase
+        return outputs
 
     def _append_token(self, request: Request, seq: Sequence, token: int, logprob, now: float) -> None:
         if seq.first_token_time is None and seq.index == 0:

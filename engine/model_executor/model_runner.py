@@ -16,6 +16,7 @@ from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
 from .model_loader import ModelFiles, load_model
 from .sampler import SampleResult, grammar_bitmask, sample
+from .step_timer import StepTimer
 
 
 @dataclass
@@ -52,6 +53,7 @@ class ModelRunner:
         # Speculative decoding (set by the engine): samples a step whose sequences carry draft tokens, from
         # their 1 + drafts logits rows each: verify_drafts(logits, seqs, grammar_masks) -> SampleResult.
         self.verify_drafts: Callable | None = None
+        self.timer = StepTimer(device)  # the engine switches it on; prepare / forward / sample are marked here
 
     @staticmethod
     def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
@@ -138,23 +140,30 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
         inputs, sampling_seqs = self.prepare(batch)
+        timer = self.timer
+        timer.num_seqs, timer.all_decode = len(batch.entries), inputs.num_decodes == len(batch.entries)
         # Structured output: the grammars' masks are host work; compute them while the forward pass runs.
         masks = (self._mask_thread.submit(grammar_bitmask, sampling_seqs, self.spec.vocab_size)
                  if any(seq.grammar is not None for seq in sampling_seqs) else None)
         lora_slots = self._adapter_slots(batch)
         if self._graph_can_run(inputs, lora_slots):
+            timer.mark("prepare")  # the graph's own copies into its static inputs count as forward
             rows = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.context_lens,
                                    inputs.block_tables, lora_slots)
             logits = rows[inputs.logits_indices]  # a prompt's one-token middle chunk computes but does not sample
         else:
             lora = None if lora_slots is None else LoRAContext.build(self.lora_pool, _per_token(lora_slots, batch))
             logits = self._run_eager(inputs, lora)
+        timer.mark("forward")
         if not sampling_seqs:
             return [], SampleResult([], [])
         masks = masks.result() if masks else None
         if self.verify_drafts is not None and any(seq.spec_token_ids for seq in sampling_seqs):
-            return sampling_seqs, self.verify_drafts(logits, sampling_seqs, masks)
-        return sampling_seqs, sample(logits, sampling_seqs, masks)
+            result = self.verify_drafts(logits, sampling_seqs, masks)
+        else:
+            result = sample(logits, sampling_seqs, masks)
+        timer.mark("sample")
+        return sampling_seqs, result
 
     def _graph_can_run(self, inputs: StepInputs, lora_slots: list[int] | None) -> bool:
         """Decode-only steps no larger than the largest graph, with adapters only where graphs for them exist."""
@@ -170,9 +179,11 @@ class ModelRunner:
             block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
         meta = AttentionMetadata.build(inputs.slots, inputs.query_start_loc, inputs.context_lens, block_tables,
                                        inputs.num_decodes, self.sliding_window, dev)
-        return self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
-                          torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches, meta,
-                          torch.tensor(inputs.logits_indices, dtype=torch.long, device=dev), lora)
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
+        logits_indices = torch.tensor(inputs.logits_indices, dtype=torch.long, device=dev)
+        self.timer.mark("prepare")
+        return self.model(input_ids, positions, self.kv_caches, meta, logits_indices, lora)
 
 
 def _per_token(per_sequence: list[int], batch: ScheduledBatch) -> list[int]:

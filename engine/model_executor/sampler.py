@@ -39,6 +39,8 @@ class SampleResult:
 def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> SampleResult:
     """`grammar_masks`: the structured-output masks of `seqs`, when the caller computed them already
     (the model runner does, on another thread, while the forward pass runs)."""
+    if all(_plain_greedy(seq) for seq in seqs):  # the common decode: one argmax, one copy to the host
+        return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
     logits = logits.float()
     device = logits.device
     raw_logprobs = raw_logprobs_of(logits, seqs)
@@ -63,6 +65,13 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
             if seq.params.logprobs is not None:
                 logprobs[i] = logprob_entry(raw_logprobs[i], tokens[i], seq.params.logprobs)
     return SampleResult(tokens, logprobs)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Greedy with no logprobs and no rule that could change a logit now: the raw argmax is its token."""
+    p = seq.params
+    return (p.greedy and p.logprobs is None and seq.grammar is None and not p.uses_penalties and not p.logit_bias
+            and not p.allowed_token_ids and seq.num_output_tokens >= p.min_tokens)
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ kernel backend plugs in; `TorchAttentionBackend` is the portable reference used 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,7 @@ class AttentionMetadata:
     sliding_window: int | None = None
     query_start_tensor: torch.Tensor | None = None  # [B + 1] int32 query_start_loc on the device (kernels read it)
     max_prefill_len: int = 0  # the longest query among the sequences after the decodes
+    decode_mask: torch.Tensor | None = field(default=None, repr=False)  # built by the first layer, shared by all
 
     @property
     def num_seqs(self) -> int:
@@ -93,14 +94,12 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale):
         nd = q.shape[0]
-        lens = meta.context_lens_tensor[:nd]
         max_len = max(meta.context_lens[:nd])
         keys = gather_context(k_cache, meta.block_tables[:nd], max_len)
         values = gather_context(v_cache, meta.block_tables[:nd], max_len)
-        positions = torch.arange(max_len, device=q.device)
-        mask = positions[None, :] < lens[:, None]
-        if meta.sliding_window:
-            mask &= positions[None, :] >= (lens[:, None] - meta.sliding_window)
+        if meta.decode_mask is None:
+            meta.decode_mask = _decode_mask(meta.context_lens_tensor[:nd], max_len, meta.sliding_window)
+        mask = meta.decode_mask
         if _slow_masked_sdpa(q):
             return _grouped_decode(q, keys, values, mask, scale)
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
@@ -128,6 +127,15 @@ class TorchAttentionBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                                  enable_gqa=True).to(dtype)
         return out.squeeze(0).transpose(0, 1)
+
+
+def _decode_mask(lens: torch.Tensor, max_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, max_len]: which cached positions each decode attends to."""
+    positions = torch.arange(max_len, device=lens.device)
+    mask = positions[None, :] < lens[:, None]
+    if sliding_window:
+        mask &= positions[None, :] >= (lens[:, None] - sliding_window)
+    return mask
 
 
 def _grouped_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
