@@ -8,6 +8,7 @@ import json
 import httpx
 import openai
 import pytest
+from fake_http import read_request, respond
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig
 from kubeinfer.gateway.upstream import UpstreamConfig
@@ -37,11 +38,7 @@ class FakeEngine:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                method, path = head.split(b" ")[:2]
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
+                method, path, _, _ = await read_request(reader)
                 if method == b"POST":
                     self.posts += 1
                     await self.on_post(writer)
@@ -56,12 +53,6 @@ class FakeEngine:
             pass
         finally:
             writer.close()
-
-
-async def respond(writer, status: int, body: bytes, headers: str = "", content_type="application/json") -> None:
-    writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s"
-                 % (status, content_type.encode(), len(body), headers.encode(), body))
-    await writer.drain()
 
 
 async def answer_ok(writer) -> None:

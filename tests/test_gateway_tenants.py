@@ -10,6 +10,7 @@ import json
 
 import httpx
 import pytest
+from fake_http import read_request, respond
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig
 from kubeinfer.gateway.picker import RoutingError
@@ -36,14 +37,9 @@ class Engine:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                method, path = head.split(b" ")[:2]
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                raw = await reader.readexactly(length)
+                method, path, headers, raw = await read_request(reader)
                 if method == b"POST":
-                    self.headers.append({k.strip().lower(): v.strip() for k, _, v in (
-                        line.decode().partition(":") for line in head.split(b"\r\n")[1:] if b":" in line)})
+                    self.headers.append(headers)
                     body = json.loads(raw)
                     self.bodies.append(body)
                     await self.on_post(self, body, writer)
@@ -62,12 +58,6 @@ class Engine:
             writer.close()
 
 
-async def respond(writer, status: int, body: bytes, content_type: str = "application/json") -> None:
-    writer.write(b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
-                 % (status, content_type.encode(), len(body), body))
-    await writer.drain()
-
-
 USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10, "prompt_tokens_details": {"cached_tokens": 4}}
 
 
@@ -78,7 +68,7 @@ async def answer_with_usage(engine: Engine, body: dict, writer) -> None:
         if (body.get("stream_options") or {}).get("include_usage"):
             events.append({"model": body["model"], "choices": [], "usage": USAGE})
         stream = b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in events) + b"data: [DONE]\n\n"
-        await respond(writer, 200, stream, "text/event-stream")
+        await respond(writer, 200, stream, content_type="text/event-stream")
         return
     await respond(writer, 200, json.dumps({"model": body["model"], "choices": [{"text": "ok"}],
                                            "usage": USAGE}).encode())
