@@ -50,7 +50,8 @@ class HoldQueue:
         """Returns at once when the model has a ready endpoint, else after holding; the seconds held.
         Raises HoldRefused (full, timed out); cancellation (the client left) propagates."""
         if self.ready(model):
-            self._holds.get(model, _ModelHold()).asked = False
+            if model in self._holds:
+                self._holds[model].asked = False  # up again: a later wake-up asks anew
             return 0.0
         hold = self._holds.setdefault(model, _ModelHold())
         if len(hold.waiters) >= self.max_held:
