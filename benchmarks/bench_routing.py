@@ -315,25 +315,40 @@ def real_part(args: argparse.Namespace) -> tuple[str, dict]:
 
 
 # -- part 2: simulation -----------------------------------------------------------------------------
-def sim_part(args: argparse.Namespace) -> tuple[str, list[dict]]:
+RUNS = (("round-robin", "round-robin", False, 1), ("picker", "scored", False, 1),
+        ("picker, ends reported", "scored", True, 1), ("picker, 2 gateways", "scored", False, 2),
+        ("picker, 4 gateways", "scored", False, 4))
+
+
+def sim_part(args: argparse.Namespace, collection_cores_per_endpoint: float) -> tuple[str, list[dict]]:
+    """`collection_cores_per_endpoint`: what one gateway replica spends reading one engine's load
+    (measured in part 4), added to the picks' own CPU in the gateway-cost column."""
     spec = PodSpec()
     rows, figures = [], []
     for pods in args.sim_pods:
         workload = Workload(requests=args.sim_requests_per_pod * pods, rate=args.sim_rate_per_pod * pods,
                             base_system_prompts=pods, adapters=pods // 2, seed=args.seed)
+        pick_delay = statistics.median(decision_times(pods, "scored", 500, args.seed))
         results = {}
-        for name, policy, report_ends in (("round-robin", "round-robin", False), ("picker", "scored", False),
-                                          ("picker, ends reported", "scored", True)):
+        for name, policy, report_ends, gateways in RUNS:
             with tqdm(total=workload.requests, desc=f"simulation, {pods} pods, {name}", unit="req") as bar:
-                results[name] = simulate(pods, workload, policy, spec, progress=bar, report_ends=report_ends)
-        picker, rr, exact = results["picker"], results["round-robin"], results["picker, ends reported"]
-        for name, r in (("picker", picker), ("picker, ends reported", exact), ("round-robin", rr)):
+                results[name] = simulate(pods, workload, policy, spec, progress=bar, report_ends=report_ends,
+                                         gateways=gateways, pick_delay_s=pick_delay)
+        for name, *_ in RUNS:
+            r = results[name]
+            cores = r.pick_cores() + collection_cores_per_endpoint * pods
             rows.append(f"| {pods} | {name} | {r.ttft(50) * 1e3:.0f} | {r.ttft(95) * 1e3:.0f} | {r.throughput:,.0f} | "
                         f"{r.prefix_hit_rate:.0%} | {r.adapter_loads} | {min(r.requests_per_pod)}-"
-                        f"{max(r.requests_per_pod)} |")
+                        f"{max(r.requests_per_pod)} | {cores:.2f} |")
+        picker, rr, exact = results["picker"], results["round-robin"], results["picker, ends reported"]
         figures.append({"pods": pods, "p50": rr.ttft(50) / picker.ttft(50), "p95": rr.ttft(95) / picker.ttft(95),
                         "throughput": picker.throughput / rr.throughput,
-                        "ends_p50": picker.ttft(50) / exact.ttft(50), "ends_p95": picker.ttft(95) / exact.ttft(95)})
+                        "ends_p50": picker.ttft(50) / exact.ttft(50), "ends_p95": picker.ttft(95) / exact.ttft(95),
+                        "pick_delay_us": pick_delay * 1e6,
+                        **{f"g{g}": (results[f"picker, {g} gateways"].ttft(50) / picker.ttft(50),
+                                     results[f"picker, {g} gateways"].ttft(95) / picker.ttft(95),
+                                     results[f"picker, {g} gateways"].prefix_hit_rate - picker.prefix_hit_rate)
+                           for g in (2, 4)}})
     w = Workload(requests=0, rate=0)
     text = "\n".join([
         f"A discrete-event model of each pod (routing_sim.py): continuous batching with chunked prefill "
@@ -345,7 +360,13 @@ def sim_part(args: argparse.Namespace) -> tuple[str, list[dict]]:
         "weights; scraped state written into its `Endpoint`s every "
         f"{SCRAPE_INTERVAL_S} s) or by its round-robin policy. \"picker\" hears nothing between scrapes but its "
         "own dispatches (Envoy ext_proc without response phases); \"picker, ends reported\" also hears each "
-        "request end (the proxy, or ext_proc with response phases). Workload "
+        "request end (the proxy, or ext_proc with response phases). \"picker, K gateways\": K independent gateway "
+        "replicas behind one Service that spreads requests over them at random, each scraping every pod on its "
+        "own schedule and knowing only its own dispatches and its own prefix index. The gateway's own cost is in: "
+        "each dispatch waits the median pick time measured for that pool size (" + ", ".join(
+            f"{f['pods']} pods: {f['pick_delay_us']:.0f} us" for f in figures) + "), and the last column is the "
+        "CPU of one gateway replica: its real picks' CPU time over the simulated time, plus reading every pod's "
+        f"load ({collection_cores_per_endpoint * 100:.3f} cores per 100 pods, measured below). Workload "
         f"per pool of N pods: {args.sim_requests_per_pod} requests per pod at {args.sim_rate_per_pod} requests/s per "
         f"pod in bursts (mean {w.burst_mean:.0f}); half on the base model with one of N system prompts, half on "
         f"N/2 adapters (each on {w.replicas_per_adapter} pods, so 8 per pod for 4 slots) with a system prompt each; "
@@ -353,15 +374,22 @@ def sim_part(args: argparse.Namespace) -> tuple[str, list[dict]]:
         f"{w.question_tokens[0]}-{w.question_tokens[1]}, outputs {w.output_tokens[0]}-{w.output_tokens[1]}. "
         f"Seeded (--seed {args.seed}): the same numbers every run.",
         "", "| pods | routing | TTFT p50 (ms) | TTFT p95 (ms) | output tok/s | prefix-cache hits | adapter loads "
-            "| requests per pod |",
-        "|---|---|---|---|---|---|---|---|", *rows, "",
+            "| requests per pod | gateway cores per replica |",
+        "|---|---|---|---|---|---|---|---|---|", *rows, "",
         "Picker vs round-robin: " + "; ".join(
             f"{f['pods']} pods: TTFT p50 {f['p50']:.1f}x lower, p95 {f['p95']:.1f}x lower, throughput "
             f"{f['throughput']:.2f}x" for f in figures) + ". The picker concentrates each system prompt on few pods, "
         "so the uneven request counts are the price of the cache hits; its queue scorer and saturation threshold "
         "keep that from turning into queueing. Hearing each request end, against counting dispatches until the "
         "next scrape: " + "; ".join(f"{f['pods']} pods: TTFT p50 {f['ends_p50']:.2f}x, p95 {f['ends_p95']:.2f}x lower"
-                                    for f in figures) + "."])
+                                    for f in figures) + ". Independent gateway replicas against one: " + "; ".join(
+            f"{f['pods']} pods: " + ", ".join(
+                f"{g} replicas TTFT p50 {f[f'g{g}'][0]:.2f}x, p95 {f[f'g{g}'][1]:.2f}x of one's, prefix hits "
+                f"{f[f'g{g}'][2] * 100:+.0f} points" for g in (2, 4)) for f in figures) + ". Each replica "
+        "sends a prompt where its own index says the prefix is, and another replica's copy of that prefix is "
+        "invisible to it; the affinity scorer (rendezvous hashing of the prompt's opening) makes replicas agree "
+        "on a new prefix's first home, but load can send the first copies elsewhere, after which each replica "
+        "follows its own history."])
     return text, figures
 
 
@@ -408,9 +436,10 @@ def decision_part(args: argparse.Namespace) -> tuple[str, dict]:
         f"CPU time of one `Picker.pick` ({args.decision_picks} picks after 200 that fill the prefix index; "
         "requests as in the simulation: prompts of 1,000-4,400 tokens, half on the base model (every endpoint is "
         "a candidate), half on adapters placed on 16 endpoints each; state re-scraped every 20 picks). It "
-        "includes hashing the prompt for prefix affinity. Pure "
-        "Python on one core; CPU time rather than wall time, so other processes on this shared machine do not "
-        "inflate the tail.",
+        "includes hashing the prompt for prefix affinity, and the first pick after a scrape re-reads the rows "
+        "of the endpoints that changed (here all of them at once: that pick is the p99). Python and numpy on "
+        "one core; CPU time rather than wall time, so other processes on this shared machine do not inflate "
+        "the tail.",
         "", "| endpoints | picker median (us) | picker p99 (us) | round-robin median (us) | round-robin p99 (us) |",
         "|---|---|---|---|---|", *rows])
     return text, figures
@@ -509,7 +538,8 @@ def collection_part(args: argparse.Namespace) -> tuple[str, dict]:
         "state at the default 250 ms interval, against real HTTP/1.1 servers standing in for engines (asyncio, in "
         "another process, so their CPU is not counted). Before: `/health` + `/metrics` (an engine-sized exposition, "
         "parsed as Prometheus text) per scrape. After: the engine's compact `GET /load` over one kept-alive "
-        "connection (gateway/load_poller.py).",
+        "connection (gateway/load_poller.py). At 500 endpoints the Prometheus path no longer keeps the 250 ms "
+        "interval (its figure is capped by the one core the event loop has), so the ratio there understates it.",
         "", "| endpoints | /health + /metrics (cores) | /load (cores) | ratio |", "|---|---|---|---|", *rows])
     return text, figures
 
@@ -530,10 +560,17 @@ def main() -> None:
     parser.add_argument("--collection-seconds", type=float, default=5.0)
     parser.add_argument("--collection-only", action="store_true",
                         help="measure only the cost of collecting engine state (part 4) and print it")
+    parser.add_argument("--sim-only", action="store_true",
+                        help="measure the collection cost, run only the simulation (part 2) and print both")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.collection_only:
         print(collection_part(args)[0])
+        return
+    if args.sim_only:  # the simulation with the collection cost measured now
+        collection_text, collection = collection_part(args)
+        largest = max(args.collection_endpoints)
+        print(collection_text, "", sim_part(args, collection[largest, True] / largest)[0], sep="\n")
         return
     if args.requests < 2 or args.rate <= 0 or args.burst_mean < 1 or args.rounds < 1:
         parser.error("--requests must be at least 2, --rate positive, --burst-mean and --rounds at least 1")
@@ -541,10 +578,12 @@ def main() -> None:
     started = time.perf_counter()
     real_text, real = real_part(args)
     real_s = time.perf_counter() - started
-    sim_text, sim = sim_part(args)
-    sim_s = time.perf_counter() - started - real_s
     decision_text, _ = decision_part(args)
-    collection_text, _ = collection_part(args)
+    collection_text, collection = collection_part(args)
+    largest = max(args.collection_endpoints)
+    started = time.perf_counter()
+    sim_text, sim = sim_part(args, collection[largest, True] / largest)
+    sim_s = time.perf_counter() - started
     print(f"real engines {real_s:.0f} s, simulation {sim_s:.0f} s; picker vs round-robin on real engines: TTFT p50 "
           f"{real['p50']:.2f}x, p95 {real['p95']:.2f}x, throughput {real['throughput']:.2f}x")
 

@@ -9,6 +9,12 @@ gateway runs: every `scrape_interval` the pods' gauges are written into `Endpoin
 `record_scrape`, as the gateway's scraper does, and between scrapes the picker only knows what it
 dispatched itself (and, with `report_ends`, which of those requests have ended). The round-robin baseline is the same `Picker` with `policy="round-robin"`.
 
+With `gateways` > 1, that many independent pickers (gateway replicas behind one Service, which spreads
+requests over them at random) each scrape every pod on their own staggered schedule, and each knows
+only its own dispatches and its own prefix index, as the real replicas do. The gateway's own cost:
+the CPU time of every real `pick` is measured (reported as cores per replica), and `pick_delay_s` (a
+fixed figure, e.g. the measured median, so that runs stay deterministic) delays each dispatch.
+
 Deterministic: the workload, the placement and the picker's tie-breaking are all seeded.
 """
 from __future__ import annotations
@@ -17,6 +23,7 @@ import heapq
 import math
 import random
 import statistics
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
@@ -73,6 +80,7 @@ class SimRequest:
     output_tokens: int
     text: str  # what the picker hashes
     pod: int | None = None  # where it was routed
+    gateway: int = 0  # which gateway replica routed it
     sent: float = 0.0  # the picker's dispatch ticket
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -288,6 +296,12 @@ class SimResult:
     prefix_hit_rate: float
     adapter_loads: int
     requests_per_pod: list[int] = field(default_factory=list)
+    pick_cpu_s: float = 0.0  # real CPU time of all picks, every gateway replica together
+    gateways: int = 1
+
+    def pick_cores(self) -> float:
+        """Cores one gateway replica spends picking at this request rate (real CPU over simulated time)."""
+        return self.pick_cpu_s / self.makespan / self.gateways
 
     @property
     def makespan(self) -> float:
@@ -315,28 +329,34 @@ def percentile(values: list[float], q: int) -> float:
 
 def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec(),
              scrape_interval: float = SCRAPE_INTERVAL_S, picker_config: PickerConfig | None = None,
-             progress=None, report_ends: bool = False) -> SimResult:
+             progress=None, report_ends: bool = False, gateways: int = 1, pick_delay_s: float = 0.0) -> SimResult:
     """Run the workload through `pods` simulated engines, routed by the real picker under `policy`.
     `report_ends`: the gateway hears when each request ends (proxy mode, or ext_proc with response
-    phases); otherwise its own dispatches count until a scrape sees them (ext_proc without)."""
+    phases); otherwise its own dispatches count until a scrape sees them (ext_proc without).
+    `gateways`: independent picker replicas, each request sent to one of them at random; `pick_delay_s`:
+    how long a decision takes before the pod hears of the request."""
     placement = place_adapters(pods, workload.adapters, workload.replicas_per_adapter)
     sim_pods = [Pod(spec, adapters) for adapters in placement]
-    endpoints = [Endpoint(f"10.{i // 250}.{i % 250}.1:8000", name=f"pod-{i}") for i in range(pods)]
-    index_of = {e.address: i for i, e in enumerate(endpoints)}
-    pool = EndpointPool()
-    pool.set_members(endpoints)
     # Staleness is a wall-clock guard for a live gateway; here scrapes run on the simulated clock.
     config = replace(picker_config or PickerConfig(), policy=policy, stale_after=math.inf)
     clock = [0.0]  # the simulated time: it stamps dispatches and scrapes alike
-    picker = Picker(pool, config, rng=random.Random(workload.seed), clock=lambda: clock[0])
+    views: list[tuple[list[Endpoint], Picker]] = []  # each gateway replica's endpoints and picker
+    for g in range(gateways):
+        endpoints = [Endpoint(f"10.{i // 250}.{i % 250}.1:8000", name=f"pod-{i}") for i in range(pods)]
+        pool = EndpointPool()
+        pool.set_members(endpoints)
+        views.append((endpoints, Picker(pool, config, rng=random.Random(workload.seed + 7919 * g),
+                                        clock=lambda: clock[0])))
+    index_of = {e.address: i for i, e in enumerate(views[0][0])}
+    front = random.Random(workload.seed + 1)  # the Service in front of the gateway replicas
     requests = build_workload(workload, spec.block_size)
     largest = max(r.prompt_tokens + r.output_tokens for r in requests)
     if largest > spec.kv_blocks * spec.block_size:
         raise ValueError(f"a request of {largest} tokens can never fit in {spec.kv_blocks} KV blocks of "
                          f"{spec.block_size}: raise PodSpec.kv_blocks or shorten Workload.system_tokens")
 
-    def scrape() -> None:
-        for endpoint, pod in zip(endpoints, sim_pods):
+    def scrape(gateway: int) -> None:
+        for endpoint, pod in zip(views[gateway][0], sim_pods):
             endpoint.record_scrape(pod.state(), pod.models, frozenset([BASE]), started=clock[0])
 
     events: list[tuple[float, int, str, object]] = []  # (time, tie-break, kind, payload)
@@ -355,15 +375,21 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
 
     for r in requests:
         push(r.arrival, "arrival", r)
-    scrape()
-    push(scrape_interval, "scrape", None)
-    finished = 0
+    for g in range(gateways):
+        scrape(g)
+        push(scrape_interval * (1 + g / gateways), "scrape", g)  # replicas scrape out of step
+    finished, pick_cpu = 0, 0.0
     while finished < len(requests):
         now, _, kind, payload = heapq.heappop(events)
         clock[0] = now
         if kind == "arrival":
-            decision = picker.pick(RoutingRequest(payload.model, payload.text))
+            payload.gateway = front.randrange(gateways) if gateways > 1 else 0
+            cpu = time.thread_time()
+            decision = views[payload.gateway][1].pick(RoutingRequest(payload.model, payload.text))
+            pick_cpu += time.thread_time() - cpu
             payload.pod, payload.sent = index_of[decision.endpoint.address], decision.sent
+            push(now + pick_delay_s, "dispatch", payload)  # the pod hears of it once the gateway has decided
+        elif kind == "dispatch":
             pod = sim_pods[payload.pod]
             pod.waiting.append(payload)
             if not pod.busy:
@@ -374,13 +400,13 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
             finished += len(done)
             if report_ends:
                 for request in done:
-                    endpoints[request.pod].record_finish(request.sent)
+                    views[request.gateway][0][request.pod].record_finish(request.sent)
             if progress is not None and done:
                 progress.update(len(done))
             start(pod, now)
         else:
-            scrape()
-            push(now + scrape_interval, "scrape", None)
+            scrape(payload)
+            push(now + scrape_interval, "scrape", payload)
     queries = sum(p.prefix_queries for p in sim_pods)
     return SimResult(policy, requests, sum(p.prefix_hits for p in sim_pods) / queries,
-                     sum(p.adapter_loads for p in sim_pods), per_pod(requests, pods))
+                     sum(p.adapter_loads for p in sim_pods), per_pod(requests, pods), pick_cpu, gateways)

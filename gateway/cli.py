@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="scored: the endpoint picker; round-robin: rotate over the pods serving the model "
                              "(a baseline for comparisons)")
     parser.add_argument("--scorer-weights", type=_weights, default=dict(DEFAULT_WEIGHTS),
-                        help="e.g. queue=2,active=1,kv_cache=1,lora=2,prefix=4")
+                        help="e.g. queue=2,active=1,kv_cache=1,lora=2,prefix=4,affinity=1")
     parser.add_argument("--model-priority", type=_priority, action="append", default=[], metavar="NAME=INT",
                         help="routing priority of a model; below 0 its requests are sheddable")
     parser.add_argument("--hold-max", type=int, default=256,

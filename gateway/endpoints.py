@@ -73,6 +73,16 @@ class Endpoint:
     unseen: Counter[float] = field(default_factory=Counter)  # dispatch times of requests no scrape could count
     finished_since_scrape: int = 0  # requests the last scrape counted that have ended since
 
+    _changes = None  # the pool's set of changed addresses (load_table.py rewrites only those rows)
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self._changes is not None:
+            self._changes.add(self.address)
+
     @property
     def url(self) -> str:
         return f"http://{self.address}"
@@ -118,6 +128,7 @@ class Endpoint:
         """A request was sent here; returns its dispatch time, the ticket `record_finish` takes."""
         sent = time.monotonic() if now is None else now
         self.unseen[sent] += 1
+        self._changed()
         return sent
 
     def record_finish(self, sent: float) -> None:
@@ -128,6 +139,7 @@ class Endpoint:
                 del self.unseen[sent]
         else:
             self.finished_since_scrape += 1
+        self._changed()
 
     def record_scrape(self, state: EngineState, models: frozenset[str], base_models: frozenset[str],
                       started: float | None = None, cards: dict[str, dict] | None = None) -> None:
@@ -142,6 +154,7 @@ class Endpoint:
         self.finished_since_scrape = 0
         for sent in [sent for sent in self.unseen if sent < started]:
             del self.unseen[sent]
+        self._changed()
 
     def record_failure(self) -> None:
         self.consecutive_failures += 1
@@ -149,8 +162,12 @@ class Endpoint:
 
 @dataclass
 class EndpointPool:
-    """The current endpoints by address; discovery replaces membership, the scraper fills in state."""
+    """The current endpoints by address; discovery replaces membership, the scraper fills in state.
+    `version` counts membership changes and `changes` collects the addresses whose state changed since
+    the picker's table last read them."""
     endpoints: dict[str, Endpoint] = field(default_factory=dict)
+    version: int = 0
+    changes: set[str] = field(default_factory=set)
 
     def set_members(self, members: list[Endpoint]) -> None:
         """Adopt a new membership, keeping the state of endpoints that stay."""
@@ -162,7 +179,10 @@ class EndpointPool:
                 fresh[member.address] = known
             else:
                 fresh[member.address] = member
+        for endpoint in fresh.values():
+            object.__setattr__(endpoint, "_changes", self.changes)
         self.endpoints = fresh
+        self.version += 1
 
     def __iter__(self):
         return iter(list(self.endpoints.values()))

@@ -68,17 +68,14 @@ class FairQueue:
         return sum(len(h) for m in models for h in self._queues.get(m, {}).values())
 
     def has_free_pod(self, request: RoutingRequest) -> bool:
-        ready = self.picker.ready_endpoints()
-        if request.subset is not None:
-            ready = [e for e in ready if e.address in request.subset]
-        return any(not self.picker.saturated(e) for e in self.picker.serving(request, ready))
+        return bool(self.picker.has_free_endpoint(request))
 
     def should_wait(self, request: RoutingRequest) -> bool:
         """Every pod of the model is saturated, or others already wait for it (no overtaking)."""
         if request.sheddable or not request.model:
             return False
-        serving = self.picker.serving(request, self.picker.ready_endpoints())
-        return bool(serving) and (self.waiting(request.model) > 0 or not self.has_free_pod(request))
+        free = self.picker.has_free_endpoint(request)  # None: no ready pod serves it (the pick answers why)
+        return free is not None and (self.waiting(request.model) > 0 or not free)
 
     async def wait(self, request: RoutingRequest, tenant: str = "", weight: float = 1.0) -> Decision | None:
         """The decision once a pod is free; None after `timeout` (route as before). RoutingError(429)

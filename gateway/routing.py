@@ -84,8 +84,7 @@ class Router:
             raise
 
     def _serves_unsaturated(self, model: str) -> bool:
-        return any((e.serves(model) or e.is_assigned(model)) and not self.picker.saturated(e)
-                   for e in self.picker.ready_endpoints())
+        return self.picker.has_ready(model, unsaturated=True)
 
     def _fall_back_if_unservable(self, request: RoutingRequest) -> None:
         """No ready pod, or every pod saturated: the first fallback with an unsaturated pod serves."""
@@ -123,11 +122,11 @@ class Router:
         return None
 
     def has_ready_endpoint(self, model: str) -> bool:
-        return any(e.serves(model) or e.is_assigned(model) for e in self.picker.ready_endpoints())
+        return self.picker.has_ready(model)
 
     def _holdable(self, model: str) -> bool:
         """A model the gateway knows (an InferenceModel, or an endpoint serving it that is not ready)."""
-        return model in self.scalable or any(e.serves(model) or e.is_assigned(model) for e in self.picker.pool)
+        return model in self.scalable or self.picker.knows(model)
 
     def _parse(self, raw_body: bytes, headers: Mapping[str, str]) -> RoutingRequest:
         try:
@@ -173,8 +172,7 @@ class Router:
 
     def model_label(self, model: str) -> str:
         """`model` when an endpoint serves or is assigned it, else UNKNOWN_MODEL: clients choose names."""
-        known = any(e.serves(model) or e.is_assigned(model) for e in self.picker.pool) if model else False
-        return model if known else UNKNOWN_MODEL
+        return model if model and self.picker.knows(model) else UNKNOWN_MODEL
 
     def body_for_engine(self, raw_body: bytes, request: RoutingRequest) -> bytes:
         """What the chosen engine receives: the client's body, with the engine's priority when forwarded,

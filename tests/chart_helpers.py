@@ -33,6 +33,9 @@ ALL_ON = {
     "engine": {"image": {"repository": "registry.example.com/kubeinfer/engine", "tag": "0.1.0-cuda"}},
     "gateway": {
         "replicas": 2,
+        "upstream": {"connectTimeoutSeconds": 2.5, "firstByteTimeoutSeconds": 900, "idleTimeoutSeconds": 60,
+                     "maxAttempts": 2},
+        "hold": {"maxPerModel": 32, "timeoutSeconds": 45},
         "image": {"tag": "0.1.0", "pullPolicy": "Always"},
         "watchNamespace": "team-a",
         "inferencePool": "chat",

@@ -228,6 +228,28 @@ def test_gateway_flags_are_accepted_by_the_gateway_cli(rendered):
     assert everywhere.namespace is None, "no --namespace: the gateway watches every namespace"
 
 
+def test_gateway_timeouts_and_hold_come_from_values(rendered):
+    defaults = parse_gateway_args(one(rendered["defaults"], "Deployment", "-gateway"))
+    assert (defaults.upstream_connect_timeout, defaults.upstream_first_byte_timeout, defaults.upstream_idle_timeout,
+            defaults.upstream_max_attempts, defaults.hold_max, defaults.hold_timeout) == (10, 600, 300, 3, 256, 120)
+    tuned = parse_gateway_args(one(rendered["all-on"], "Deployment", "-gateway"))
+    assert (tuned.upstream_connect_timeout, tuned.upstream_first_byte_timeout, tuned.upstream_idle_timeout,
+            tuned.upstream_max_attempts, tuned.hold_max, tuned.hold_timeout) == (2.5, 900, 60, 2, 32, 45)
+
+
+def test_several_gateway_replicas_get_a_disruption_budget_and_spread_over_nodes(rendered):
+    assert not find(rendered["defaults"], "PodDisruptionBudget"), "one replica: no budget to keep"
+    budget = one(rendered["all-on"], "PodDisruptionBudget", "-gateway")
+    deployment = one(rendered["all-on"], "Deployment", "-gateway")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert budget["spec"]["minAvailable"] == 1
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    spread = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread[0]["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert spread[0]["labelSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert "topologySpreadConstraints" not in one(rendered["defaults"], "Deployment", "-gateway")["spec"]["template"]["spec"]
+
+
 def test_gateway_selects_active_engine_pods_only(rendered):
     from kubeinfer.gateway.discovery import parse_selector
     from kubeinfer.operator import names
