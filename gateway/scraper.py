@@ -8,6 +8,9 @@ Load changes by the millisecond; which models a pod serves changes when an adapt
 unloaded. So /v1/models is read on the first scrape, then every `models_interval`, and at once when the
 metrics name an adapter the gateway has not seen there (one just loaded).
 
+A pod that joins the pool is polled within `MEMBERSHIP_POLL`, not at the next round: a request held
+for a model scaled to zero waits for exactly that pod.
+
 A failed or non-ready poll counts against the endpoint; after `max_failures` in a row the picker stops
 choosing it (and it comes back with the first good poll). An endpoint that merely stops answering goes
 stale and is dropped by the picker's staleness bound even before that.
@@ -25,6 +28,8 @@ from .load_poller import LoadConnection, LoadReportUnsupported
 from .upstream import describe, make_client
 
 logger = logging.getLogger(__name__)
+# How soon a pod that joins the pool is polled, rather than at the next round: a held request waits on it.
+MEMBERSHIP_POLL = 0.02
 
 
 class Scraper:
@@ -99,9 +104,18 @@ class Scraper:
         await asyncio.gather(*(self.scrape(e) for e in self.pool))
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self.scrape_all()
-            await asyncio.sleep(self.interval)
+            polled = set(self.pool.endpoints)
+            next_round = loop.time() + self.interval
+            while (left := next_round - loop.time()) > 0:
+                version = self.pool.version
+                await asyncio.sleep(min(MEMBERSHIP_POLL, left))
+                if self.pool.version != version:  # a pod joined (a promotion, a scale-up): poll it now
+                    joined = [e for address, e in self.pool.endpoints.items() if address not in polled]
+                    polled.update(e.address for e in joined)
+                    await asyncio.gather(*(self.scrape(e) for e in joined))
 
     def client_for(self, address: str) -> httpx.AsyncClient:
         if self.fixed is not None:
