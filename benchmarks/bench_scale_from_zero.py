@@ -109,8 +109,10 @@ async def trial(mode: str, standby: tuple[str, subprocess.Popen] | None) -> floa
                                     endpoints=routed, scrape_interval=0.25))
     cold: subprocess.Popen | None = None
 
-    async def ask(model: str) -> bool:
+    async def ask(model: str, held: int) -> bool:
         nonlocal cold
+        if gateway.pool.endpoints:
+            return False  # one request, one pod: already on its way
         if mode == "standby":
             url = standby[0]
         else:
@@ -158,39 +160,62 @@ async def first_token_direct(url: str) -> None:
         response.raise_for_status()
 
 
+WAKE_RUNS = (  # name, standby pods, scale to zero, ask sized by the held requests, fair queue at the gateway
+    ("always on (minReplicas 100)", 0, False, True, False),
+    ("to zero, no standby, ask for 1 (before)", 0, True, False, False),
+    ("to zero, no standby, sized ask", 0, True, True, False),
+    ("to zero, no standby, sized ask, fair queue", 0, True, True, True),
+    ("to zero, 4 warm standby, sized ask", 4, True, True, False),
+    ("to zero, 4 warm standby, sized ask, fair queue", 4, True, True, True),
+    ("to zero, 16 warm standby, sized ask", 16, True, True, False))
+
+
 def wake_part(scenario: WakeScenario) -> str:
     """The simulated model that idles and wakes at 100 pods (scale_sim.py)."""
-    runs = [simulate_wake(scenario, standby, scale_to_zero, name=name) for name, standby, scale_to_zero in (
-        ("always on (minReplicas 100)", 0, False), ("to zero, no standby (cold)", 0, True),
-        ("to zero, 4 warm standby", 4, True), ("to zero, 16 warm standby", 16, True))]
-    on, cold, warm = runs[0], runs[1], runs[2]
-    rows = [f"| {r.name} | {r.first_wake_ttft:.2f} | {r.ttft(50):.2f} | {r.ttft(95):.2f} | {r.max_held:,} | "
-            f"{r.pod_seconds / 3600:.1f} |" for r in runs]
+    runs = [simulate_wake(scenario, standby, to_zero, name=name, sized_ask=sized, fair_queue=fair)
+            for name, standby, to_zero, sized, fair in WAKE_RUNS]
+    on, before, sized, queued = runs[0], runs[1], runs[2], runs[3]
+    rows = [f"| {r.name} | {seconds(r.first_wake_ttft)} | {seconds(r.ttft(50))} | {seconds(r.ttft(95))} | "
+            f"{seconds(r.ttft(99))} | {r.max_held:,} | {r.pod_seconds / 3600:.1f} |" for r in runs]
     s = scenario
     return "\n".join([
         f"Simulated (benchmarks/scale_sim.py): one model at {s.pods} pods, {s.rate_per_pod:g} requests/s per pod "
         f"(the routing simulation's requests and pods), {s.busy_s:.0f} s busy, {s.idle_s:.0f} s without a request, "
         f"then the same traffic again at once. The operator's real `Autoscaler` every {s.resync_s:.0f} s (target "
         f"queue depth {s.target_queue_depth:g}, scaleDownDelaySeconds {s.scale_down_delay_s}); the gateway's real "
-        f"picker, hold and one /scale ask (replicas 0 -> 1). A promoted standby serves {s.promote_s:g} s after the "
-        f"ask, a new pod {s.cold_start_s:.0f} s (+-20%) after it is created (an 8B model on a node with the "
-        "image). Pod-hours: every pod that exists (active, standby, starting) until the end of the second busy "
-        "phase. TTFT: the requests of the second busy phase.",
-        "", "| configuration | first request TTFT (s) | TTFT p50 (s) | TTFT p95 (s) | most requests held | pod-hours |",
-        "|---|---|---|---|---|---|", *rows, "",
-        f"What it shows: going to zero with no standby saves {1 - cold.pod_seconds / on.pod_seconds:.0%} of the "
+        "picker, hold and /scale ask: \"ask for 1\" is max(1, minReplicas) once (what the gateway did before), "
+        "\"sized ask\" is the real `ScaleTarget.replicas_for(held)`, asked again at most every second while the "
+        "hold grows; \"fair queue\": a request that finds every ready pod saturated waits at the gateway (up to "
+        f"30 s). A promoted standby serves {s.promote_s:g} s after the ask, a new pod {s.cold_start_s:.0f} s "
+        "(+-20%) after it is created (an 8B model on a node with the image). Pod-hours: every pod that exists "
+        "(active, standby, starting) until the end of the second busy phase. TTFT: the requests of the second "
+        "busy phase.",
+        "", "| configuration | first request TTFT (s) | TTFT p50 (s) | TTFT p95 (s) | TTFT p99 (s) | most requests held "
+            "| pod-hours |",
+        "|---|---|---|---|---|---|---|", *rows, "",
+        f"What it shows: going to zero without a standby saves {1 - before.pod_seconds / on.pod_seconds:.0%} of the "
         "pod-hours here, and warm standbys turn the first request's wait from a cold start "
-        f"({cold.first_wake_ttft:.0f} s) into a promotion ({warm.first_wake_ttft:.2f} s). But standby pods run "
+        f"({before.first_wake_ttft:.0f} s) into a promotion ({runs[4].first_wake_ttft:.2f} s); standby pods run "
         "beside the active ones at all times (the Deployment keeps replicas + standby pods), so they cost "
-        "pod-hours in the busy phases too; and the wake-up is only as good as the capacity that comes back "
-        "with it. Without a standby, every request that arrives during the first cold start is held, then "
-        "released onto the single pod the ask brought back, where they queue (prefill of thousands of prompts "
-        f"on one pod: TTFT p95 {cold.ttft(95):.0f} s) while the autoscaler, which sees only the queues of ready "
-        "pods, grows the model at its next pass. With standbys that pass sees the queue on the promoted pods "
-        "and asks for all of them at once; the p95 is then the cold start of the pods beyond the standbys. "
-        "Next steps (not built): an ask sized by the held requests (ceil(held / targetQueueDepth)), a release "
-        "that stops at the ready pods' saturation (the fair queue does this when it is on), and the requests "
-        "held or queued at the gateway counted in the autoscaler's queue depth, which cannot see them now."])
+        "pod-hours in the busy phases too. The wake-up is only as good as the capacity that comes back with it. "
+        "Asking for one pod, every request that arrives during its cold start is held, then released onto that "
+        "one pod, where thousands of prompts queue for prefill while the autoscaler (which sees only the queues "
+        f"of ready pods) grows the model at its next pass: TTFT p95 {before.ttft(95):.0f} s. Sizing the ask by "
+        f"the held requests brings the pods back together ({sized.ttft(95):.0f} s); the fair queue also stops the "
+        f"held burst from piling onto the first pods to come up ({queued.ttft(95):.0f} s, about one cold start). "
+        "Left: requests waiting in the fair queue are still invisible to the operator's autoscaler (with 4 "
+        f"standbys the model had all {s.pods} pods {full_at(runs[4], s):.0f} s after the wake-up without the fair "
+        f"queue, {full_at(runs[5], s):.0f} s with it)."])
+
+
+def seconds(value: float) -> str:
+    return f"{value:.2f}" if value < 10 else f"{value:.0f}"
+
+
+def full_at(run, scenario: WakeScenario) -> float:
+    """Seconds from the wake-up until the model was asked for all its pods again."""
+    wake_at = run.horizon_s - scenario.busy_s
+    return next(t for t, n in run.replicas_trace if t >= wake_at and n == scenario.pods) - wake_at
 
 
 def main() -> None:

@@ -12,9 +12,12 @@ the watch event and the gateway's first poll) and new pods start cold (routable 
 jittered by 20%: scheduling, image, model load). A promoted standby is replaced by a new, cold pod.
 
 The gateway: the real `Picker` over every routable pod, polled every 0.25 s; a request that finds no
-routable pod is held, in arrival order, and the first one asks /scale for max(1, minReplicas). Held
+routable pod is held, in arrival order, and the first one asks /scale for the real `ScaleTarget`'s
+`replicas_for(held)` (as many pods as the held requests need at targetQueueDepth, up to maxReplicas),
+again at most every second while the hold grows (`sized_ask=False`: max(1, minReplicas), once). Held
 requests count nowhere the autoscaler looks, as in the cluster: it sees them once they are released onto
-the first pod and wait there.
+the first pod and wait there. With `fair_queue`, a request that finds every routable pod saturated waits
+at the gateway (up to 30 s) instead, and is dispatched as pods free up or join.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from routing_sim import BASE, PodSpec, SimRequest, Workload, build_workload, per
 from routing_sim import Pod as EnginePod
 
 from kubeinfer.gateway.endpoints import Endpoint, EndpointPool
+from kubeinfer.gateway.model_priorities import ScaleTarget
 from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingError, RoutingRequest
 from kubeinfer.operator.autoscale import Autoscaler
 from kubeinfer.operator.spec import parse_spec
@@ -71,21 +75,28 @@ class WakeResult:
         return percentile(self.wake_ttft, q)
 
 
+FAIR_QUEUE_TIMEOUT_S = 30.0  # the gateway's --fair-queue-timeout default
+REASK_S = 1.0  # gateway/hold.py's REASK_SECONDS
+
+
 def simulate_wake(s: WakeScenario, standby: int, scale_to_zero: bool = True, spec: PodSpec = PodSpec(),
-                  name: str = "") -> WakeResult:
+                  name: str = "", sized_ask: bool = True, fair_queue: bool = False) -> WakeResult:
     rng = random.Random(s.seed)
     model = parse_spec("wake", {
         "model": {"uri": "hf://example/model", "servedName": BASE}, "replicas": s.pods,
         "minReplicas": 0 if scale_to_zero else s.pods, "maxReplicas": s.pods, "standby": {"replicas": standby},
         "autoscaling": {"targetQueueDepth": s.target_queue_depth, "scaleDownDelaySeconds": s.scale_down_delay_s}})
     autoscaler = Autoscaler()
+    target = ScaleTarget("default", "wake", model.min_replicas, model.max_replicas,
+                         s.target_queue_depth if sized_ask else None)
+    queued: deque[tuple[float, SimRequest]] = deque()  # (since, request) waiting for a free pod (fair_queue)
     pool = EndpointPool()
     picker = Picker(pool, replace(PickerConfig(), stale_after=math.inf), rng=random.Random(s.seed),
                     clock=lambda: now)
     pods: list[SimPod] = []
     serial = 0
     held: deque[SimRequest] = deque()
-    asked, max_held, pod_seconds, last_t = False, 0, 0.0, 0.0
+    asked, asked_for, asked_at, max_held, pod_seconds, last_t = False, 0, -math.inf, 0, 0.0, 0.0
     now = 0.0
     events: list[tuple[float, int, str, object]] = []
     counter = 0
@@ -127,21 +138,40 @@ def simulate_wake(s: WakeScenario, standby: int, scale_to_zero: bool = True, spe
                 p.active = p.routable = False
         publish()
 
+    def ask_if_needed() -> None:
+        """The hold's asks: the first held request, then (sized) a grown hold at most every REASK_S."""
+        nonlocal asked, asked_for, asked_at
+        if asked and (not sized_ask or len(held) <= asked_for or now - asked_at < REASK_S):
+            return
+        asked, asked_for, asked_at = True, len(held), now
+        push(now, "scale_up", target.replicas_for(len(held)))
+
     def route(r: SimRequest) -> None:
-        nonlocal asked, max_held
+        nonlocal max_held
+        if fair_queue and any(p.routable for p in pods) and not picker.has_free_endpoint(RoutingRequest(r.model)):
+            queued.append((now, r))
+            return
         try:
             decision = picker.pick(RoutingRequest(r.model, r.text))
         except RoutingError:
             held.append(r)
             max_held = max(max_held, len(held))
-            if not asked and model.replicas == 0:
-                asked = True
-                push(now, "scale_up")
+            ask_if_needed()
             return
-        target = next(p for p in pods if p.endpoint is decision.endpoint)
-        target.engine.waiting.append(r)
-        if not target.engine.busy:
-            start(target.engine)
+        dispatch(r, decision)
+
+    def dispatch(r: SimRequest, decision) -> None:
+        pod = next(p for p in pods if p.endpoint is decision.endpoint)
+        pod.engine.waiting.append(r)
+        if not pod.engine.busy:
+            start(pod.engine)
+
+    def drain_queue() -> None:
+        """The fair queue: dispatch while a pod is free, and whatever has waited its longest anyway."""
+        while queued and (picker.has_free_endpoint(RoutingRequest(queued[0][1].model))
+                          or now - queued[0][0] >= FAIR_QUEUE_TIMEOUT_S):
+            r = queued.popleft()[1]
+            dispatch(r, picker.pick(RoutingRequest(r.model, r.text)))
 
     def start(engine: EnginePod) -> None:
         planned = engine.start_step()
@@ -178,7 +208,10 @@ def simulate_wake(s: WakeScenario, standby: int, scale_to_zero: bool = True, spe
         pod_seconds += len(pods) * max(0.0, min(now, horizon) - last_t)
         last_t = max(last_t, min(now, horizon))
         if kind == "arrival":
-            route(payload)
+            if queued:  # no overtaking the fair queue
+                queued.append((now, payload))
+            else:
+                route(payload)
         elif kind == "step":
             engine, chunks = payload
             finished += len(engine.finish_step(now, chunks))
@@ -187,10 +220,11 @@ def simulate_wake(s: WakeScenario, standby: int, scale_to_zero: bool = True, spe
             for p in pods:
                 if p.routable:
                     p.endpoint.record_scrape(p.engine.state(), p.engine.models, frozenset([BASE]), started=now)
+            drain_queue()
             push(now + s.scrape_s, "scrape")
         elif kind in ("resync", "scale_up"):
-            if kind == "scale_up":
-                replicas = max(1, model.min_replicas)
+            if kind == "scale_up":  # /scale: only ever up, never past what is already there
+                replicas = max(model.replicas, payload)
             else:
                 routable = [p for p in pods if p.routable]
                 depths = [float(len(p.engine.waiting)) for p in routable]
@@ -210,6 +244,7 @@ def simulate_wake(s: WakeScenario, standby: int, scale_to_zero: bool = True, spe
                 publish()
                 while held and any(p.routable for p in pods):  # released in arrival order
                     route(held.popleft())
+                drain_queue()
     wake = second
     return WakeResult(name, [r.first_token_at - r.arrival for r in wake],
                       min(wake, key=lambda r: r.arrival).first_token_at - wake_at, max_held, pod_seconds, horizon,

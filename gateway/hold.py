@@ -3,7 +3,8 @@
 A request that finds no ready endpoint waits here instead of getting a 503: at most `max_held` per
 model (beyond that, 503 with Retry-After), at most `timeout` seconds (then 503 with Retry-After).
 The first held request of a model asks for capacity (`ask`: the InferenceModel's /scale subresource in
-a cluster), once while that ask is pending. Held requests are released in arrival order as soon as the
+a cluster, sized by the number held); while nothing is ready, it asks again at most every
+`REASK_SECONDS`, and only when more requests are held than at the last ask (a wake-up burst). Held requests are released in arrival order as soon as the
 model has a ready endpoint; a client that goes away while held just leaves the queue.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 POLL_SECONDS = 0.02  # how often a model with held requests is checked for a ready endpoint (~10 us each)
+REASK_SECONDS = 1.0  # the soonest a growing hold asks again (a GET of /scale, a PATCH when it grows)
 
 
 class HoldRefused(Exception):
@@ -32,10 +34,13 @@ class _ModelHold:
     waiters: deque[asyncio.Future] = field(default_factory=deque)
     releaser: asyncio.Task | None = None
     asked: bool = False  # a scale-up was asked and the model has not been ready since
+    asked_for: int = 0  # requests held when it was last asked
+    asked_at: float = 0.0
+    asking: bool = False  # an ask is in flight
 
 
 class HoldQueue:
-    def __init__(self, ready: Callable[[str], bool], ask: Callable[[str], Awaitable[bool]] | None = None, *,
+    def __init__(self, ready: Callable[[str], bool], ask: Callable[[str, int], Awaitable[bool]] | None = None, *,
                  max_held: int = 256, timeout: float = 120.0, metrics=None) -> None:
         self.ready, self.ask = ready, ask
         self.max_held, self.timeout = max_held, timeout
@@ -62,9 +67,7 @@ class HoldQueue:
         self._count(+1)
         if hold.releaser is None or hold.releaser.done():
             hold.releaser = asyncio.create_task(self._release_when_ready(model, hold))
-        if not hold.asked and self.ask is not None:
-            hold.asked = True
-            asyncio.create_task(self._ask(model, hold))
+        self._ask_if_needed(model, hold)
         try:
             await asyncio.wait_for(asyncio.shield(future), self.timeout)
         except TimeoutError:
@@ -79,8 +82,19 @@ class HoldQueue:
             self.metrics.hold_seconds.labels(model).observe(held)
         return held
 
+    def _ask_if_needed(self, model: str, hold: _ModelHold) -> None:
+        """The first held request asks; later, a hold that has grown since the last ask asks again."""
+        if self.ask is None or hold.asking:
+            return
+        held, now = len(hold.waiters), time.monotonic()
+        if hold.asked and (held <= hold.asked_for or now - hold.asked_at < REASK_SECONDS):
+            return
+        hold.asked, hold.asking, hold.asked_for, hold.asked_at = True, True, held, now
+        asyncio.create_task(self._ask(model, hold, held))
+
     async def _release_when_ready(self, model: str, hold: _ModelHold) -> None:
         while hold.waiters:
+            self._ask_if_needed(model, hold)
             if self.ready(model):
                 hold.asked = False
                 while hold.waiters:  # in arrival order
@@ -91,13 +105,15 @@ class HoldQueue:
                 return
             await asyncio.sleep(POLL_SECONDS)
 
-    async def _ask(self, model: str, hold: _ModelHold) -> None:
+    async def _ask(self, model: str, hold: _ModelHold, held: int) -> None:
         try:
-            asked = await self.ask(model)
+            asked = await self.ask(model, held)
         except Exception:  # noqa: BLE001 - the hold goes on; its timeout answers the client
             logger.exception("asking for capacity for %s failed", model)
-            hold.asked = False
+            hold.asked_for = 0  # asked again after REASK_SECONDS, not at every poll
             return
+        finally:
+            hold.asking = False
         if asked and self.metrics is not None:
             self.metrics.scale_ups.labels(model).inc()
 

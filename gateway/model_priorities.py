@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from dataclasses import dataclass
 
@@ -40,6 +41,16 @@ class ScaleTarget:
     namespace: str
     name: str  # the InferenceModel's
     min_replicas: int
+    max_replicas: int | None = None
+    target_queue_depth: float | None = None  # spec.autoscaling's: sizes a wake-up by the requests held
+
+    def replicas_for(self, held: int) -> int:
+        """What to ask for with `held` requests waiting: max(1, minReplicas), or as many pods as the
+        autoscaler would want for that queue (held / targetQueueDepth), up to maxReplicas."""
+        wanted = max(1, self.min_replicas)
+        if self.target_queue_depth:
+            wanted = max(wanted, math.ceil(held / self.target_queue_depth))
+        return wanted if self.max_replicas is None else min(wanted, max(1, self.max_replicas))
 
 
 def scale_targets_of(models: list[dict]) -> dict[str, ScaleTarget]:
@@ -49,7 +60,9 @@ def scale_targets_of(models: list[dict]) -> dict[str, ScaleTarget]:
         spec, meta = model.get("spec") or {}, model.get("metadata") or {}
         if not meta.get("name") or not meta.get("namespace"):
             continue
-        target = ScaleTarget(meta["namespace"], meta["name"], int(spec.get("minReplicas", 1) or 0))
+        auto = spec.get("autoscaling") or {}
+        target = ScaleTarget(meta["namespace"], meta["name"], int(spec.get("minReplicas", 1) or 0),
+                             spec.get("maxReplicas"), auto.get("targetQueueDepth"))
         served = (spec.get("model") or {}).get("servedName") or meta["name"]
         for name in [served, *((a or {}).get("name") for a in spec.get("adapters") or [])]:
             if name:

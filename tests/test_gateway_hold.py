@@ -13,12 +13,14 @@ class Model:
     def __init__(self) -> None:
         self.up = False
         self.asks = 0
+        self.sizes: list[int] = []  # requests held at each ask
 
     def ready(self, _: str) -> bool:
         return self.up
 
-    async def ask(self, _: str) -> bool:
+    async def ask(self, _: str, held: int) -> bool:
         self.asks += 1
+        self.sizes.append(held)
         return True
 
 
@@ -44,6 +46,37 @@ async def test_held_requests_are_released_in_arrival_order_after_one_ask():
     model.up = True
     await asyncio.gather(*tasks)
     assert order == [0, 1, 2, 3, 4] and queue.held("m") == 0
+
+
+async def test_a_growing_hold_asks_again_for_more_at_most_once_per_interval(monkeypatch):
+    """A wake-up burst: requests keep arriving while nothing is ready. The hold asks again with the
+    larger count (the ask sizes the scale-up), but not more often than REASK_SECONDS."""
+    from kubeinfer.gateway import hold as hold_module
+
+    monkeypatch.setattr(hold_module, "REASK_SECONDS", 0.2)
+    model = Model()
+    queue = HoldQueue(model.ready, model.ask, timeout=5)
+    tasks = []
+    for _ in range(10):
+        tasks.append(asyncio.create_task(queue.wait_until_ready("m")))
+        await asyncio.sleep(0.03)
+    await asyncio.sleep(0.3)
+    assert model.sizes[0] == 1 and model.sizes[-1] == 10 and len(model.sizes) <= 3
+    asked = model.asks
+    await asyncio.sleep(0.3)
+    assert model.asks == asked, "a hold that stopped growing does not ask again"
+    model.up = True
+    await asyncio.gather(*tasks)
+
+
+def test_a_wake_up_is_sized_by_the_held_requests_within_the_model_bounds():
+    from kubeinfer.gateway.model_priorities import ScaleTarget, scale_targets_of
+
+    target = scale_targets_of([{"metadata": {"name": "chat", "namespace": "ns"}, "spec": {
+        "model": {"uri": "hf://x/y"}, "minReplicas": 0, "maxReplicas": 8,
+        "autoscaling": {"targetQueueDepth": 4}}}])["chat"]
+    assert [target.replicas_for(n) for n in (1, 4, 5, 30, 1000)] == [1, 1, 2, 8, 8]
+    assert ScaleTarget("ns", "plain", min_replicas=2).replicas_for(1000) == 2  # no autoscaling: the minimum
 
 
 async def test_the_hold_is_bounded_and_times_out():

@@ -337,7 +337,8 @@ async def test_an_idle_model_scales_to_zero_keeps_its_standby_warm_and_comes_bac
 
 async def test_the_gateway_asks_for_capacity_once_and_the_operator_promotes_the_warm_standby():
     """A model at zero with a warm standby: the gateway's ScaleUp sets /scale from 0 to max(1, minReplicas)
-    (only while it is at 0) and the operator relabels the standby active."""
+    and the operator relabels the standby active; more requests held ask for more, up to maxReplicas,
+    and replicas only ever go up."""
     from kubernetes import client as k8s_client
 
     from kubeinfer.gateway.model_priorities import scale_targets_of
@@ -357,3 +358,6 @@ async def test_the_gateway_asks_for_capacity_once_and_the_operator_promotes_the_
         assert await scale_up("not-a-model") is False
         await eventually(lambda: _spec_replicas(cluster, "zero", 1))
         await eventually(lambda: _role_is(cluster, "zero", warm, "active"))
+        assert await scale_up(name, held=4) is True  # a bigger hold: 4 held / targetQueueDepth 2
+        await eventually(lambda: _spec_replicas(cluster, "zero", 2))
+        assert await scale_up(name, held=40) is False  # never beyond maxReplicas

@@ -29,3 +29,14 @@ def test_a_warm_standby_answers_the_first_request_after_a_promotion():
     on = scale_sim.simulate_wake(SMALL, standby=0, scale_to_zero=False)
     assert [n for _, n in on.replicas_trace] == [SMALL.pods] and on.max_held == 0
     assert scale_sim.simulate_wake(SMALL, standby=0).pod_seconds < on.pod_seconds
+
+
+def test_the_ask_is_sized_by_the_held_requests():
+    """While nothing is ready, a growing hold asks for more (up to maxReplicas) instead of the one pod that
+    would take every held request on its own."""
+    def asked_during_the_first_cold_start(run) -> int:
+        wake_at = run.horizon_s - SMALL.busy_s
+        return max(n for t, n in run.replicas_trace if wake_at <= t <= wake_at + 0.8 * SMALL.cold_start_s)
+
+    assert asked_during_the_first_cold_start(scale_sim.simulate_wake(SMALL, standby=0)) == SMALL.pods
+    assert asked_during_the_first_cold_start(scale_sim.simulate_wake(SMALL, standby=0, sized_ask=False)) == 1
