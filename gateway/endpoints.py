@@ -32,6 +32,7 @@ class EngineState:
     running_adapters: frozenset[str] = frozenset()
     waiting_adapters: frozenset[str] = frozenset()
     max_loras: int = 0
+    max_running: int = 0  # the engine's batch size limit (max_num_seqs); 0: not reported
 
 
 def parse_engine_metrics(text: str) -> EngineState:

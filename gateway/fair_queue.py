@@ -3,7 +3,9 @@
 Without it such a request is piled onto the least bad saturated pod, where it waits in the engine's
 queue in arrival order: a tenant sending ten times its share takes ten times the places in front of
 everyone else. Here it waits at the gateway instead, and is dispatched (picked onto a pod) as soon as a
-pod of its model drops below the saturation thresholds, in this order:
+pod of its model drops below the saturation thresholds and, where the engine reports its batch size
+(max_num_seqs in /load), has a free place in its running batch: then the engine starts it at once and
+all the queueing, the part fairness can reorder, happens here. In this order:
   * across tenants, weighted fair share: each tenant has a virtual time that a dispatch advances by
     1 / weight; the waiting tenant with the lowest goes first. A tenant that was idle starts at the
     current virtual time (no credit banked while idle).
@@ -68,13 +70,13 @@ class FairQueue:
         return sum(len(h) for m in models for h in self._queues.get(m, {}).values())
 
     def has_free_pod(self, request: RoutingRequest) -> bool:
-        return bool(self.picker.has_free_endpoint(request))
+        return bool(self.picker.has_free_endpoint(request, free_slot=True))
 
     def should_wait(self, request: RoutingRequest) -> bool:
         """Every pod of the model is saturated, or others already wait for it (no overtaking)."""
         if request.sheddable or not request.model:
             return False
-        free = self.picker.has_free_endpoint(request)  # None: no ready pod serves it (the pick answers why)
+        free = self.picker.has_free_endpoint(request, free_slot=True)  # None: no ready pod serves it
         return free is not None and (self.waiting(request.model) > 0 or not free)
 
     async def wait(self, request: RoutingRequest, tenant: str = "", weight: float = 1.0) -> Decision | None:

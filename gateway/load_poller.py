@@ -45,7 +45,7 @@ class LoadConnection:
             return EngineState(waiting=report["waiting"], running=report["running"], kv_usage=report["kv_usage"],
                                running_adapters=frozenset(report["running_adapters"]),
                                waiting_adapters=frozenset(report["waiting_adapters"]),
-                               max_loras=report["max_loras"]), report
+                               max_loras=report["max_loras"], max_running=report.get("max_num_seqs", 0)), report
         except (ValueError, KeyError, TypeError):  # 404, or some other /load: not our engine's report
             raise LoadReportUnsupported(f"{self.host}:{self.port} has no load report (/load: {status})") from None
 

@@ -70,6 +70,7 @@ class LoadTable:
         self.active = np.zeros(n)  # Endpoint.active
         self.kv_usage = np.zeros(n)
         self.free_adapter_slot = np.zeros(n, dtype=bool)  # fewer adapters running than max_loras
+        self.batch_full = np.zeros(n, dtype=bool)  # as many requests active as the engine runs at once
         self.loaded, self.base, self.assigned = NameIndex(n), NameIndex(n), NameIndex(n)
         self.running_adapters, self.waiting_adapters = NameIndex(n), NameIndex(n)
         for row in range(n):
@@ -95,6 +96,7 @@ class LoadTable:
         self.queue[row], self.active[row] = e.queue, e.active
         self.kv_usage[row] = state.kv_usage if state else 0.0
         self.free_adapter_slot[row] = state is not None and len(state.running_adapters) < state.max_loras
+        self.batch_full[row] = state is not None and 0 < state.max_running <= e.active
         self.loaded.set(row, e.models)
         self.base.set(row, e.base_models)
         self.assigned.set(row, e.placed_adapters - e.refused_models)

@@ -230,10 +230,16 @@ class Picker:
         untried = ready & ~self.table.addresses(request.exclude) if request.exclude else ready
         return np.flatnonzero(self.table.serving(request.model, untried))
 
-    def has_free_endpoint(self, request: RoutingRequest) -> bool | None:
-        """None when no ready endpoint serves the request, else whether one of them is not saturated."""
+    def has_free_endpoint(self, request: RoutingRequest, free_slot: bool = False) -> bool | None:
+        """None when no ready endpoint serves the request, else whether one of them is not saturated (and,
+        with `free_slot`, has room in its running batch where the engine reports its size)."""
         rows = self.serving_rows(request)
-        return None if not rows.size else not self._saturated_rows(rows).all()
+        if not rows.size:
+            return None
+        busy = self._saturated_rows(rows)
+        if free_slot:
+            busy |= self.table.batch_full[rows]
+        return not busy.all()
 
     def pick(self, request: RoutingRequest) -> Decision:
         ready, table = self._ready(), self.table

@@ -103,6 +103,13 @@ async def test_a_burst_spreads_by_queue(gateway, engines):
     assert all(2 <= n <= 4 for n in counts.values()), counts
 
 
+async def test_the_gateway_reads_each_engines_batch_size_from_its_load_report(gateway, engines):
+    """The engine's /load names its max_num_seqs: the fair queue's notion of a free place in a batch."""
+    for server in engines.values():
+        endpoint = gateway.pool.endpoints[address(server)]
+        assert endpoint.state.max_running == server.engine.config.max_num_seqs > 0
+
+
 async def test_a_repeated_long_prompt_returns_to_its_prefix(gateway, engines):
     long_prompt = list(range(40, 240))
     async with httpx.AsyncClient() as http:

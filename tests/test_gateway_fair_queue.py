@@ -49,6 +49,24 @@ async def test_tenants_share_by_weight_whatever_the_arrival_order():
     assert tenants[6:] == ["noisy"] * 4
 
 
+async def test_a_full_running_batch_holds_requests_at_the_gateway_before_any_engine_queue():
+    """An engine that reports its batch size (max_num_seqs in /load) and has every place taken is not
+    free, though nothing waits in it yet: the request waits here, where the order is fair, and goes as
+    soon as a place frees."""
+    picker, pod = saturated_pool(waiting=0)
+    pod.state = EngineState(running=4, max_running=4)
+    queue = FairQueue(picker)
+    assert queue.should_wait(RoutingRequest(model="base"))
+    task = asyncio.create_task(queue.wait(RoutingRequest(model="base"), "a"))
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    pod.state = EngineState(running=3, max_running=4)
+    decision = await asyncio.wait_for(task, 5)
+    assert decision.endpoint is pod
+    pod.state = EngineState(running=0, max_running=0)  # an engine that does not say: the thresholds alone
+    assert not queue.should_wait(RoutingRequest(model="base"))
+
+
 async def test_within_a_tenant_higher_priority_goes_first_then_arrival_order():
     picker, pod = saturated_pool()
     order = await drain(FairQueue(picker), pod, [("a", 1, 0), ("a", 1, 5), ("a", 1, 1), ("a", 1, 5)])

@@ -23,6 +23,7 @@ def load_report(state: ServerState) -> dict:
     return {"ready": ready, "waiting": async_engine.num_waiting, "running": async_engine.num_running,
             "kv_usage": engine.block_manager.usage, "running_adapters": list(running),
             "waiting_adapters": list(waiting), "max_loras": engine.config.max_loras if engine.config.enable_lora else 0,
+            "max_num_seqs": engine.config.max_num_seqs,
             "models": [state.served_model_name, *(r.lora_name for r in engine.list_loras())]}
 
 
