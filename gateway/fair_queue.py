@@ -140,7 +140,7 @@ class FairQueue:
                 self._now = self._virtual[tenant]
                 self._virtual[tenant] += 1.0 / self._weights.get(tenant, 1.0)
                 try:
-                    waiter.future.set_result(self.picker.pick(waiter.request))
+                    waiter.future.set_result(self.picker.pick(waiter.request, free_slot=True))
                 except RoutingError as error:
                     waiter.future.set_exception(error)
             await asyncio.sleep(POLL_SECONDS)

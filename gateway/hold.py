@@ -4,8 +4,9 @@ A request that finds no ready endpoint waits here instead of getting a 503: at m
 model (beyond that, 503 with Retry-After), at most `timeout` seconds (then 503 with Retry-After).
 The first held request of a model asks for capacity (`ask`: the InferenceModel's /scale subresource in
 a cluster, sized by the number held); while nothing is ready, it asks again at most every
-`REASK_SECONDS`, and only when more requests are held than at the last ask (a wake-up burst). Held requests are released in arrival order as soon as the
-model has a ready endpoint; a client that goes away while held just leaves the queue.
+`REASK_SECONDS`, and only when more requests are held than at the last ask (a wake-up burst). Held
+requests are released in arrival order as soon as the model has a ready endpoint; a client that goes
+away while held just leaves the queue.
 """
 from __future__ import annotations
 

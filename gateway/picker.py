@@ -241,7 +241,9 @@ class Picker:
             busy |= self.table.batch_full[rows]
         return not busy.all()
 
-    def pick(self, request: RoutingRequest) -> Decision:
+    def pick(self, request: RoutingRequest, free_slot: bool = False) -> Decision:
+        """`free_slot`: prefer endpoints with a free place in their running batch (the fair queue's
+        dispatch: the engine then starts the request at once instead of queueing it)."""
         ready, table = self._ready(), self.table
         if request.subset is not None and not (ready & table.addresses(request.subset)).any():
             raise RoutingError(503, f"none of the {len(request.subset)} endpoints of the subset hint is ready")
@@ -260,6 +262,8 @@ class Picker:
                 raise RoutingError(429, f"every endpoint serving `{request.model}` is saturated; "
                                         "sheddable requests are refused until load drops")
             candidates = rows
+        if free_slot and (roomy := candidates[~table.batch_full[candidates]]).size:
+            candidates = roomy
         if self.config.policy == "round-robin":
             return self._rotate(request.model, [table.endpoints[row] for row in rows])
         ctx = Context(request, table, candidates, request.prefix_hashes(), self.prefix_index)

@@ -97,3 +97,15 @@ def test_independent_replicas_send_a_new_prompt_to_the_same_pod():
         for picker, chosen in ((one, a), (two, b)):  # the request ended: both replicas idle again
             chosen.record_scrape(EngineState(max_loras=2), chosen.models, chosen.base_models)
     assert len(homes) >= 8
+
+
+def test_the_fair_queues_dispatch_prefers_a_pod_with_a_free_place_in_its_batch():
+    full = Endpoint("full:1")
+    full.record_scrape(EngineState(running=4, max_running=4), frozenset({"base"}), frozenset({"base"}))
+    roomy = Endpoint("roomy:1")
+    roomy.record_scrape(EngineState(waiting=2, running=3, max_running=4), frozenset({"base"}), frozenset({"base"}))
+    pool = EndpointPool()
+    pool.set_members([full, roomy])
+    picker = Picker(pool, PickerConfig(), rng=random.Random(0))
+    assert picker.pick(RoutingRequest("base")).endpoint is full  # by score: no queue there
+    assert picker.pick(RoutingRequest("base"), free_slot=True).endpoint is roomy
