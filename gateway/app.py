@@ -82,7 +82,8 @@ class Gateway:
                                              self.usage, self.router.model_label)
         if config.fair_queue or (config.fair_queue is None and config.tenants_file):
             self.router.fair_queue = FairQueue(self.picker, max_per_tenant=config.fair_queue_max_per_tenant,
-                                               timeout=config.fair_queue_timeout, metrics=self.router.metrics)
+                                               timeout=config.fair_queue_timeout, metrics=self.router.metrics,
+                                               preempt=config.forward_priority)
         self.scraper = Scraper(self.pool, config.scrape_interval, config.scrape_timeout)
         self.discovery = self.priorities = self.scale_up = None
         if config.endpoints:

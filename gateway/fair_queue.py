@@ -10,6 +10,10 @@ all the queueing, the part fairness can reorder, happens here. In this order:
     1 / weight; the waiting tenant with the lowest goes first. A tenant that was idle starts at the
     current virtual time (no credit banked while idle).
   * within a tenant, higher priority first, then arrival order.
+With `preempt` (engines that schedule by the priority the gateway forwards), a request that the fair
+share sends ahead of another tenant's earlier one does not wait for a place to free: it goes at once
+with its priority raised by one, and the engine makes room by preempting a running request of lower
+priority (recomputed later). So a tenant within its share waits for neither the backlog nor the batch.
 Each model has its own queue, so a saturated model does not hold back another. Bounds: at most
 `max_per_tenant` requests of a tenant wait (beyond that, 429 with Retry-After), at most `timeout`
 seconds each; then the request is routed as before, onto a saturated pod (the queue never turns
@@ -45,8 +49,12 @@ class _Waiter:
 
 
 class FairQueue:
-    def __init__(self, picker: Picker, *, max_per_tenant: int = 128, timeout: float = 30.0, metrics=None) -> None:
+    def __init__(self, picker: Picker, *, max_per_tenant: int = 128, timeout: float = 30.0, metrics=None,
+                 preempt: bool = False) -> None:
+        """`preempt`: the engines run --scheduling-policy priority and get the gateway's priority
+        (--forward-priority), so a request sent with a higher priority takes a running one's place."""
         self.picker, self.max_per_tenant, self.timeout, self.metrics = picker, max_per_tenant, timeout, metrics
+        self.preempt = preempt
         self._queues: dict[str, dict[str, list[_Waiter]]] = defaultdict(dict)  # model -> tenant -> heap
         self._per_tenant: dict[str, int] = defaultdict(int)
         self._virtual: dict[str, float] = defaultdict(float)  # tenant -> virtual time
@@ -133,7 +141,9 @@ class FairQueue:
                 tenant = min(tenants, key=lambda t: (self._virtual[t], t))
                 waiter = heaps[tenant][0]
                 if not self.has_free_pod(waiter.request):
-                    break  # the model's pods are shared: no tenant's request fits either
+                    if not (self.preempt and self._overtakes(heaps, tenant, waiter)):
+                        break  # the model's pods are shared: no tenant's request fits either
+                    waiter.request.priority += 1  # its place comes from a tenant past its share
                 heapq.heappop(heaps[tenant])
                 self._count(tenant, -1)
                 self._dispatched[model].append(time.monotonic())
@@ -145,6 +155,11 @@ class FairQueue:
                     waiter.future.set_exception(error)
             await asyncio.sleep(POLL_SECONDS)
         self._queues.pop(model, None)
+
+    @staticmethod
+    def _overtakes(heaps: dict[str, list[_Waiter]], tenant: str, waiter: _Waiter) -> bool:
+        """Another tenant's request waits since before this one: fair share, not arrival, sends it next."""
+        return any(heap[0].order[1] < waiter.order[1] for other, heap in heaps.items() if other != tenant and heap)
 
     def _count(self, tenant: str, delta: int) -> None:
         self._per_tenant[tenant] += delta

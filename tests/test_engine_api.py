@@ -103,6 +103,35 @@ def test_priority_runs_urgent_requests_first(llama_dir):
     assert finished == ["urgent", "late-normal"]
 
 
+def test_an_urgent_request_takes_the_place_of_a_running_one_in_a_full_batch(llama_dir):
+    """vLLM's priority preemption: with every place of the batch taken, a waiting request of strictly
+    higher priority preempts the lowest-priority running one (recompute), which then finishes with the
+    same greedy tokens it would have produced alone. Equal priorities never preempt."""
+    llm = LLM(llama_dir, max_num_seqs=2, scheduling_policy="priority")
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = {p: llm.generate(p, params)[0].outputs[0].token_ids for p in ("one", "two", "three", "four")}
+    engine.add_request("a", "one", params, priority=0)
+    engine.add_request("b", "two", params, priority=0)
+    for _ in range(3):
+        engine.step()
+    engine.add_request("same", "four", params, priority=0)
+    engine.step()
+    assert engine.scheduler.num_preemptions == 0, "an equal priority waits for a place"
+    engine.add_request("urgent", "three", params, priority=-1)
+    outputs = {}
+    first_step = engine.step()
+    assert engine.scheduler.num_preemptions == 1
+    assert "urgent" in {s.request_id for s in engine.scheduler.running}
+    for out in first_step:
+        outputs[out.request_id] = out
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    assert {r: outputs[r].outputs[0].token_ids for r in ("a", "b", "urgent", "same")} == {
+        "a": alone["one"], "b": alone["two"], "urgent": alone["three"], "same": alone["four"]}
+
+
 def test_priority_is_refused_under_first_come_first_served(llama_dir):
     """vLLM's rule: a request priority means nothing under --scheduling-policy fcfs (the default), so it
     is an error, not a silently ignored field."""

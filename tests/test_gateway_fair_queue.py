@@ -67,6 +67,32 @@ async def test_a_full_running_batch_holds_requests_at_the_gateway_before_any_eng
     assert not queue.should_wait(RoutingRequest(model="base"))
 
 
+async def test_with_preemption_a_tenant_within_its_share_goes_at_once_with_a_raised_priority():
+    """Engines that schedule by the forwarded priority can make room: the quiet tenant's request, sent
+    ahead of the noisy backlog by the fair share, does not wait for a place, and goes one priority up
+    (its place comes from a running request of the noisy tenant). The noisy backlog still waits."""
+    picker, pod = saturated_pool(waiting=0)
+    pod.state = EngineState(running=4, max_running=4)
+    queue = FairQueue(picker, preempt=True)
+    noisy = [asyncio.create_task(queue.wait(RoutingRequest(model="base"), "noisy")) for _ in range(5)]
+    await asyncio.sleep(0.05)
+    pod.state = EngineState(running=2, max_running=4)  # two places free: the noisy tenant takes them
+    await asyncio.sleep(0.05)
+    pod.state = EngineState(running=4, max_running=4)
+    assert sum(task.done() for task in noisy) == 2
+    noisy = [task for task in noisy if not task.done()]
+    quiet_request = RoutingRequest(model="base")
+    decision = await asyncio.wait_for(queue.wait(quiet_request, "quiet"), 1)
+    assert decision.endpoint is pod and quiet_request.priority == 1
+    assert not any(task.done() for task in noisy) and queue.waiting("base") == 3
+    without = FairQueue(picker)  # engines that cannot preempt: the quiet request waits for a place
+    waiting = asyncio.create_task(without.wait(RoutingRequest(model="base"), "quiet"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    for task in [*noisy, waiting]:
+        task.cancel()
+
+
 async def test_within_a_tenant_higher_priority_goes_first_then_arrival_order():
     picker, pod = saturated_pool()
     order = await drain(FairQueue(picker), pod, [("a", 1, 0), ("a", 1, 5), ("a", 1, 1), ("a", 1, 5)])

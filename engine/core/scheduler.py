@@ -5,6 +5,8 @@ partly-prefilled prompt its next chunk), then waiting ones are admitted in (prio
 order while the budget, `max_num_seqs` and free KV blocks allow. When blocks run out, the
 lowest-priority, most recent running sequence is preempted by recompute: its blocks are freed and it
 goes back to the waiting queue, to be prefilled again (cheaply, if its prefix is still cached).
+Under the "priority" policy a full batch also makes room the same way for a waiting sequence of
+strictly higher priority.
 
 With LoRA, a running sequence pins its adapter in a device slot. A waiting sequence whose adapter
 cannot get a slot (all pinned) is passed over, keeping its place in the queue, so requests for
@@ -124,9 +126,12 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        # Admitting new work while we had to preempt would only thrash.
+        # Admitting new work while we had to preempt for blocks would only thrash.
+        out_of_blocks = bool(batch.preempted)
+        if self.config.policy == "priority" and not out_of_blocks:
+            budget += self._make_room_for_priority(batch)
         passed_over: list[Sequence] = []  # their adapter has no free slot, or is being read, now
-        while (self.waiting and not batch.preempted and budget > 0
+        while (self.waiting and not out_of_blocks and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting.pop(0)
             if not self._adapter_ready(seq):
@@ -150,6 +155,22 @@ class Scheduler:
         # adapter's tokens are one contiguous run and its LoRA delta works on a view, not a gather.
         batch.entries.sort(key=lambda e: (not ScheduledBatch.is_decode(*e), e[0].lora_id))
         return batch
+
+    def _make_room_for_priority(self, batch: ScheduledBatch) -> int:
+        """With the batch full (max_num_seqs), a waiting sequence of strictly higher priority takes the
+        place of the lowest-priority, most recent running one, which is preempted by recompute (as vLLM's
+        priority policy does). Equal priorities never preempt each other. Returns the step's token budget
+        the preempted ones gave back."""
+        freed = 0
+        while (self.waiting and self.running and len(self.running) >= self.config.max_num_seqs
+               and self.waiting[0].priority < self.running[-1].priority):
+            victim = self.running[-1]
+            for entry in [e for e in batch.entries if e[0] is victim]:
+                batch.entries.remove(entry)
+                freed += entry[1]
+            self._preempt(victim)
+            batch.preempted.append(victim)
+        return freed
 
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Pin the adapter, attach the cached prefix and allocate the step's slots; the number of tokens

@@ -110,7 +110,7 @@ class _StateCollector:
         yield lora
         yield counter("vllm:prompt_tokens", "Prompt tokens processed.", engine.num_prompt_tokens)
         yield counter("vllm:generation_tokens", "Tokens generated.", engine.num_generation_tokens)
-        yield counter("vllm:num_preemptions", "Sequences preempted for lack of KV blocks.", engine.scheduler.num_preemptions)
+        yield counter("vllm:num_preemptions", "Sequences preempted: for lack of KV blocks, or (--scheduling-policy priority) for a more urgent request.", engine.scheduler.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       engine.block_manager.prefix_queries)
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", engine.block_manager.prefix_hits)
