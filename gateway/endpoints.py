@@ -88,25 +88,11 @@ class Endpoint:
     def url(self) -> str:
         return f"http://{self.address}"
 
-    def serves(self, model: str) -> bool:
-        """Observed, not intended: the pod's own /v1/models lists it (placement may not have loaded)."""
-        return model in self.models
-
-    def is_assigned(self, model: str) -> bool:
-        """Placed here and not refused: a pod loads its assigned adapters, unless loading failed."""
-        return model in self.placed_adapters and model not in self.refused_models
-
     def drop_model(self, model: str) -> None:
         """The pod answered 404 for `model`: stop sending it there until its /v1/models lists it."""
         self.models = self.models - {model}
         self.refused_models = self.refused_models | {model}
         self.models_stale = True
-
-    def is_ready(self, stale_after: float, max_failures: int, now: float | None = None) -> bool:
-        """Scraped recently and not failing: stale numbers are never trusted."""
-        now = time.monotonic() if now is None else now
-        return (self.state is not None and self.last_scrape is not None and now - self.last_scrape <= stale_after
-                and self.consecutive_failures < max_failures)
 
     @property
     def num_unseen(self) -> int:

@@ -104,7 +104,7 @@ class LoadTable:
         self.waiting_adapters.set(row, state.waiting_adapters if state else frozenset())
 
     def ready(self, now: float, stale_after: float, max_failures: int) -> np.ndarray:
-        """Endpoint.is_ready for every row."""
+        """Scraped recently and not failing, for every row: stale numbers are never trusted."""
         return (now - self.scraped_at <= stale_after) & (self.failures < max_failures)
 
     def addresses(self, addresses: frozenset[str]) -> np.ndarray:
@@ -113,7 +113,8 @@ class LoadTable:
         return mask
 
     def serving(self, model: str, among: np.ndarray) -> np.ndarray:
-        """Rows of `among` that list the model in /v1/models, else those it is assigned to (they load it)."""
+        """Rows of `among` that list the model in their own /v1/models (observed, not intended: placement
+        may not have loaded), else those it is assigned to and that have not refused it (they load it)."""
         if not model:
             return among
         loaded = among & self.loaded.mask(model)

@@ -203,9 +203,6 @@ class Picker:
     def ready_endpoints(self) -> list[Endpoint]:
         return [self.table.endpoints[row] for row in np.flatnonzero(self._ready())]
 
-    def saturated(self, endpoint: Endpoint) -> bool:
-        return endpoint.queue >= self.config.queue_threshold or endpoint.state.kv_usage >= self.config.kv_threshold
-
     def _saturated_rows(self, rows: np.ndarray) -> np.ndarray:
         return ((self.table.queue[rows] >= self.config.queue_threshold)
                 | (self.table.kv_usage[rows] >= self.config.kv_threshold))
