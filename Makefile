@@ -32,6 +32,8 @@ bench: setup
 	$(PY) benchmarks/bench_prefix_cache.py
 	$(PY) benchmarks/bench_serving.py
 	$(PY) benchmarks/bench_operator.py --write
+	$(PY) benchmarks/bench_scale_from_zero.py
+	$(PY) benchmarks/bench_tenants.py
 
 # On a GPU machine, whose own python has CUDA torch and no registry access: install kubeinfer into it
 # first with `python3 -m pip install --no-deps --no-build-isolation -e .`
