@@ -20,7 +20,22 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Sequence:
+class OutputTokens:
+    """The generated part of a token list, for whatever has `token_ids` and `num_prompt_tokens`: a
+    sequence, or the speculative sampler's view of one with some drafts accepted."""
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class Sequence(OutputTokens):
     """A prompt and the tokens generated after it.
 
     `num_computed_tokens` counts tokens whose K/V are in the cache; the scheduler moves it forward
@@ -72,14 +87,6 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

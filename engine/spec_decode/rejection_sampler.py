@@ -29,10 +29,10 @@ from ..model_executor.sampler import (
     sample,
     target_probs,
 )
-from ..sequence import Sequence
+from ..sequence import OutputTokens, Sequence
 
 
-class DraftPrefix:
+class DraftPrefix(OutputTokens):
     """A sequence as it would be after its first j drafts: what the sampler's rules read (penalties,
     min_tokens) when they judge row j."""
     grammar = None  # sequences with a grammar never speculate
@@ -41,14 +41,6 @@ class DraftPrefix:
         self.params, self.generator = seq.params, seq.generator
         self.token_ids = seq.token_ids + seq.spec_token_ids[:j]
         self.num_prompt_tokens = seq.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
 
 def verify(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> SampleResult:
