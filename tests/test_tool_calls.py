@@ -12,7 +12,9 @@ import openai
 import pytest
 from server_harness import RunningServer
 
+from kubeinfer.engine.entrypoints.openai.tool_calls import ToolPlan
 from kubeinfer.engine.entrypoints.openai.tool_parsers import parse_hermes, parse_llama3_json
+from kubeinfer.engine.entrypoints.openai.tool_stream import ToolStream
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "unit": {"enum": ["C", "F"]}},
@@ -64,17 +66,33 @@ def test_required_calls_one_of_the_tools_when_parallel_calls_are_off(client, see
     assert reply.choices[0].finish_reason == "tool_calls"
 
 
-def test_streamed_tool_calls_arrive_as_deltas(client):
-    stream = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
-                                            max_tokens=300, seed=4, stream=True)
-    calls, finish = {}, None
+def collect_stream(stream) -> tuple[dict, str | None, int]:
+    """Streamed tool calls put together as a client does: {index: (id, name, arguments)}, the finish
+    reason, and how many deltas carried argument text."""
+    calls, finish, fragments = {}, None, 0
     for chunk in stream:
         for choice in chunk.choices:
             for delta in choice.delta.tool_calls or []:
-                calls.setdefault(delta.index, delta)
+                if delta.id:  # a call's first delta: id, type and name
+                    assert delta.index not in calls and delta.type == "function" and delta.function.name
+                    calls[delta.index] = [delta.id, delta.function.name, ""]
+                fragments += bool(delta.function.arguments)
+                calls[delta.index][2] += delta.function.arguments or ""
             finish = choice.finish_reason or finish
-    assert finish == "tool_calls"
-    check_calls(list(calls.values()))
+    return calls, finish, fragments
+
+
+def test_streamed_tool_calls_arrive_as_deltas_that_add_up_to_the_reply(client):
+    ask = {"model": "tiny", "messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300, "seed": 4}
+    calls, finish, fragments = collect_stream(client.chat.completions.create(**ask, stream=True))
+    assert finish == "tool_calls" and calls
+    assert fragments > 2 * len(calls)  # arguments come a piece at a time, not whole at the end
+    for call_id, name, arguments in calls.values():
+        assert call_id.startswith("call_")
+        jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == \
+        [(name, json.loads(arguments)) for _, name, arguments in calls.values()]
 
 
 def test_constrained_requests_and_grammar_compiles_are_counted(server, client):
@@ -117,13 +135,16 @@ def test_auto_finds_hermes_calls_in_free_text(long_context_dir):
     written = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
     with RunningServer(long_context_dir, name="tiny", block_size=8, tool_call_parser="hermes") as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        reply = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=100,
-                                               extra_body={"guided_regex": written.replace("{", r"\{")
-                                                           .replace("}", r"\}")})
+        ask = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=100,
+                   extra_body={"guided_regex": written.replace("{", r"\{").replace("}", r"\}")})
+        reply = client.chat.completions.create(**ask)
+        streamed, finish, _ = collect_stream(client.chat.completions.create(**ask, stream=True))
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls[0].function.name == "add"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
+    assert finish == "tool_calls" and [(name, json.loads(arguments)) for _, name, arguments in streamed.values()] == \
+        [("add", {"a": 2, "b": 3})]
 
 
 def test_parsers_keep_content_and_leave_broken_calls_as_text():
@@ -134,3 +155,50 @@ def test_parsers_keep_content_and_leave_broken_calls_as_text():
                                        '"parameters": {}}')
     assert content is None and [c.name for c in calls] == ["f", "g"] and json.loads(calls[0].arguments) == {"s": "a;b"}
     assert parse_llama3_json("plain answer") == ("plain answer", [])
+
+
+def replay(plan: ToolPlan, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
+    """Feed `text` to a ToolStream `step` characters at a time; (content, [(name, arguments)]) sent."""
+    stream, content, calls = ToolStream(plan), "", []
+    for end in [*range(step, len(text), step), len(text)]:
+        delta = stream.update(text[:end], finished=end == len(text)) or {}
+        content += delta.get("content", "")
+        for call in delta.get("tool_calls", []):
+            if "id" in call:
+                calls.append([call["function"]["name"], ""])
+            calls[call["index"]][1] += call["function"]["arguments"]
+    return content, [tuple(c) for c in calls]
+
+
+@pytest.mark.parametrize("plan,text", [
+    (ToolPlan(TOOLS, "named", "add"), ' {"a": 2, "b": 3}'),
+    (ToolPlan(TOOLS, "required"), '[{"name": "add", "arguments": {"a": 1, "b": 22}}, '
+                                  '{"name": "get_weather", "arguments": {"city": "P\\"a}r,is", "unit": "C"}}]'),
+    (ToolPlan(TOOLS, "auto", parser="hermes"), 'Let me check <b>.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n'
+                                               '</tool_call>\n<tool_call>{"arguments": {"y": [1, {"z": "}"}]}, '
+                                               '"name": "g"}</tool_call>'),
+    (ToolPlan(TOOLS, "auto", parser="hermes"), "a < b, and <tool"),
+    (ToolPlan(TOOLS, "auto", parser="hermes"), "<tool_call>{not json</tool_call>"),
+    (ToolPlan(TOOLS, "auto", parser="llama3_json"), '<|python_tag|>{"name": "f", "parameters": {"s": "a;b"}}; '
+                                                    '{"name": "g", "parameters": {}}'),
+    (ToolPlan(TOOLS, "auto", parser="llama3_json"), "plain answer"),
+    (ToolPlan(TOOLS, "auto", parser="llama3_json"), '{"not": "a call"}'),
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_streamed_reply_adds_up_to_the_parsed_one(plan, text, step):
+    """Whatever the pieces the text arrives in, the streamed content and calls are the non-streamed ones."""
+    content, calls = replay(plan, text, step)
+    expected_content, expected_calls = plan.extract(text)
+    assert [(name, json.loads(arguments)) for name, arguments in calls] == \
+        [(c.name, json.loads(c.arguments)) for c in expected_calls]
+    assert (content.strip() or None) == (expected_content.strip() if expected_content else None)
+
+
+def test_a_call_is_announced_once_its_name_is_known_and_its_arguments_follow_as_written():
+    stream = ToolStream(ToolPlan(TOOLS, "required"))
+    assert stream.update('[{"name": "ad', False) is None
+    header = stream.update('[{"name": "add", "arguments": {"a"', False)["tool_calls"]
+    assert header == [{"index": 0, "id": header[0]["id"], "type": "function",
+                       "function": {"name": "add", "arguments": '{"a"'}}]
+    assert stream.update('[{"name": "add", "arguments": {"a": 1}', False)["tool_calls"] == \
+        [{"index": 0, "function": {"arguments": ": 1}"}}]

@@ -3,7 +3,7 @@ objects (or `chat.completion.chunk` deltas) out, with tool calls as tool_calls.T
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -14,6 +14,7 @@ from .server_state import ServerState
 from .serving_engine import check_serving, prepare_all, respond, to_params
 from .streaming import usage
 from .tool_calls import ToolPlan, tool_call_json
+from .tool_stream import ToolStream
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
@@ -64,7 +65,8 @@ class ChatFormat:
     model: str
     logprobs: bool
     top_logprobs: int = 0
-    tools: ToolPlan | None = None  # with tools, text is held back until the reply can be parsed
+    tools: ToolPlan | None = None
+    tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # per streamed choice
 
     @property
     def wants_logprobs(self) -> bool:
@@ -116,14 +118,15 @@ class ChatFormat:
                                          "finish_reason": None} for i in range(count)])
 
     def chunk(self, request_id, index, text, completion, token_from, text_from) -> dict | None:
-        if self.tools is not None:  # the reply is parsed whole: its content and calls come in the last delta
-            if not completion.finish_reason:
+        if self.tools is not None:  # content and calls as tool_stream reads them from the reply so far
+            stream = self.tool_streams.setdefault(index, ToolStream(self.tools))
+            delta = stream.update(completion.text, bool(completion.finish_reason))
+            if delta is None and not completion.finish_reason:
                 return None
-            message, finish_reason = self._reply(completion)
-            delta = {k: v for k, v in message.items() if k != "role" and v is not None}
-            if "tool_calls" in delta:
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
-            return self._chunk(request_id, [{"index": index, "delta": delta, "logprobs": None,
+            finish_reason = completion.finish_reason
+            if stream.called and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            return self._chunk(request_id, [{"index": index, "delta": delta or {}, "logprobs": None,
                                              "finish_reason": finish_reason, "stop_reason": completion.stop_reason}])
         delta = {"content": text} if text else {}
         return self._chunk(request_id, [{"index": index, "delta": delta, "logprobs": self._logprobs(completion, token_from),

@@ -99,7 +99,7 @@ async def stream_sse(engine: AsyncEngine, requests, fmt, request_id: str, n: int
                     continue
                 sent_text[key], sent_tokens[key] = len(completion.text), len(completion.token_ids)
                 chunk = fmt.chunk(request_id, index * n + completion.index, new_text, completion, tokens_from, text_from)
-                if chunk is not None:  # a format may hold text back (tool calls are parsed whole)
+                if chunk is not None:  # a format may hold text back (a tool call's name until complete)
                     yield sse(chunk)
             if output.finished:
                 finals[index] = output
