@@ -10,10 +10,13 @@ all the queueing, the part fairness can reorder, happens here. In this order:
     1 / weight; the waiting tenant with the lowest goes first. A tenant that was idle starts at the
     current virtual time (no credit banked while idle).
   * within a tenant, higher priority first, then arrival order.
-With `preempt` (engines that schedule by the priority the gateway forwards), a request that the fair
-share sends ahead of another tenant's earlier one does not wait for a place to free: it goes at once
-with its priority raised by one, and the engine makes room by preempting a running request of lower
-priority (recomputed later). So a tenant within its share waits for neither the backlog nor the batch.
+With `preempt` (engines that schedule by the priority the gateway forwards), a request does not wait
+for a place to free when the fair share sends it ahead of another tenant's earlier one, or when its
+tenant runs fewer of the model's requests than its weighted share of those running through this
+gateway (shared among the tenants running or waiting for the model): it goes at once, its priority
+raised by one, and the engine makes room by preempting a running request of lower priority
+(recomputed later). So a tenant within its share waits for neither the backlog nor the batch, and
+one past its share cannot keep the batch places it took while the pool was quiet.
 Each model has its own queue, so a saturated model does not hold back another. Bounds: at most
 `max_per_tenant` requests of a tenant wait (beyond that, 429 with Retry-After), at most `timeout`
 seconds each; then the request is routed as before, onto a saturated pod (the queue never turns
@@ -30,6 +33,7 @@ import itertools
 import math
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .deadline import TIMEOUT_HEADER, remaining_seconds
@@ -63,6 +67,25 @@ class FairQueue:
         self._arrivals = itertools.count()
         self._dispatchers: dict[str, asyncio.Task] = {}
         self._dispatched: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=RATE_WINDOW))
+        self._running: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))  # model -> tenant -> n
+
+    def started(self, model: str, tenant: str, weight: float = 1.0) -> Callable[[], None]:
+        """A request of `tenant` runs on a pod of `model` (queued or not); call the result when it ends."""
+        self._weights[tenant] = weight
+        running = self._running[model]
+        running[tenant] += 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                running[tenant] -= 1
+
+        return end
+
+    def running(self, model: str, tenant: str) -> int:
+        return self._running[model][tenant]
 
     def expected_wait(self, model: str) -> float | None:
         """Seconds a request joining the model's queue now should wait, by the recent dispatch rate;
@@ -134,15 +157,10 @@ class FairQueue:
     async def _dispatch(self, model: str) -> None:
         heaps = self._queues[model]
         while any(heaps.values()):
-            while True:
-                tenants = [t for t, heap in heaps.items() if heap]
-                if not tenants:
-                    break
-                tenant = min(tenants, key=lambda t: (self._virtual[t], t))
+            while (chosen := self._next(model, heaps)) is not None:
+                tenant, takes_place = chosen
                 waiter = heaps[tenant][0]
-                if not self.has_free_pod(waiter.request):
-                    if not (self.preempt and self._overtakes(heaps, tenant, waiter)):
-                        break  # the model's pods are shared: no tenant's request fits either
+                if takes_place:
                     waiter.request.priority += 1  # its place comes from a tenant past its share
                 heapq.heappop(heaps[tenant])
                 self._count(tenant, -1)
@@ -156,10 +174,36 @@ class FairQueue:
             await asyncio.sleep(POLL_SECONDS)
         self._queues.pop(model, None)
 
+    def _next(self, model: str, heaps: dict[str, list[_Waiter]]) -> tuple[str, bool] | None:
+        """The tenant whose request goes next, and whether it takes a running request's place: the one
+        with the lowest virtual time while a pod has room (the model's pods are shared: when its request
+        does not fit, none does); else, with `preempt`, that tenant when it overtakes another's earlier
+        request, or the first in that order below its share of the running requests."""
+        tenants = sorted((t for t, heap in heaps.items() if heap), key=lambda t: (self._virtual[t], t))
+        if not tenants:
+            return None
+        if self.has_free_pod(heaps[tenants[0]][0].request):
+            return tenants[0], False
+        if not self.preempt:
+            return None
+        if self._overtakes(heaps, tenants[0], heaps[tenants[0]][0]):  # fair share sends it ahead
+            return tenants[0], True
+        return next(((tenant, True) for tenant in tenants if self._below_share(model, heaps, tenant)), None)
+
     @staticmethod
     def _overtakes(heaps: dict[str, list[_Waiter]], tenant: str, waiter: _Waiter) -> bool:
         """Another tenant's request waits since before this one: fair share, not arrival, sends it next."""
         return any(heap[0].order[1] < waiter.order[1] for other, heap in heaps.items() if other != tenant and heap)
+
+    def _below_share(self, model: str, heaps: dict[str, list[_Waiter]], tenant: str) -> bool:
+        """The tenant runs fewer of the model's requests than its weighted share of those this gateway
+        has running, shared among the tenants running or waiting: another tenant holds places fair
+        share would give it. Only this replica's requests count, so with several gateway replicas each
+        judges by its own part of the traffic, and a tenant alone never preempts itself."""
+        running = self._running[model]
+        active = {t for t, n in running.items() if n > 0} | {t for t, heap in heaps.items() if heap}
+        weights = sum(self._weights.get(t, 1.0) for t in active)
+        return running[tenant] < sum(running.values()) * self._weights.get(tenant, 1.0) / weights
 
     def _count(self, tenant: str, delta: int) -> None:
         self._per_tenant[tenant] += delta

@@ -158,6 +158,9 @@ class Router:
         self.metrics.count_pick(decision.endpoint.address)
         if request.ticket is not None:
             request.ticket.dispatched_to(decision.endpoint.address)
+            if self.fair_queue is not None and request.model:  # its share of the model's batch places
+                request.ticket.on_finish(self.fair_queue.started(request.model, request.ticket.tenant or "",
+                                                                  request.ticket.weight))
         return decision
 
     def reroute(self, request: RoutingRequest, tried: str) -> Decision:

@@ -26,6 +26,14 @@ class Ticket:
         self.endpoint: str | None = None
         self.dispatched: float | None = None
         self.finished = False
+        self._on_finish: list[Callable[[], None]] = []
+
+    def on_finish(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when the request ends (at once if it has)."""
+        if self.finished:
+            callback()
+        else:
+            self._on_finish.append(callback)
 
     def dispatched_to(self, endpoint: str) -> None:
         self.endpoint, self.dispatched = endpoint, time.perf_counter()
@@ -41,6 +49,8 @@ class Ticket:
         if self.finished:
             return
         self.finished = True
+        for callback in self._on_finish:
+            callback()
         status = status or self.status
         usage = self.scanner.finish() if status and status < 400 else None
         counts = token_counts(usage)

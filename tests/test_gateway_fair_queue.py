@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 from prometheus_client import generate_latest
-from test_gateway_tenants import Engine, _immediate, _request, _run, metrics_text, post, start_gateway, write_tenants
+from test_gateway_tenants import (Engine, _immediate, _request, _run, answer_with_usage, drop_connection, metrics_text, post,
+                                  start_gateway, write_tenants)
 
 from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
 from kubeinfer.gateway.fair_queue import FairQueue
@@ -93,6 +94,39 @@ async def test_with_preemption_a_tenant_within_its_share_goes_at_once_with_a_rai
         task.cancel()
 
 
+async def test_with_preemption_a_tenant_below_its_share_of_the_running_requests_goes_at_once():
+    """No backlog to overtake, but the noisy tenant holds all four places of a full batch: the quiet
+    tenant's share is two of them, so its request goes at once, one priority up. A tenant never takes
+    places from itself: the noisy tenant's next request waits, and so does the quiet one's once it runs
+    its share. Without preemption the quiet request waits for a place."""
+    picker, pod = saturated_pool(waiting=0)
+    pod.state = EngineState(running=4, max_running=4)
+    queue = FairQueue(picker, preempt=True)
+    noisy_running = [queue.started("base", "noisy") for _ in range(4)]
+    noisy = asyncio.create_task(queue.wait(RoutingRequest(model="base"), "noisy"))
+    await asyncio.sleep(0.05)
+    assert not noisy.done()
+    quiet_request = RoutingRequest(model="base")
+    decision = await asyncio.wait_for(queue.wait(quiet_request, "quiet"), 1)
+    assert decision.endpoint is pod and quiet_request.priority == 1 and not noisy.done()
+    quiet_running = [queue.started("base", "quiet"), queue.started("base", "quiet")]  # as the router counts
+    for end in [noisy_running[0], noisy_running[0], noisy_running[1]]:  # two ended (one told twice)
+        end()
+    assert queue.running("base", "noisy") == 2 and queue.running("base", "quiet") == 2
+    second = asyncio.create_task(queue.wait(RoutingRequest(model="base"), "quiet"))
+    await asyncio.sleep(0.05)
+    assert not second.done()  # 2 of 4 running: its share, no more
+    without = FairQueue(picker)
+    for _ in range(4):
+        without.started("base", "noisy")
+    waiting = asyncio.create_task(without.wait(RoutingRequest(model="base"), "quiet"))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    for task in [noisy, second, waiting]:
+        task.cancel()
+    del quiet_running
+
+
 async def test_within_a_tenant_higher_priority_goes_first_then_arrival_order():
     picker, pod = saturated_pool()
     order = await drain(FairQueue(picker), pod, [("a", 1, 0), ("a", 1, 5), ("a", 1, 1), ("a", 1, 5)])
@@ -154,6 +188,33 @@ async def test_proxy_holds_requests_for_a_saturated_pool_until_a_pod_frees(tmp_p
         finally:
             await gateway.stop()
     assert response.status_code == 200 and len(engine.bodies) == 1
+
+
+async def test_the_router_counts_each_tenants_running_requests_until_their_responses_end(tmp_path):
+    """What the fair queue's shares are measured on: a request routed straight to a free pod counts as
+    running for its tenant until its response ends, and so does one that failed on the pod."""
+    release = asyncio.Event()
+
+    async def answer_when_released(engine, body, writer):
+        await release.wait()
+        await answer_with_usage(engine, body, writer)
+
+    tenants = "tenants:\n  - {name: team-a, apiKeys: [key-a]}\n  - {name: team-b, apiKeys: [key-b]}\n"
+    async with Engine(on_post=answer_when_released) as engine:
+        gateway = await start_gateway([engine], tenants_file=write_tenants(tmp_path, tenants))
+        queue = gateway.router.fair_queue
+        try:
+            requests = [asyncio.create_task(post(gateway, "key-a")) for _ in range(2)]
+            await asyncio.sleep(0.3)
+            assert queue.running("base", "team-a") == 2 and queue.running("base", "team-b") == 0
+            release.set()
+            assert all(r.status_code == 200 for r in await asyncio.wait_for(asyncio.gather(*requests), 5))
+            assert queue.running("base", "team-a") == 0
+            engine.on_post = drop_connection
+            assert (await post(gateway, "key-a")).status_code >= 500
+            assert queue.running("base", "team-a") == 0
+        finally:
+            await gateway.stop()
 
 
 async def test_proxy_still_sheds_sheddable_requests_at_once(tmp_path):
