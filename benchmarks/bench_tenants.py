@@ -152,7 +152,8 @@ def main() -> None:
         "Open-loop Poisson arrivals, the same schedule in every run. \"shared, tenants\": a tenants file with equal "
         "weights and no limits, the fair queue on (it dispatches to a pod with a free place in its running "
         "batch, which the engine reports in /load, except a request the fair share sends ahead of another "
-        "tenant's: that one goes at once one priority up, and the engine preempts a running request for it). "
+        "tenant's, or whose tenant runs fewer requests than its share of those running: that one goes at once "
+        "one priority up, and the engine preempts a running request for it). "
         "Engines and gateway as the operator and the chart run them: --scheduling-policy priority, "
         "--forward-priority.",
         "", "| run | quiet TTFT p50 (s) | quiet TTFT p95 (s) | quiet refused | noisy TTFT p50 (s) | noisy TTFT p95 (s) "

@@ -158,9 +158,9 @@ class FairQueue:
         heaps = self._queues[model]
         while any(heaps.values()):
             while (chosen := self._next(model, heaps)) is not None:
-                tenant, takes_place = chosen
+                tenant, raised = chosen
                 waiter = heaps[tenant][0]
-                if takes_place:
+                if raised:
                     waiter.request.priority += 1  # its place comes from a tenant past its share
                 heapq.heappop(heaps[tenant])
                 self._count(tenant, -1)
@@ -175,20 +175,27 @@ class FairQueue:
         self._queues.pop(model, None)
 
     def _next(self, model: str, heaps: dict[str, list[_Waiter]]) -> tuple[str, bool] | None:
-        """The tenant whose request goes next, and whether it takes a running request's place: the one
-        with the lowest virtual time while a pod has room (the model's pods are shared: when its request
-        does not fit, none does); else, with `preempt`, that tenant when it overtakes another's earlier
-        request, or the first in that order below its share of the running requests."""
+        """The tenant whose request goes next, and whether it goes one priority up: the one with the
+        lowest virtual time while a pod has room (the model's pods are shared: when its request does
+        not fit, none does); else, with `preempt`, that tenant when it overtakes another's earlier
+        request, or the first in that order below its share of the running requests. A request
+        entitled to a place goes up even when a place looks free: the gateway's view of the batches
+        lags, and at equal priority a request that finds the batch full would wait for it to drain."""
         tenants = sorted((t for t, heap in heaps.items() if heap), key=lambda t: (self._virtual[t], t))
         if not tenants:
             return None
-        if self.has_free_pod(heaps[tenants[0]][0].request):
-            return tenants[0], False
+        head = tenants[0]
+        if self.has_free_pod(heaps[head][0].request):
+            return head, self._entitled(model, heaps, head)
         if not self.preempt:
             return None
-        if self._overtakes(heaps, tenants[0], heaps[tenants[0]][0]):  # fair share sends it ahead
-            return tenants[0], True
+        if self._overtakes(heaps, head, heaps[head][0]):  # fair share sends it ahead
+            return head, True
         return next(((tenant, True) for tenant in tenants if self._below_share(model, heaps, tenant)), None)
+
+    def _entitled(self, model: str, heaps: dict[str, list[_Waiter]], tenant: str) -> bool:
+        return self.preempt and (self._overtakes(heaps, tenant, heaps[tenant][0])
+                                 or self._below_share(model, heaps, tenant))
 
     @staticmethod
     def _overtakes(heaps: dict[str, list[_Waiter]], tenant: str, waiter: _Waiter) -> bool:

@@ -135,7 +135,8 @@ def _engine_request(request_id: str):
 
 async def test_the_engine_ends_a_request_when_its_budget_is_spent_and_still_reports_usage():
     from kubeinfer.engine.entrypoints.openai.serving_completion import CompletionFormat
-    from kubeinfer.engine.entrypoints.openai.streaming import budget_deadline, stream_sse
+    from kubeinfer.engine.entrypoints.openai.streaming import stream_sse
+    from kubeinfer.engine.entrypoints.request_budget import budget_deadline
 
     engine = SlowEngine()
     loop = asyncio.get_running_loop()
@@ -153,7 +154,7 @@ async def test_the_engine_ends_a_request_when_its_budget_is_spent_and_still_repo
 
 
 async def test_the_engine_ignores_an_absent_or_invalid_budget():
-    from kubeinfer.engine.entrypoints.openai.streaming import budget_deadline
+    from kubeinfer.engine.entrypoints.request_budget import budget_deadline
 
     assert budget_deadline({}, 5.0) is None and budget_deadline({"x-request-timeout-ms": "x"}, 5.0) is None
     assert budget_deadline({"x-request-timeout-ms": "250"}, 5.0) == 5.25

@@ -127,6 +127,21 @@ async def test_with_preemption_a_tenant_below_its_share_of_the_running_requests_
     del quiet_running
 
 
+async def test_with_preemption_a_request_entitled_to_a_place_goes_up_even_when_one_looks_free():
+    """The gateway's view of the batches lags: a quiet request that finds the batch full at equal
+    priority would wait for it to drain. Entitled (below its share), it goes up; the noisy tenant's
+    next request, past its share, keeps its priority."""
+    picker, pod = saturated_pool(waiting=0)
+    pod.state = EngineState(running=1, max_running=4)  # places look free
+    queue = FairQueue(picker, preempt=True)
+    for _ in range(4):
+        queue.started("base", "noisy")
+    noisy, quiet = RoutingRequest(model="base"), RoutingRequest(model="base")
+    tasks = [asyncio.create_task(queue.wait(noisy, "noisy")), asyncio.create_task(queue.wait(quiet, "quiet"))]
+    decisions = await asyncio.wait_for(asyncio.gather(*tasks), 1)
+    assert all(d.endpoint is pod for d in decisions) and (quiet.priority, noisy.priority) == (1, 0)
+
+
 async def test_within_a_tenant_higher_priority_goes_first_then_arrival_order():
     picker, pod = saturated_pool()
     order = await drain(FairQueue(picker), pod, [("a", 1, 0), ("a", 1, 5), ("a", 1, 1), ("a", 1, 5)])

@@ -4,9 +4,13 @@ the standard gRPC health service, served beside the HTTP API from the same engin
 Requests are validated exactly as over HTTP (the same SamplingParams checks, before any model work);
 errors map to gRPC status codes: INVALID_ARGUMENT, NOT_FOUND (unknown model), UNAUTHENTICATED,
 RESOURCE_EXHAUSTED (waiting queue full), UNAVAILABLE (draining). A cancelled call aborts its request.
+A call's time budget is its gRPC deadline or its `x-request-timeout-ms` metadata, whichever ends first:
+when it is spent the request ends with finish_reason "timeout" and its usage, a margin before the
+deadline so that the last message arrives (request_budget.py, as over HTTP).
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import secrets
 
@@ -16,9 +20,11 @@ from kubeinfer.grpc_health import HealthCheckedServer
 
 from ...core.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ...sampling_params import SamplingParams
+from ..request_budget import budget_deadline, merged
 from .proto import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = "kubeinfer.engine.v1.Engine"
+DEADLINE_MARGIN_SECONDS = 0.05  # the final message leaves this long before the call's deadline
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                       "presence_penalty", "seed", "max_tokens", "logprobs")
 
@@ -30,6 +36,16 @@ def sampling_params(message: engine_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(stop=list(message.stop) or None, stop_token_ids=list(message.stop_token_ids) or None,
                           ignore_eos=message.ignore_eos, min_tokens=message.min_tokens,
                           include_stop_str_in_output=message.include_stop_str_in_output, **kwargs)
+
+
+def call_deadline(metadata, time_remaining: float | None, loop_time: float) -> float | None:
+    """The loop time at which the call's budget ends: its `x-request-timeout-ms` metadata or its own
+    deadline less the margin, whichever is sooner; None without either."""
+    budget = budget_deadline(metadata, loop_time)
+    if time_remaining is not None:
+        own = loop_time + max(0.0, time_remaining - DEADLINE_MARGIN_SECONDS)
+        budget = own if budget is None else min(budget, own)
+    return budget
 
 
 class EngineService(engine_pb2_grpc.EngineServicer):
@@ -74,8 +90,10 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
         sent_tokens = sent_text = 0
+        deadline = call_deadline(dict(context.invocation_metadata()), context.time_remaining(),
+                                 asyncio.get_running_loop().time())
         try:
-            async for output in engine.stream(prepared, slot):
+            async for _, output in merged(engine, [(prepared, slot)], deadline):
                 completion = output.outputs[0]
                 response = engine_pb2.GenerateResponse(request_id=output.request_id,
                                                        token_ids=completion.token_ids[sent_tokens:],

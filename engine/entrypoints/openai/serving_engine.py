@@ -18,10 +18,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from ...core.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ...core.outputs import RequestOutput
+from ..request_budget import budget_deadline, merged
 from .errors import RETRY_AFTER_SECONDS, APIError, engine_unavailable, param_of
 from .protocol import SamplingFields
 from .server_state import ServerState
-from .streaming import budget_deadline, merged, stream_sse
+from .streaming import stream_sse
 
 
 def check_serving(state: ServerState, body: SamplingFields) -> int:
