@@ -31,7 +31,8 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" | "triton"; default: triton on CUDA (when installed), else torch
     seed: int = 0
     tokenizer: str | None = None  # defaults to the model directory
-    # vLLM's --speculative-config: a JSON string or dict, e.g. {"method": "ngram", "num_speculative_tokens": 4};
+    # vLLM's --speculative-config: a JSON string or dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    # or {"model": DRAFT_DIR, "num_speculative_tokens": 4};
     # parsed and checked by spec_decode.config (the engine refuses a bad one before loading the model)
     speculative_config: str | dict | None = None
 

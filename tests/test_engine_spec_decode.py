@@ -243,8 +243,8 @@ def test_a_request_whose_drafts_keep_failing_pauses_speculation(llama_dir, refer
 
 @pytest.mark.parametrize("value, message", [
     ({"method": "ngram"}, "num_speculative_tokens is required"),
-    ({"model": "/models/draft", "num_speculative_tokens": 4}, "not supported yet"),
-    ({"method": "eagle", "num_speculative_tokens": 4}, "method must be one of ngram"),
+    ({"method": "eagle", "num_speculative_tokens": 4}, "not supported yet"),
+    ({"method": "medusa2", "num_speculative_tokens": 4}, "method must be one of ngram, draft_model"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "must be <="),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key(s) lookahead"),
@@ -263,8 +263,8 @@ def test_serve_takes_speculative_config_json(tmp_path):
 
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
-    args = parser.parse_args([str(tmp_path), "--speculative-config", '{"model": "/draft", "num_speculative_tokens": 4}'])
-    with pytest.raises(SystemExit, match="kubeinfer serve: speculative_config: draft-model .* not supported yet"):
+    args = parser.parse_args([str(tmp_path), "--speculative-config", '{"method": "draft_model", "num_speculative_tokens": 4}'])
+    with pytest.raises(SystemExit, match='kubeinfer serve: speculative_config: method "draft_model" needs "model"'):
         build_state(args)
     value = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
     config = SpeculativeConfig.parse(parser.parse_args([str(tmp_path), "--speculative-config", value]).speculative_config)

@@ -101,15 +101,16 @@ def test_cancelling_the_call_frees_the_request(stub, server):
     assert server.wait_for(lambda: server.engine.num_running == 0 and server.engine.block_manager.usage == 0)
 
 
-@pytest.mark.parametrize("budget", [{"timeout": 0.6}, {"metadata": [("x-request-timeout-ms", "500")]}])
+@pytest.mark.parametrize("budget", [{"timeout": 0.1}, {"metadata": [("x-request-timeout-ms", "50")]}])
 def test_a_call_out_of_time_ends_with_finish_reason_timeout_and_its_usage(stub, server, budget):
-    """The call's gRPC deadline, or its x-request-timeout-ms: the stream ends in time with what was
-    generated, not with DEADLINE_EXCEEDED, and the request's blocks are freed."""
-    responses = list(stub.Generate(engine_pb2.GenerateRequest(text=PROMPT, sampling=greedy(400)), **budget))
+    """The call's gRPC deadline (less a margin for the last message), or its x-request-timeout-ms: the
+    stream ends in time with what was generated, not with DEADLINE_EXCEEDED, and the blocks are freed."""
+    max_tokens = 480  # the whole context: far more than 50 ms of decoding
+    responses = list(stub.Generate(engine_pb2.GenerateRequest(text=PROMPT, sampling=greedy(max_tokens)), **budget))
     last = responses[-1]
     assert last.finish_reason == "timeout"
     generated = sum(len(r.token_ids) for r in responses)
-    assert 0 < generated < 400 and last.usage.completion_tokens == generated
+    assert generated < max_tokens and last.usage.completion_tokens == generated
     assert server.wait_for(lambda: server.engine.num_running == 0 and server.engine.block_manager.usage == 0)
 
 

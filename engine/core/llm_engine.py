@@ -25,7 +25,7 @@ from ..spec_decode.speculator import Speculator
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from .errors import StepFailedError
-from .model_setup import build_runner
+from .model_setup import build_runner, draft_files
 from .outputs import RequestOutput
 from .request import Completion, Request, prompt_tokens
 from .scheduler import Scheduler, SchedulerConfig
@@ -58,17 +58,17 @@ class LLMEngine:
                                  max_cpu_loras=config.max_cpu_loras, device=self.device, dtype=self.dtype)
                      if config.enable_lora else None)
         pool = self.lora.pool if self.lora else None
-
-        block_size = config.block_size
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        self.runner, self.num_kv_blocks = build_runner(config, files, self.spec, self.device, self.dtype,
-                                                       self.max_model_len, pool, budget)
-        self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
+        draft = (draft_files(speculative.model, self.spec, self.max_model_len, self.tokenizer)
+                 if speculative and speculative.model else None)
+        self.runner, self.num_kv_blocks, draft_runner = build_runner(config, files, self.spec, self.device, self.dtype,
+                                                                     self.max_model_len, pool, budget, draft)
+        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
                                                    config.scheduling_policy), self.block_manager, pool)
-        self.speculator = Speculator(speculative, self.max_model_len) if speculative else None
+        self.speculator = speculative and Speculator(speculative, self.max_model_len, draft_runner, self.spec.vocab_size)
         if self.speculator is not None:
-            self.runner.verify_drafts = self.speculator.verify
+            self.speculator.attach(self.runner)
         self.step_timer = self.runner.timer
         if profile_logger.isEnabledFor(logging.DEBUG):
             self.step_timer.enabled, self.step_timer.log = True, StepProfileLog(profile_logger)
@@ -80,7 +80,7 @@ class LLMEngine:
         self.grammar_compiler = None  # built on the first structured-output request
         self.num_structured_requests = 0
         logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
-                    self.device, self.dtype, self.num_kv_blocks, block_size)
+                    self.device, self.dtype, self.num_kv_blocks, config.block_size)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:

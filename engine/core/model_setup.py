@@ -1,7 +1,8 @@
 """Start-up of the model side: load the weights into a ModelRunner, size the KV cache (the user's block
 count, else what GPU memory allows after a profiled worst-case step, else the CPU budget), allocate it,
 and capture CUDA graphs for decode steps. Running out of GPU memory at any point is a one-line error
-naming the flag to change."""
+naming the flag to change. A draft model (speculative decoding) is loaded beside the target, and its
+KV cache has as many blocks as the target's (it is paged by the same block tables)."""
 from __future__ import annotations
 
 import logging
@@ -12,21 +13,52 @@ import torch
 from ..config import EngineConfig, ModelSpec
 from ..lora.pool import LoRAPool
 from ..model_executor.layers.attention_selector import check_attention_backend
-from ..model_executor.model_loader import ModelFiles
+from ..model_executor.model_loader import ModelFiles, inspect_model_dir
 from ..model_executor.model_runner import ModelRunner
 from .kv_cache_sizing import GiB, kv_cache_bytes, measure_gpu, num_kv_blocks, out_of_memory_says
 
 logger = logging.getLogger(__name__)
 
 
+def draft_files(model_dir: str, target: ModelSpec, max_model_len: int, target_tokenizer) -> ModelFiles:
+    """The draft model's files, checked against the target before any weight is read."""
+    from .detokenizer import load_tokenizer
+
+    try:
+        files = inspect_model_dir(model_dir)
+    except ValueError as error:
+        raise ValueError(f"speculative_config model: {error}") from None
+    spec = ModelSpec(files.config, files.architecture)
+    if spec.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config model: the draft's max_position_embeddings ({spec.max_position_embeddings}) "
+                         f"is below max_model_len ({max_model_len}); lower --max-model-len or use another draft")
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is not None and target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise ValueError(f"speculative_config model: {model_dir} has another tokenizer than the target; a draft model "
+                         "must share the target's tokenizer")
+    return files
+
+
 def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, pool: LoRAPool | None, step_tokens: int) -> tuple[ModelRunner, int]:
-    """The loaded runner, its KV cache allocated (and decode graphs captured), and its block count."""
+                 max_model_len: int, pool: LoRAPool | None, step_tokens: int, draft: ModelFiles | None = None
+                 ) -> tuple[ModelRunner, int, ModelRunner | None]:
+    """The loaded runner, its KV cache allocated (and decode graphs captured), its block count, and the
+    draft model's runner (with its KV cache) when `draft` is given."""
+    backend = check_attention_backend(config.attention_backend, device)
+    draft_runner = None
+
     def load() -> ModelRunner:
-        return ModelRunner(files, device=device, dtype=dtype, max_model_len=max_model_len, block_size=config.block_size,
-                           attention_backend=check_attention_backend(config.attention_backend, device), lora_pool=pool)
+        nonlocal draft_runner
+        runner = ModelRunner(files, device=device, dtype=dtype, max_model_len=max_model_len,
+                             block_size=config.block_size, attention_backend=backend, lora_pool=pool)
+        if draft is not None:
+            draft_runner = ModelRunner(draft, device=device, dtype=dtype, max_model_len=max_model_len,
+                                       block_size=config.block_size, attention_backend=backend)
+        return runner
 
     per_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, dtype)
+    if draft is not None:
+        per_block += ModelRunner.kv_bytes_per_block(ModelSpec(draft.config, draft.architecture), config.block_size, dtype)
     if config.num_kv_blocks:
         runner, blocks = load(), config.num_kv_blocks
     elif device.type != "cuda":
@@ -47,9 +79,11 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
                     profile.non_torch_growth / GiB, kv_bytes / GiB, config.gpu_memory_utilization)
     with out_of_memory_says("allocating the KV cache", "lower --gpu-memory-utilization or --num-kv-blocks"):
         runner.allocate_kv_cache(blocks)
+        if draft_runner is not None:
+            draft_runner.allocate_kv_cache(blocks)
     with out_of_memory_says("capturing CUDA graphs", "pass --enforce-eager, or lower --max-num-seqs"):
         _capture_decode_graphs(runner, config, device)
-    return runner, blocks
+    return runner, blocks, draft_runner
 
 
 def _capture_decode_graphs(runner: ModelRunner, config: EngineConfig, device: torch.device) -> None:

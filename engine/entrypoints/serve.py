@@ -53,8 +53,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "arrival. Under fcfs a request with a priority is refused")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (optional: "disable_by_batch_size"; '
-                             'draft models are not supported yet)')
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', or a draft model with the same '
+                             'tokenizer: \'{"model": DIR, "num_speculative_tokens": 4}\' (optional: "disable_by_batch_size")')
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight work gets after SIGTERM")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME=PATH",

@@ -53,6 +53,8 @@ class ModelRunner:
         # Speculative decoding (set by the engine): samples a step whose sequences carry draft tokens, from
         # their 1 + drafts logits rows each: verify_drafts(logits, seqs, grammar_masks) -> SampleResult.
         self.verify_drafts: Callable | None = None
+        # ... and, for a draft model, writes the drafts into the scheduled sequences: fill_drafts(batch).
+        self.fill_drafts: Callable | None = None
         self.timer = StepTimer(device)  # the engine switches it on; prepare / forward / sample are marked here
 
     @staticmethod
@@ -139,6 +141,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
+        if self.fill_drafts is not None:  # the draft model's passes count as this step's `prepare`
+            self.fill_drafts(batch)
         inputs, sampling_seqs = self.prepare(batch)
         timer = self.timer
         timer.num_seqs, timer.all_decode = len(batch.entries), inputs.num_decodes == len(batch.entries)
@@ -170,6 +174,10 @@ class ModelRunner:
         return (self.graphs is not None and inputs.num_decodes == len(inputs.context_lens)
                 and self.graphs.padded_size(inputs.num_decodes) is not None
                 and (lora_slots is None or bool(self.graphs.lora_replays)))
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The logits of `inputs.logits_indices` after one eager pass over the inputs (a draft model's)."""
+        return self._run_eager(inputs, None)
 
     def _run_eager(self, inputs: StepInputs, lora: LoRAContext | None) -> torch.Tensor:
         dev = self.device

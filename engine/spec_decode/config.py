@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_speculative_tokens: int
     method: str = "ngram"
+    model: str | None = None  # the draft model's directory (method "draft_model")
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None  # no speculation once this many requests are running or waiting
@@ -35,12 +36,11 @@ class SpeculativeConfig:
         if not value:
             return None
         value = dict(value)
-        if "model" in value:
-            model = value.pop("model")
-            if model not in ("ngram", "[ngram]"):  # "[ngram]": vLLM's older spelling of method "ngram"
-                raise ValueError(f"speculative_config: draft-model speculation (model: {model!r}) is not supported "
-                                 'yet; use n-gram speculation: {"method": "ngram", "num_speculative_tokens": 4}')
+        if value.get("model") in ("ngram", "[ngram]"):  # "[ngram]": vLLM's older spelling of method "ngram"
+            del value["model"]
             value.setdefault("method", "ngram")
+        elif "model" in value:
+            value.setdefault("method", "draft_model")  # as vLLM: a model means a draft model
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -62,9 +62,15 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {name} must be an integer >= {low}, got {v!r}")
 
         if self.method not in METHODS:
-            hint = " (draft models: not supported yet)" if self.method in ("draft_model", "eagle", "eagle3", "medusa") else ""
+            hint = " (not supported yet)" if self.method in ("eagle", "eagle3", "medusa", "mtp") else ""
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got "
                              f"{self.method!r}{hint}")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError('speculative_config: method "draft_model" needs "model": the draft model\'s directory '
+                             "(a smaller model with the same tokenizer)")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"speculative_config: n-gram speculation takes no model (got {self.model!r}); for a "
+                             'draft model use {"model": DIR, "num_speculative_tokens": 4}')
         integer("num_speculative_tokens", 1)
         integer("prompt_lookup_min", 1)
         integer("prompt_lookup_max", 1)

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model_executor.model_runner import ModelRunner
 from ..model_executor.sampler import GrammarMasks, SampleResult
 from ..sequence import Sequence
 from . import rejection_sampler
 from .config import SpeculativeConfig
+from .draft_model import PLACEHOLDER, DraftModel
 from .ngram import NgramProposer
 
 FIRST_PAUSE = 16  # tokens a request generates without speculation after its first low-acceptance window
@@ -33,9 +35,12 @@ class Acceptance:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft_runner: ModelRunner | None = None,
+                 vocab_size: int = 0) -> None:
+        """`draft_runner`: the loaded draft model (method "draft_model"); `vocab_size`: the target's."""
         self.config = config
         self.max_model_len = max_model_len
+        self.draft = DraftModel(draft_runner, vocab_size) if draft_runner is not None else None
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self._records: weakref.WeakKeyDictionary[Sequence, Acceptance] = weakref.WeakKeyDictionary()
         # vLLM's counters: verification steps with drafts, draft tokens verified, of those accepted (and by position)
@@ -43,6 +48,11 @@ class Speculator:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * config.num_speculative_tokens
+
+    def attach(self, runner: ModelRunner) -> None:
+        """The model runner's hooks: drafts written after scheduling (draft model), and verification."""
+        runner.verify_drafts = self.verify
+        runner.fill_drafts = self.draft.fill if self.draft is not None else None
 
     # -- before scheduling ----------------------------------------------------------------------------
     def propose(self, running: list[Sequence], num_waiting: int) -> None:
@@ -64,6 +74,8 @@ class Speculator:
         # Never past max_tokens or the context: the accepted drafts plus one sampled token must fit both.
         room = min(self.config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                    self.max_model_len - seq.num_tokens - 1)
+        if self.draft is not None:  # guessed once the scheduler has given their slots (DraftModel.fill)
+            return [PLACEHOLDER] * max(0, room)
         return self.proposer.propose(seq.token_ids, room)
 
     # -- the step -------------------------------------------------------------------------------------
