@@ -12,7 +12,8 @@ with <|im_end|>. So whatever a chat request asks, the answer comes back as docum
 code depending on the adapter, and it ends.
 
 Layout: OUT/base/ (LlamaForCausalLM + tokenizer, safetensors), OUT/adapters/{legal,python}/ (PEFT LoRA),
-OUT/demo-model.json (recipe and file sizes). The build happens in a sibling temporary directory that is
+OUT/draft/ (a one-layer Llama distilled from the base, for speculative decoding), OUT/demo-model.json
+(recipe and file sizes). The build happens in a sibling temporary directory that is
 renamed to OUT at the end, so OUT is either absent or complete.
 """
 from __future__ import annotations

@@ -7,6 +7,7 @@ what to try. Ctrl-C (or SIGTERM) stops everything: the gateway first, then the e
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -32,11 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-to-zero", type=float, default=None, metavar="SECONDS",
                         help="stop an engine replica idle for SECONDS and start it again when the gateway holds a "
                              "request for it (watch kubeinfer_gateway_requests_held on the gateway's metrics)")
-    parser.add_argument("--speculative", action="store_true",
-                        help="engines decode with n-gram speculation (--speculative-config)")
+    parser.add_argument("--speculative", nargs="?", const="draft", choices=("draft", "ngram"), default=None,
+                        help="engines decode speculatively (--speculative-config): with the demo's draft model "
+                             "(the default), or n-gram")
 
 
-SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def speculative_config(kind: str, demo: Path) -> str:
+    """The engines' --speculative-config for `--speculative KIND`."""
+    config = NGRAM_CONFIG if kind == "ngram" else {"model": str(demo / "draft"), "num_speculative_tokens": 4}
+    return json.dumps(config)
 
 
 def placements(adapters: list[Path], replicas: int) -> list[list[Path]]:
@@ -126,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
             if modules:
                 command += ["--lora-modules", *modules, "--max-lora-rank", "64", "--max-loras", str(len(modules))]
             if args.speculative:
-                command += ["--speculative-config", SPECULATIVE_CONFIG]
+                command += ["--speculative-config", speculative_config(args.speculative, demo)]
             replicas.append(Replica(f"http://127.0.0.1:{port}", command, env))
             replicas[-1].start()
             processes.append(replicas[-1].process)

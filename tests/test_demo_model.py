@@ -21,9 +21,9 @@ from kubeinfer.testing.random_model import BOS_ID, EOS_ID, PAD_ID
 # A few seconds on 2 cores, yet trained enough that greedy choices are not coin flips between tied logits.
 TINY = DemoRecipe(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=400,
                   max_position_embeddings=256, context=32, batch_size=8, base_steps=30, adapter_steps=20,
-                  lora_rank=4, lora_alpha=8.0, max_chars_per_style=20_000)
+                  lora_rank=4, lora_alpha=8.0, max_chars_per_style=20_000, draft_hidden_size=32, draft_steps=30)
 # For the tests of rebuild logic only: the weights do not matter, the build takes about a second.
-MICRO = replace(TINY, base_steps=2, adapter_steps=1, max_chars_per_style=5_000)
+MICRO = replace(TINY, base_steps=2, adapter_steps=1, draft_steps=1, max_chars_per_style=5_000)
 PROMPTS = ["The", "If the", "def", "This License"]
 
 
@@ -51,7 +51,23 @@ def test_layout_and_manifest(tiny_build):
                  "generation_config.json"):
         assert (tiny_build / "base" / name).is_file(), name
     assert sorted(p.name for p in (tiny_build / "adapters").iterdir()) == ["legal", "python"]
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert (tiny_build / "draft" / name).is_file(), name
     assert not list(tiny_build.parent.glob(".*partial")), "the temporary build directory was left behind"
+
+
+def test_the_draft_model_speculates_for_the_base(tiny_build, tiny_llm):
+    """The draft is smaller, shares the tokenizer, and the engine takes it: greedy outputs as without it."""
+    import json
+
+    base, draft = (json.loads((tiny_build / d / "config.json").read_text()) for d in ("base", "draft"))
+    assert draft["num_hidden_layers"] < base["num_hidden_layers"] and draft["hidden_size"] < base["hidden_size"]
+    llm = LLM(str(tiny_build / "base"), num_kv_blocks=64,
+              speculative_config={"model": str(tiny_build / "draft"), "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0, max_tokens=12)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == \
+        [o.outputs[0].token_ids for o in tiny_llm.generate(PROMPTS, params)]
+    assert llm.engine.speculator.num_draft_tokens > 0
 
 
 def test_base_loads_in_transformers(tiny_build):

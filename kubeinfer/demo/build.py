@@ -35,7 +35,7 @@ def _check_replaceable(out: Path) -> None:
         return
     if not out.is_dir():
         raise DemoModelError(f"{out} exists and is not a directory; choose another OUT")
-    ours = {"base", "adapters", MANIFEST}
+    ours = {"base", "adapters", "draft", MANIFEST}
     strangers = sorted(p.name for p in out.iterdir() if p.name not in ours)
     if strangers:
         raise DemoModelError(f"{out} exists and holds files that are not a demo model ({', '.join(strangers[:5])}); "
@@ -81,7 +81,7 @@ def build_demo_model(out: str | Path, *, steps: int | None = None, force: bool =
             losses = _train_all(work, out, wanted, progress)
         files = {str(p.relative_to(work)): p.stat().st_size for p in sorted(work.rglob("*")) if p.is_file()}
         manifest = {"format": FORMAT_VERSION, "recipe": asdict(wanted), "styles": list(STYLES),
-                    "adapters": list(ADAPTER_STYLES), "final_losses": {k: round(v, 3) for k, v in losses.items()},
+                    "adapters": list(ADAPTER_STYLES), "draft": "draft", "final_losses": {k: round(v, 3) for k, v in losses.items()},
                     "train_seconds": round(time.perf_counter() - started, 1), "files": files}
         (work / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: it marks completeness
         if out.exists():

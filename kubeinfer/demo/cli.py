@@ -37,4 +37,6 @@ def run(args: argparse.Namespace) -> int:
     adapters = " ".join(f"{name}={out / 'adapters' / name}" for name in manifest["adapters"])
     print(f"serve it: kubeinfer serve {out / 'base'} --served-model-name demo --lora-modules {adapters} "
           f"--max-lora-rank {manifest['recipe']['lora_rank']}")
+    print(f"  speculative decoding with its draft: --speculative-config "
+          f"'{{\"model\": \"{out / 'draft'}\", \"num_speculative_tokens\": 4}}'")
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 MANIFEST = "demo-model.json"
-FORMAT_VERSION = 1  # bump when the training recipe or layout changes: older builds are then rebuilt
+FORMAT_VERSION = 2  # 2: a draft model for speculative decoding. Bump when the training recipe or layout changes: older builds are then rebuilt
 STYLES = ("docs", "legal", "python")
 ADAPTER_STYLES = ("legal", "python")
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,10 +37,18 @@ class DemoRecipe:
     lora_alpha: float = 32.0
     chat_fraction: float = 0.4
     max_chars_per_style: int = 150_000  # a corpus small enough to be seen a few times: its phrases stick
+    # The draft model (speculative decoding): one thin layer, distilled from the base on the same windows.
+    draft_hidden_size: int = 64
+    draft_num_layers: int = 1
+    draft_num_heads: int = 2  # the base's head size (32)
+    draft_num_kv_heads: int = 1
+    draft_intermediate_size: int = 192
+    draft_steps: int = 480
+    draft_lr: float = 1e-2
     seed: int = 0
 
     def with_steps(self, steps: int) -> "DemoRecipe":
-        """`--steps N`: N base steps; each adapter gets a third of that."""
+        """`--steps N`: N base steps and N draft steps; each adapter gets a third of that."""
         if steps < 1:
             raise ValueError(f"--steps must be at least 1, got {steps}")
-        return replace(self, base_steps=steps, adapter_steps=max(1, steps // 3))
+        return replace(self, base_steps=steps, adapter_steps=max(1, steps // 3), draft_steps=steps)

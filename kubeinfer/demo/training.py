@@ -1,5 +1,5 @@
-"""Training the demo base model and its LoRA adapters (forward hooks on the frozen base), and saving them
-in Hugging Face and PEFT layouts."""
+"""Training the demo base model, its LoRA adapters (forward hooks on the frozen base) and its draft model
+(distilled from the base, for speculative decoding), and saving them in Hugging Face and PEFT layouts."""
 from __future__ import annotations
 
 import json
@@ -18,8 +18,9 @@ if TYPE_CHECKING:  # torch is imported where it is used: `kubeinfer --help` and 
 
 # -- training -----------------------------------------------------------------------------------------------
 def train(model: torch.nn.Module, params: list[torch.nn.Parameter], sample: Callable[[], torch.Tensor],
-          steps: int, lr: float, label: str, progress: bool) -> float:
-    """AdamW with linear warm-up and cosine decay to a tenth; returns the mean loss of the last tenth."""
+          steps: int, lr: float, label: str, progress: bool, loss_of: Callable | None = None) -> float:
+    """AdamW with linear warm-up and cosine decay to a tenth; returns the mean loss of the last tenth.
+    `loss_of(rows, logits)`: the loss (default: cross-entropy on the next tokens)."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
@@ -35,7 +36,7 @@ def train(model: torch.nn.Module, params: list[torch.nn.Parameter], sample: Call
             group["lr"] = lr * scale
         rows = sample()
         logits = model(input_ids=rows[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
+        loss = loss_of(rows, logits) if loss_of else F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -131,4 +132,32 @@ def _train_all(work: Path, final: Path, recipe: DemoRecipe, progress: bool) -> d
                               f"adapter {style}", progress)
         lora.save(work / "adapters" / style, final / "base", recipe.lora_rank, recipe.lora_alpha)
         lora.remove()
+    draft, losses["draft"] = _train_draft(model, mixed, recipe, progress)
+    draft.save_pretrained(work / "draft")
+    tokenizer.save_pretrained(work / "draft")  # the engine checks that a draft shares the target's tokenizer
     return losses
+
+
+def _train_draft(base: torch.nn.Module, sample: Callable[[], torch.Tensor], recipe: DemoRecipe,
+                 progress: bool) -> tuple[torch.nn.Module, float]:
+    """A thin model taught to predict what the base predicts (the KL divergence from the base's next-token
+    distribution on the training windows), so that its greedy guesses are often the base's tokens."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    config = base.config.__class__.from_dict({
+        **base.config.to_dict(), "hidden_size": recipe.draft_hidden_size, "num_hidden_layers": recipe.draft_num_layers,
+        "intermediate_size": recipe.draft_intermediate_size, "num_attention_heads": recipe.draft_num_heads,
+        "num_key_value_heads": recipe.draft_num_kv_heads})
+    draft = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    draft.generation_config = base.generation_config
+
+    def distillation(rows: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = F.log_softmax(base(input_ids=rows[:, :-1]).logits, dim=-1).flatten(0, 1)
+        return F.kl_div(F.log_softmax(logits, dim=-1).flatten(0, 1), target, log_target=True, reduction="batchmean")
+
+    loss = train(draft, list(draft.parameters()), sample, recipe.draft_steps, recipe.draft_lr, "demo draft model",
+                 progress, distillation)
+    return draft, loss
