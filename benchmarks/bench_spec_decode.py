@@ -1,12 +1,14 @@
-"""Speculative decoding (n-gram) against no speculation, same engine, same model, same run.
+"""Speculative decoding, n-gram and draft model, against no speculation: same engine, same model, same run.
 
-* batch 1: decode tokens/s on copy-heavy prompts and on prompts that do not copy. A random-init model
-  copies only what its own greedy decoding repeats, so a copy-heavy prompt is built from the model's
-  output: a random prefix P is continued greedily to G, and the prompt is P + G + P (the document, then
-  its beginning again): if the model continues as it did, the continuation is in the prompt. The
-  acceptance rate says how far that held.
-* batch 8 and 32: throughput of a mixed workload (half copy-heavy) without speculation, with it always
-  on, and with the adaptive switch (`disable_by_batch_size`), with acceptance rates.
+The model is the demo model (trained here, `kubeinfer demo-model`, built into .cache/demo-model if missing,
+about a minute) and the draft its one-layer distillation.
+* batch 1: decode tokens/s on copy-heavy prompts and on prompts that do not copy. A copy-heavy prompt is
+  built from the model's own output: a prefix P (a chat question) is continued greedily to G, and the
+  prompt is P + G + P (the document, then its beginning again, as when editing or quoting): if the model
+  continues as it did, the continuation is in the prompt. The acceptance rate says how far that held.
+  The others are random tokens.
+* batch 8 and 32: throughput of a mixed workload (half copy-heavy) without speculation, with n-gram
+  always on, and with the adaptive switch (`disable_by_batch_size` 8) for n-gram and for the draft.
 
     python benchmarks/bench_spec_decode.py [--tokens 96] [--prompts 3] [--k 4]
 """
@@ -22,26 +24,29 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
-from bench_throughput import MODEL_SHAPE  # noqa: E402
 from results import update_results  # noqa: E402
 
+from kubeinfer.demo.recipe import DEMO_QUESTIONS  # noqa: E402
+from kubeinfer.demo_model import build_demo_model  # noqa: E402
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
 
-MODEL_DIR = Path(__file__).parents[1] / ".cache" / "bench-llama-33m"
+DEMO_DIR = Path(__file__).parents[1] / ".cache" / "demo-model"
 
 
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def plain_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+def plain_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(10, 8000) for _ in range(length)] for _ in range(count)]
+    return [[rng.randrange(10, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-def copy_prompts(llm: LLM, count: int, tokens: int, seed: int) -> list[list[int]]:
-    prefixes = plain_prompts(count, 32, seed)
+def copy_prompts(llm: LLM, count: int, tokens: int) -> list[list[int]]:
+    tokenizer = llm.engine.tokenizer
+    questions = [f"<|im_start|>user\n{q} ({i})<|im_end|>\n<|im_start|>assistant\n"
+                 for i in range(count) for q in DEMO_QUESTIONS][:count]
+    prefixes = [tokenizer.encode(q) for q in questions]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prefixes], greedy(tokens + 32))
     return [p + o.outputs[0].token_ids + p for p, o in zip(prefixes, outputs)]
 
@@ -71,63 +76,75 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--batches", default="8,32")
     args = parser.parse_args()
-    if not (MODEL_DIR / "config.json").exists():
-        build_random_model(MODEL_DIR, "llama", tokenizer=False, initializer_range=0.02, **MODEL_SHAPE)
+    build_demo_model(DEMO_DIR, progress=False)  # reused when built
+    model = str(DEMO_DIR / "base")
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    draft = {"model": str(DEMO_DIR / "draft"), "num_speculative_tokens": args.k}
     batches = [int(b) for b in args.batches.split(",")]
-    adaptive_limit = 16
-    engines = {"off": LLM(str(MODEL_DIR), max_model_len=1024),
-               "ngram": LLM(str(MODEL_DIR), max_model_len=1024, speculative_config=ngram),
-               "ngram, adaptive": LLM(str(MODEL_DIR), max_model_len=1024,
-                                      speculative_config={**ngram, "disable_by_batch_size": adaptive_limit})}
-    kinds = {"copy-heavy": copy_prompts(engines["off"], max(args.prompts, max(batches) // 2), args.tokens, seed=1),
-             "no copying": plain_prompts(max(args.prompts, max(batches)), 96, seed=2)}
+    adaptive_limit = 8  # where speculation stops paying for this small model on this CPU (see the always-on column)
+    engines = {"off": LLM(model), "ngram": LLM(model, speculative_config=ngram),
+               "draft": LLM(model, speculative_config=draft),
+               "ngram, adaptive": LLM(model, speculative_config={**ngram, "disable_by_batch_size": adaptive_limit}),
+               "draft, adaptive": LLM(model, speculative_config={**draft, "disable_by_batch_size": adaptive_limit})}
+    vocab_size = engines["off"].engine.spec.vocab_size
+    kinds = {"copy-heavy": copy_prompts(engines["off"], max(args.prompts, max(batches) // 2), args.tokens),
+             "no copying": plain_prompts(max(args.prompts, max(batches)), 96, vocab_size, seed=2)}
     lengths = ", ".join(f"{k} {sum(map(len, v)) // len(v)}" for k, v in kinds.items())
     print(f"torch threads {torch.get_num_threads()}; mean prompt lengths: {lengths}")
     for llm in engines.values():  # warm up
         run(llm, kinds["no copying"][:1], 8)
 
-    rows = ["| prompts | tokens/s, no speculation | tokens/s, n-gram | speed-up | acceptance |", "|---|---|---|---|---|"]
+    rows = ["| prompts | tokens/s, no speculation | n-gram | speed-up | acceptance | draft model | speed-up | acceptance |",
+            "|---|---|---|---|---|---|---|---|"]
     for kind, prompts in kinds.items():
-        speed, accepted = {}, 0.0
-        for name in ("off", "ngram"):
+        speed, accepted = {}, {}
+        for name in ("off", "ngram", "draft"):
             llm, seconds, produced = engines[name], 0.0, 0
             before = counters(llm)
             for prompt in prompts[:args.prompts]:  # one at a time: batch 1
                 s, n = run(llm, [prompt], args.tokens)
                 seconds, produced = seconds + s, produced + n
             speed[name] = produced / seconds
-            if name == "ngram":
-                accepted = acceptance(llm, before)
+            accepted[name] = acceptance(llm, before) if name != "off" else 0.0
         rows.append(f"| {kind} | {speed['off']:.1f} | {speed['ngram']:.1f} | {speed['ngram'] / speed['off']:.2f}x "
-                    f"| {accepted:.0%} |")
-        print(rows[-1])
+                    f"| {accepted['ngram']:.0%} | {speed['draft']:.1f} | {speed['draft'] / speed['off']:.2f}x "
+                    f"| {accepted['draft']:.0%} |")
+        print(rows[-1], flush=True)
 
-    header = "| batch | tokens/s, no speculation | n-gram always | n-gram adaptive | adaptive vs none | acceptance |"
-    table = [header, "|---|---|---|---|---|---|"]
+    header = ("| batch | tokens/s, no speculation | n-gram always | n-gram adaptive | vs none | draft adaptive | vs none "
+              "| n-gram acceptance |")
+    table = [header, "|---|---|---|---|---|---|---|---|"]
     for batch in batches:
         mixed = kinds["copy-heavy"][:batch // 2] + kinds["no copying"][:batch - batch // 2]
         speed, accepted = {}, 0.0
-        for name, llm in engines.items():
+        for name in ("off", "ngram", "ngram, adaptive", "draft, adaptive"):
+            llm = engines[name]
             before = counters(llm)
             seconds, produced = run(llm, mixed, args.tokens)
             speed[name] = produced / seconds
             if name == "ngram":
                 accepted = acceptance(llm, before)
         table.append(f"| {batch} | {speed['off']:.1f} | {speed['ngram']:.1f} | {speed['ngram, adaptive']:.1f} | "
-                     f"{speed['ngram, adaptive'] / speed['off']:.2f}x | {accepted:.0%} |")
-        print(table[-1])
+                     f"{speed['ngram, adaptive'] / speed['off']:.2f}x | {speed['draft, adaptive']:.1f} | "
+                     f"{speed['draft, adaptive'] / speed['off']:.2f}x | {accepted:.0%} |")
+        print(table[-1], flush=True)
 
     command = (f"python benchmarks/bench_spec_decode.py --tokens {args.tokens} --prompts {args.prompts} --k {args.k} "
                f"--batches {args.batches}")
-    update_results("spec-decode", "Speculative decoding (n-gram) vs none", (
-        f"`{command}` on the random-init 33M llama of bench_throughput (CPU, {torch.get_num_threads()} torch threads, "
-        f"greedy, {args.tokens} output tokens per request, num_speculative_tokens={args.k}). Copy-heavy prompts are "
-        "P + G + P with G the model's own greedy continuation of P; the others are random tokens. Batch 1, one "
-        "request at a time:\n\n" + "\n".join(rows) + f"\n\nMixed batches (half copy-heavy); adaptive turns "
-        f"speculation off from {adaptive_limit} requests (`disable_by_batch_size`):\n\n" + "\n".join(table) +
-        "\n\nVerification runs eagerly (as a chunked-prefill query of 1 + k tokens), also on a GPU: no CUDA graph "
-        "for it yet. This machine is shared and noisy; compare rows of one run."))
+    update_results("spec-decode", "Speculative decoding (n-gram and draft model) vs none", (
+        f"`{command}` on the demo model (4 layers, hidden 128; CPU, {torch.get_num_threads()} torch threads, greedy, "
+        f"{args.tokens} output tokens per request, num_speculative_tokens={args.k}); the draft model is its one-layer, "
+        "hidden-64 distillation. Copy-heavy prompts are P + G + P with P a chat question and G the model's own "
+        "greedy continuation of P; the others are random tokens. Batch 1, one request at a time:\n\n"
+        + "\n".join(rows) + f"\n\nMixed batches (half copy-heavy); adaptive turns speculation off from "
+        f"{adaptive_limit} requests (`disable_by_batch_size`):\n\n" + "\n".join(table) +
+        "\n\nOn this CPU a step of this small target costs about 0.85 ms at one token and 1.0 ms at five, and a draft "
+        "pass about 0.26 ms (fixed costs dominate both), which bounds the gain. With speculation switched off the "
+        "engine's decode steps at batch 32 cost what they cost without a speculator to within 2% by the step timer "
+        "(schedule, sample and outputs +5-10 us each): read the adaptive columns' spread as this machine's noise. "
+        "Verification runs eagerly (as a "
+        "chunked-prefill query of 1 + k tokens), also on a GPU: no CUDA graph for it yet. This machine is shared "
+        "and noisy; compare rows of one run."))
 
 
 if __name__ == "__main__":
