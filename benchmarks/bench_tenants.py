@@ -145,7 +145,7 @@ def main() -> None:
                     + (f"{n50:.3f} | {n95:.3f} | {n_refused} of {len(r['noisy'])} |" if r["noisy"] else "- | - | - |"))
     alone95 = summary(results["alone"]["quiet"])[1]
     body = "\n".join([
-        f"Command: `python benchmarks/bench_tenants.py` (defaults: {args.seconds:g} s, quiet tenant "
+        f"Command: `python benchmarks/bench_tenants.py --seconds {args.seconds:g}` ({args.seconds:g} s, quiet tenant "
         f"{args.quiet_rate:g} requests/s, noisy {args.ratio:g}x that, {args.max_tokens} streamed tokens each). Two "
         "`kubeinfer serve` replicas (the routing benchmark's random Llama, one torch thread each, max_num_seqs "
         f"{args.max_num_seqs}) behind the gateway's proxy, on this 2-core machine with the gateway and the client. "
@@ -166,7 +166,9 @@ def main() -> None:
         "priority up and the engine preempts a running request for it (3.2x); a tenant below its weighted share of "
         "the running requests goes up too, also when a place only looks free, since the gateway's view of the "
         "batches lags and at equal priority a request that finds the batch full waits for it to drain (1.3x). "
-        "With it every quiet request left the gateway's queue within 13 ms."])
+        "With it every quiet request left the gateway's queue within 13 ms. Across runs of this benchmark: 1.3x "
+        "and 2.1x (30 s each), 1.9x (60 s); the rest is the engines' CPU steps, where a quiet prefill shares its step "
+        "with another request's."])
     print(body)
     update_results("tenants", "Two tenants: a noisy neighbour at ten times the quiet one's rate", body)
 
