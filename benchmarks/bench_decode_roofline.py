@@ -8,10 +8,11 @@ is measured here, in this run, with the same torch threads the engine uses:
   * gemv:  `F.linear` of one token through a large weight matrix, i.e. what a decode step does.
 The roofline uses the read figure. Peers: transformers `generate` at batch 1 on the same model, timed
 token by token through a streamer; and the step's matrix products alone (every weight matrix of the model
-through a one-token `F.linear`, nothing else), which shows how much of a step the kernels themselves take.
-Results go to benchmarks/RESULTS.md.
+through a one-token `F.linear`, nothing else), which shows how much of a step the kernels themselves take;
+with `--peer llama.cpp`, llama.cpp in f32 and f16 on the same model and token ids (llama_cpp_peer.py says
+what it needs; without it the row is skipped with instructions). Results go to benchmarks/RESULTS.md.
 
-    python benchmarks/bench_decode_roofline.py [--tokens 256] [--repeats 3]
+    python benchmarks/bench_decode_roofline.py [--tokens 256] [--repeats 3] [--peer llama.cpp]
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from tqdm import tqdm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
+import llama_cpp_peer  # noqa: E402
 from bench_throughput import MODEL_SHAPE  # noqa: E402
 from results import update_results  # noqa: E402
 
@@ -145,6 +147,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=3, help="requests per system (the median is reported)")
     parser.add_argument("--buffer-mib", type=int, default=512, help="bandwidth test buffer, far above cache size")
+    parser.add_argument("--peer", choices=("llama.cpp",), action="append", default=[],
+                        help="also measure llama.cpp (needs llama-cpp-python and its converter)")
+    parser.add_argument("--llama-cpp-converter", default=llama_cpp_peer.default_converter(),
+                        help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_CONVERTER)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -168,17 +174,29 @@ def main() -> None:
     print(f"transformers generate   {hf_rate:7.1f} tok/s  ({hf_rate / roofline:.0%} of the roofline)")
 
     kernel_bound = matmuls_only_rate(hf, repeats=20)
+    peers = []
+    if "llama.cpp" in args.peer:
+        why_not = llama_cpp_peer.missing(args.llama_cpp_converter)
+        if why_not:
+            print(llama_cpp_peer.HOW_TO_INSTALL.format(missing=why_not))
+        for outtype in () if why_not else ("f32", "f16"):
+            gguf = llama_cpp_peer.convert(model_dir, outtype, args.llama_cpp_converter, Path(".cache"))
+            rate = llama_cpp_peer.decode_rate(gguf, prompt, args.tokens, args.repeats, torch.get_num_threads())
+            print(f"llama.cpp {outtype}           {rate:7.1f} tok/s  ({rate / roofline:.0%} of the roofline)")
+            peers.append((f"llama.cpp {outtype}", rate, f"llama-cpp-python, model converted by llama.cpp's "
+                                                        f"convert_hf_to_gguf.py --outtype {outtype}"))
     params = sum(p.numel() for p in hf.parameters())
     rows = [("memory-bandwidth roofline", roofline, f"read bandwidth / {per_token / 1e6:.1f} MB per token"),
             ("the step's matrix products alone", kernel_bound, "every weight matrix through one-token `F.linear`, "
                                                                 "nothing else"),
             ("kubeinfer engine", engine, "LLMEngine, max_num_seqs=1, paged KV"),
-            ("transformers `generate`", hf_rate, "dynamic cache, greedy")]
+            ("transformers `generate`", hf_rate, "dynamic cache, greedy"), *peers]
     table = ["| system | decode tok/s | ms / token | share of roofline | how |", "|---|---|---|---|---|"]
     table += [f"| {name} | {rate:.1f} | {1000 / rate:.2f} | {rate / roofline:.0%} | {how} |"
               for name, rate, how in rows]
     body = "\n".join([
-        f"Command: `python benchmarks/bench_decode_roofline.py --tokens {args.tokens} --repeats {args.repeats}`. "
+        f"Command: `python benchmarks/bench_decode_roofline.py --tokens {args.tokens} --repeats {args.repeats}"
+        + "".join(f" --peer {peer}" for peer in args.peer) + "`. "
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, float32.",
         f"Model: the random-init Llama of the throughput benchmark ({params / 1e6:.1f}M parameters). "
@@ -190,7 +208,8 @@ def main() -> None:
         f"weight once (one embedding row) plus the KV cache at the mean context, {per_token / 1e6:.1f} MB.",
         "", *table, "",
         f"The engine decodes at {engine / roofline:.0%} of what the memory system allows, "
-        f"{engine / hf_rate:.2f}x transformers `generate`. Of its {1000 / engine:.1f} ms per token, "
+        f"{engine / hf_rate:.2f}x transformers `generate`"
+        + "".join(f", {engine / rate:.2f}x {name}" for name, rate, _ in peers) + f". Of its {1000 / engine:.1f} ms per token, "
         f"{1000 / kernel_bound:.1f} ms are the matrix products themselves (timed alone through `F.linear`, with "
         f"the checkpoint's unfused shapes), which at the measured read bandwidth would need {1000 / roofline:.1f} ms."])
     update_results("decode-roofline", "Batch-1 decode vs the memory-bandwidth roofline (CPU)", body)
