@@ -183,8 +183,8 @@ def main() -> None:
             gguf = llama_cpp_peer.convert(model_dir, outtype, args.llama_cpp_converter, Path(".cache"))
             rate = llama_cpp_peer.decode_rate(gguf, prompt, args.tokens, args.repeats, torch.get_num_threads())
             print(f"llama.cpp {outtype}           {rate:7.1f} tok/s  ({rate / roofline:.0%} of the roofline)")
-            peers.append((f"llama.cpp {outtype}", rate, f"llama-cpp-python, model converted by llama.cpp's "
-                                                        f"convert_hf_to_gguf.py --outtype {outtype}"))
+            peers.append((f"llama.cpp {outtype}", rate, f"llama-cpp-python {llama_cpp_peer.version()} (built here), "
+                                                        f"converted by its convert_hf_to_gguf.py --outtype {outtype}"))
     params = sum(p.numel() for p in hf.parameters())
     rows = [("memory-bandwidth roofline", roofline, f"read bandwidth / {per_token / 1e6:.1f} MB per token"),
             ("the step's matrix products alone", kernel_bound, "every weight matrix through one-token `F.linear`, "

@@ -82,5 +82,11 @@ def decode_rate(gguf: Path, prompt: list[int], tokens: int, repeats: int, thread
     return statistics.median(rates)
 
 
+def version() -> str:
+    import llama_cpp
+
+    return llama_cpp.__version__
+
+
 def default_converter() -> str | None:
     return os.environ.get("LLAMA_CPP_CONVERTER")
