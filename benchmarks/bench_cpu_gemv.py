@@ -2,9 +2,10 @@
 
 For each projection shape of the benchmark model (fused q/k/v, o, fused gate/up, down, lm_head) and
 1, 16 and 64 tokens, times `F.linear` with the weight as the checkpoint stores it (row-major [out, in]),
-with the same weight stored column-major (what the engine does on the CPU in float32:
-model_executor/layers/weight_layout.py), and, in float32, MKL's pre-packed GEMM
-(`torch.ops.mkl._mkl_linear`, what inductor's freezing uses; it needs a second copy of the weights).
+with the same weight stored column-major, and, in float32, MKL's pre-packed GEMM
+(`torch.ops.mkl._mkl_linear`, what inductor's freezing uses; it needs a second copy of the weights) and
+numpy's OpenBLAS with torch on one thread (what the engine's decode steps use on the CPU:
+model_executor/layers/cpu_blas.py).
 Weights are cycled through copies larger than the caches, so every product streams from memory as a
 decode step does. Results go to benchmarks/RESULTS.md (section `cpu-gemv`).
 
@@ -19,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,6 +66,12 @@ def measure(dtype: torch.dtype, tokens: int) -> dict[str, dict[str, float]]:
                 packed = {id(w): torch.ops.mkl._mkl_reorder_linear_weight(w, tokens) for w in weights}
                 times["mkl packed"] = seconds_per_product(
                     lambda w, x=x, p=packed: torch.ops.mkl._mkl_linear(x, p[id(w)], w, None, tokens), weights)
+        if dtype == torch.float32:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # as in the engine's decode steps: OpenBLAS has the cores
+            arrays, xn = [w.numpy() for w in weights], x.numpy()
+            times["openblas (numpy)"] = seconds_per_product(lambda w, xn=xn: np.matmul(xn, w.T), arrays)
+            torch.set_num_threads(threads)
         out[name] = times
     return out
 
@@ -80,7 +88,7 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for tokens in (1, 16, 64):
             result = measure(dtype, tokens)
-            for layout in result["qkv_proj"]:
+            for layout in result["qkv_proj"]:  # (a layout or a library)
                 per = {name: result[name][layout] for name in result}
                 step = MODEL_SHAPE["num_layers"] * (sum(per.values()) - per["lm_head"]) + per["lm_head"]
                 lines.append(f"| {str(dtype).removeprefix('torch.')} | {tokens} | {layout} | "

@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from ..config import FUSED_WEIGHTS, ModelSpec
 from .layers.attention import AttentionBackend
+from .layers.cpu_blas import use_openblas_for_decode
 from .layers.rotary_embedding import RotaryEmbedding
-from .layers.weight_layout import use_column_major_weights
 from .models.llama import CausalLM, use_triton_kernels
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -111,7 +111,7 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     _load_weights(model, files.weight_files)
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
         use_triton_kernels(model)
-    use_column_major_weights(model)  # the CPU's one-token matmuls; a no-op on the GPU
+    model.openblas_decode = use_openblas_for_decode(model)  # the CPU's decode-step matmuls; not on the GPU
     return model.eval()
 
 

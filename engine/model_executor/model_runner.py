@@ -12,6 +12,7 @@ from ..lora.layers import LoRAContext
 from ..lora.pool import LoRAPool
 from ..sequence import ScheduledBatch, Sequence
 from .cuda_graphs import DecodeGraphs, capture_cuda_graph, capture_sizes
+from .layers import cpu_blas
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
 from .model_loader import ModelFiles, load_model
@@ -146,6 +147,16 @@ class ModelRunner:
         inputs, sampling_seqs = self.prepare(batch)
         timer = self.timer
         timer.num_seqs, timer.all_decode = len(batch.entries), inputs.num_decodes == len(batch.entries)
+        with cpu_blas.decode_step(self._openblas_step(inputs)):  # forward and sampling alike
+            return self._forward_and_sample(batch, inputs, sampling_seqs)
+
+    def _openblas_step(self, inputs: StepInputs) -> bool:
+        """A decode-only step on the CPU in float32: projections through OpenBLAS (layers/cpu_blas.py)."""
+        return inputs.num_decodes == len(inputs.context_lens) and getattr(self.model, "openblas_decode", False)
+
+    def _forward_and_sample(self, batch: ScheduledBatch, inputs: StepInputs, sampling_seqs: list[Sequence]
+                            ) -> tuple[list[Sequence], SampleResult]:
+        timer = self.timer
         # Structured output: the grammars' masks are host work; compute them while the forward pass runs.
         masks = (self._mask_thread.submit(grammar_bitmask, sampling_seqs, self.spec.vocab_size)
                  if any(seq.grammar is not None for seq in sampling_seqs) else None)
@@ -177,7 +188,8 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The logits of `inputs.logits_indices` after one eager pass over the inputs (a draft model's)."""
-        return self._run_eager(inputs, None)
+        with cpu_blas.decode_step(self._openblas_step(inputs)):
+            return self._run_eager(inputs, None)
 
     def _run_eager(self, inputs: StepInputs, lora: LoRAContext | None) -> torch.Tensor:
         dev = self.device

@@ -1,0 +1,58 @@
+"""The CPU decode path through OpenBLAS (engine/model_executor/layers/cpu_blas.py): the same products as
+torch's `F.linear`, only inside decode-only steps, with torch on one thread there and its threads given
+back after (also when the step raises); `KUBEINFER_CPU_OPENBLAS=0` keeps torch's matmuls. Greedy outputs
+against transformers with this path on are in test_engine_correctness."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kubeinfer.engine import LLM, SamplingParams
+from kubeinfer.engine.model_executor.layers import cpu_blas
+
+
+def test_products_equal_torch_linear_with_and_without_bias_and_for_strided_inputs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 96, bias=True), nn.Linear(96, 32, bias=False))
+    assert cpu_blas.use_openblas_for_decode(model)
+    with torch.inference_mode():
+        for x in (torch.randn(1, 48), torch.randn(5, 48), torch.randn(48, 7).t()):  # the last is not contiguous
+            expected = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight)
+            with cpu_blas.decode_step(True):
+                got = model(x)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_only_decode_steps_use_openblas_and_torch_threads_come_back(monkeypatch):
+    calls = []
+    real = np.matmul
+    monkeypatch.setattr(cpu_blas.np, "matmul", lambda a, b: calls.append(a.shape) or real(a, b))
+    layer = nn.Linear(8, 8)
+    cpu_blas.use_openblas_for_decode(layer)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        layer(torch.randn(1, 8))
+        assert calls == []  # outside a decode step: torch's matmul
+        with pytest.raises(RuntimeError), cpu_blas.decode_step(True):
+            assert torch.get_num_threads() == 1
+            layer(torch.randn(1, 8))
+            raise RuntimeError("a step that fails")
+    assert calls == [(1, 8)] and torch.get_num_threads() == threads
+
+
+def test_the_engine_decodes_through_openblas_and_prefills_through_torch(llama_dir, monkeypatch):
+    seen = []
+    real = np.matmul
+    monkeypatch.setattr(cpu_blas.np, "matmul", lambda a, b: seen.append(a.shape[0]) or real(a, b))
+    llm = LLM(llama_dir, block_size=4)
+    assert llm.engine.runner.model.openblas_decode
+    llm.generate([{"prompt_token_ids": list(range(10, 30))}] * 2, SamplingParams(temperature=0, max_tokens=4))
+    assert seen and set(seen) <= {1, 2}  # decode rows only: the 20-token prompts went through torch
+
+
+def test_the_switch_keeps_torch_matmuls(llama_dir, monkeypatch):
+    monkeypatch.setenv("KUBEINFER_CPU_OPENBLAS", "0")
+    assert not LLM(llama_dir, block_size=4).engine.runner.model.openblas_decode
