@@ -50,12 +50,6 @@ def test_debug_log_line_gives_the_split(llama_dir, caplog):
     assert all(f"{phase} " in lines[0] for phase in PHASES) and "host (not forward)" in lines[0]
 
 
-def test_cpu_float32_projections_are_column_major(llama_dir):
-    model = LLM(llama_dir, num_kv_blocks=16).engine.runner.model
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert linears and all(m.weight.t().is_contiguous() for m in linears)
-
-
 def test_greedy_fast_path_equals_the_full_sampler():
     """Plain greedy rows take one argmax; a row asking for logprobs takes the full path: same tokens."""
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
