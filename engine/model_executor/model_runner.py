@@ -151,8 +151,10 @@ class ModelRunner:
             return self._forward_and_sample(batch, inputs, sampling_seqs)
 
     def _openblas_step(self, inputs: StepInputs) -> bool:
-        """A decode-only step on the CPU in float32: projections through OpenBLAS (layers/cpu_blas.py)."""
-        return inputs.num_decodes == len(inputs.context_lens) and getattr(self.model, "openblas_decode", False)
+        """A decode-only step on the CPU in float32 whose attention is small: projections through OpenBLAS
+        and torch on one thread (layers/cpu_blas.py)."""
+        return (inputs.num_decodes == len(inputs.context_lens) and getattr(self.model, "openblas_decode", False)
+                and sum(inputs.context_lens) <= cpu_blas.MAX_CONTEXT_TOKENS)
 
     def _forward_and_sample(self, batch: ScheduledBatch, inputs: StepInputs, sampling_seqs: list[Sequence]
                             ) -> tuple[list[Sequence], SampleResult]:

@@ -8,9 +8,11 @@ checkpoint's; 16 tokens 10.6 against 14.7 ms; 64 tokens 27.7 against 37.7 ms. Wh
 
 Two thread pools cannot share two cores: while OpenBLAS runs, torch's OpenMP workers spin-wait, and the
 step ran 12x slower. So a decode-only step runs torch on one thread (its small per-layer ops gain
-nothing from more) and hands each projection to OpenBLAS, which uses every core; steps with a prefill
-keep torch's threads and its own matmuls (attention is heavy there). Only float32 (numpy has no
-bfloat16). `KUBEINFER_CPU_OPENBLAS=0` turns it off.
+nothing from more) and hands each projection to OpenBLAS, which uses every core. Attention is what one
+torch thread cannot carry: steps with a prefill, and decode steps over more than MAX_CONTEXT_TOKENS
+tokens of context in all, keep torch's threads and its own matmuls (48 sequences at ~200 tokens ran
+15% slower through OpenBLAS; at ~60 tokens, 17% faster). Only float32 (numpy has no bfloat16).
+`KUBEINFER_CPU_OPENBLAS=0` turns it off; `KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT` moves the bound.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 _active = False  # a decode-only step is running (the engine steps on one thread)
+MAX_CONTEXT_TOKENS = int(os.environ.get("KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT", "4096"))
 
 
 def use_openblas_for_decode(model: nn.Module) -> bool:
