@@ -1,6 +1,7 @@
 """The CPU decode path through OpenBLAS (engine/model_executor/layers/cpu_blas.py): the same products as
 torch's `F.linear`, only inside decode-only steps, with torch on one thread there and its threads given
-back after (also when the step raises); `KUBEINFER_CPU_OPENBLAS=0` keeps torch's matmuls. Greedy outputs
+back after (also when the step raises), and not over long contexts; `KUBEINFER_CPU_OPENBLAS=0` keeps
+torch's matmuls. Greedy outputs
 against transformers with this path on are in test_engine_correctness."""
 from __future__ import annotations
 
@@ -51,6 +52,18 @@ def test_the_engine_decodes_through_openblas_and_prefills_through_torch(llama_di
     assert llm.engine.runner.model.openblas_decode
     llm.generate([{"prompt_token_ids": list(range(10, 30))}] * 2, SamplingParams(temperature=0, max_tokens=4))
     assert seen and set(seen) <= {1, 2}  # decode rows only: the 20-token prompts went through torch
+
+
+def test_decode_steps_over_a_long_context_keep_torch(llama_dir, monkeypatch):
+    """Attention over much context needs torch's threads: past the bound, decode steps stay in torch."""
+    seen = []
+    real = np.matmul
+    monkeypatch.setattr(cpu_blas.np, "matmul", lambda a, b: seen.append(a.shape[0]) or real(a, b))
+    monkeypatch.setattr(cpu_blas, "MAX_CONTEXT_TOKENS", 21)  # the first decode step's context, no more
+    llm = LLM(llama_dir, block_size=4)
+    llm.generate([{"prompt_token_ids": list(range(10, 30))}], SamplingParams(temperature=0, max_tokens=4))
+    projections = sum(isinstance(m, nn.Linear) for m in llm.engine.runner.model.modules())
+    assert seen == [1] * projections  # the first decode step's, not the three after it
 
 
 def test_the_switch_keeps_torch_matmuls(llama_dir, monkeypatch):
