@@ -44,6 +44,30 @@ def test_only_decode_steps_use_openblas_and_torch_threads_come_back(monkeypatch)
     assert calls == [(1, 8)] and torch.get_num_threads() == threads
 
 
+def test_a_decode_step_on_one_thread_leaves_another_threads_torch_alone():
+    """Two engines stepping on two threads of one process: torch's thread count and the OpenBLAS switch
+    are per thread, so one engine's decode step does not change the other's prefill."""
+    import threading
+
+    threads = torch.get_num_threads()
+    inside, checked = threading.Event(), threading.Event()
+
+    def step_elsewhere():
+        with cpu_blas.decode_step(True):
+            inside.set()
+            checked.wait(5)
+
+    worker = threading.Thread(target=step_elsewhere)
+    worker.start()
+    inside.wait(5)
+    try:
+        assert torch.get_num_threads() == threads and not getattr(cpu_blas._step, "active", False)
+    finally:
+        checked.set()
+        worker.join(5)
+    assert torch.get_num_threads() == threads
+
+
 def test_the_engine_decodes_through_openblas_and_prefills_through_torch(llama_dir, monkeypatch):
     seen = []
     real = np.matmul

@@ -17,13 +17,16 @@ tokens of context in all, keep torch's threads and its own matmuls (48 sequences
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 
 import numpy as np
 import torch
 from torch import nn
 
-_active = False  # a decode-only step is running (the engine steps on one thread)
+# Per thread, as torch's thread count is (OpenMP keeps it per thread): engines stepping on two threads
+# of one process do not change each other's.
+_step = threading.local()  # .active: this thread is in a decode step
 MAX_CONTEXT_TOKENS = int(os.environ.get("KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT", "4096"))
 
 
@@ -40,7 +43,7 @@ def use_openblas_for_decode(model: nn.Module) -> bool:
 
 def _openblas_forward(layer: nn.Linear, torch_forward):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _active or x.dtype != torch.float32 or x.requires_grad:
+        if not getattr(_step, "active", False) or x.dtype != torch.float32 or x.requires_grad:
             return torch_forward(x)
         # Read the weight each call: LoRA and the loader may swap the tensor; `.numpy()` is a view.
         out = torch.from_numpy(np.matmul(x.numpy(), layer.weight.detach().numpy().T))
@@ -51,15 +54,14 @@ def _openblas_forward(layer: nn.Linear, torch_forward):
 @contextmanager
 def decode_step(enabled: bool):
     """Within: projections go to OpenBLAS and torch runs on one thread (see the module docstring)."""
-    global _active
     if not enabled:
         yield
         return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    _active = True
+    _step.active = True
     try:
         yield
     finally:
-        _active = False
+        _step.active = False
         torch.set_num_threads(threads)
