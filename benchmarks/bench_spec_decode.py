@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3, help="prompts of each kind at batch 1")
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--batches", default="8,32")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved passes; each system's fastest counts")
     args = parser.parse_args()
     build_demo_model(DEMO_DIR, progress=False)  # reused when built
     model = str(DEMO_DIR / "base")
@@ -98,14 +99,15 @@ def main() -> None:
             "|---|---|---|---|---|---|---|---|"]
     for kind, prompts in kinds.items():
         speed, accepted = {}, {}
-        for name in ("off", "ngram", "draft"):
-            llm, seconds, produced = engines[name], 0.0, 0
-            before = counters(llm)
-            for prompt in prompts[:args.prompts]:  # one at a time: batch 1
-                s, n = run(llm, [prompt], args.tokens)
-                seconds, produced = seconds + s, produced + n
-            speed[name] = produced / seconds
-            accepted[name] = acceptance(llm, before) if name != "off" else 0.0
+        for _ in range(args.repeats):  # interleaved; each system's fastest pass counts
+            for name in ("off", "ngram", "draft"):
+                llm, seconds, produced = engines[name], 0.0, 0
+                before = counters(llm)
+                for prompt in prompts[:args.prompts]:  # one at a time: batch 1
+                    s, n = run(llm, [prompt], args.tokens)
+                    seconds, produced = seconds + s, produced + n
+                speed[name] = max(speed.get(name, 0.0), produced / seconds)
+                accepted[name] = acceptance(llm, before) if name != "off" else 0.0
         rows.append(f"| {kind} | {speed['off']:.1f} | {speed['ngram']:.1f} | {speed['ngram'] / speed['off']:.2f}x "
                     f"| {accepted['ngram']:.0%} | {speed['draft']:.1f} | {speed['draft'] / speed['off']:.2f}x "
                     f"| {accepted['draft']:.0%} |")
@@ -117,23 +119,25 @@ def main() -> None:
     for batch in batches:
         mixed = kinds["copy-heavy"][:batch // 2] + kinds["no copying"][:batch - batch // 2]
         speed, accepted = {}, 0.0
-        for name in ("off", "ngram", "ngram, adaptive", "draft, adaptive"):
-            llm = engines[name]
-            before = counters(llm)
-            seconds, produced = run(llm, mixed, args.tokens)
-            speed[name] = produced / seconds
-            if name == "ngram":
-                accepted = acceptance(llm, before)
+        for _ in range(args.repeats):
+            for name in ("off", "ngram", "ngram, adaptive", "draft, adaptive"):
+                llm = engines[name]
+                before = counters(llm)
+                seconds, produced = run(llm, mixed, args.tokens)
+                speed[name] = max(speed.get(name, 0.0), produced / seconds)
+                if name == "ngram":
+                    accepted = acceptance(llm, before)
         table.append(f"| {batch} | {speed['off']:.1f} | {speed['ngram']:.1f} | {speed['ngram, adaptive']:.1f} | "
                      f"{speed['ngram, adaptive'] / speed['off']:.2f}x | {speed['draft, adaptive']:.1f} | "
                      f"{speed['draft, adaptive'] / speed['off']:.2f}x | {accepted:.0%} |")
         print(table[-1], flush=True)
 
     command = (f"python benchmarks/bench_spec_decode.py --tokens {args.tokens} --prompts {args.prompts} --k {args.k} "
-               f"--batches {args.batches}")
+               f"--batches {args.batches} --repeats {args.repeats}")
     update_results("spec-decode", "Speculative decoding (n-gram and draft model) vs none", (
         f"`{command}` on the demo model (4 layers, hidden 128; CPU, {torch.get_num_threads()} torch threads, greedy, "
-        f"{args.tokens} output tokens per request, num_speculative_tokens={args.k}); the draft model is its one-layer, "
+        f"{args.tokens} output tokens per request, num_speculative_tokens={args.k}, fastest of {args.repeats} "
+        "interleaved passes); the draft model is its one-layer, "
         "hidden-64 distillation. Copy-heavy prompts are P + G + P with P a chat question and G the model's own "
         "greedy continuation of P; the others are random tokens. Batch 1, one request at a time:\n\n"
         + "\n".join(rows) + f"\n\nMixed batches (half copy-heavy); adaptive turns speculation off from "

@@ -1,8 +1,8 @@
-"""The CPU decode path through OpenBLAS (engine/model_executor/layers/cpu_blas.py): the same products as
-torch's `F.linear`, only inside decode-only steps, with torch on one thread there and its threads given
-back after (also when the step raises), and not over long contexts; `KUBEINFER_CPU_OPENBLAS=0` keeps
-torch's matmuls. Greedy outputs
-against transformers with this path on are in test_engine_correctness."""
+"""The CPU path through OpenBLAS (engine/model_executor/layers/cpu_blas.py): the same products as torch's
+`F.linear`, only inside small steps (decodes, drafts, short chunks) and not over long contexts, with
+torch on one thread there and its threads given back after (also when the step raises);
+`KUBEINFER_CPU_OPENBLAS=0` keeps torch's matmuls. Greedy outputs against transformers with this path on
+are in test_engine_correctness."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,12 +22,12 @@ def test_products_equal_torch_linear_with_and_without_bias_and_for_strided_input
     with torch.inference_mode():
         for x in (torch.randn(1, 48), torch.randn(5, 48), torch.randn(48, 7).t()):  # the last is not contiguous
             expected = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight)
-            with cpu_blas.decode_step(True):
+            with cpu_blas.small_step(True):
                 got = model(x)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_only_decode_steps_use_openblas_and_torch_threads_come_back(monkeypatch):
+def test_only_small_steps_use_openblas_and_torch_threads_come_back(monkeypatch):
     calls = []
     real = np.matmul
     monkeypatch.setattr(cpu_blas.np, "matmul", lambda a, b: calls.append(a.shape) or real(a, b))
@@ -36,24 +36,24 @@ def test_only_decode_steps_use_openblas_and_torch_threads_come_back(monkeypatch)
     threads = torch.get_num_threads()
     with torch.inference_mode():
         layer(torch.randn(1, 8))
-        assert calls == []  # outside a decode step: torch's matmul
-        with pytest.raises(RuntimeError), cpu_blas.decode_step(True):
+        assert calls == []  # outside a small step: torch's matmul
+        with pytest.raises(RuntimeError), cpu_blas.small_step(True):
             assert torch.get_num_threads() == 1
             layer(torch.randn(1, 8))
             raise RuntimeError("a step that fails")
     assert calls == [(1, 8)] and torch.get_num_threads() == threads
 
 
-def test_a_decode_step_on_one_thread_leaves_another_threads_torch_alone():
+def test_a_small_step_on_one_thread_leaves_another_threads_torch_alone():
     """Two engines stepping on two threads of one process: torch's thread count and the OpenBLAS switch
-    are per thread, so one engine's decode step does not change the other's prefill."""
+    are per thread, so one engine's small step does not change the other's prefill."""
     import threading
 
     threads = torch.get_num_threads()
     inside, checked = threading.Event(), threading.Event()
 
     def step_elsewhere():
-        with cpu_blas.decode_step(True):
+        with cpu_blas.small_step(True):
             inside.set()
             checked.wait(5)
 
@@ -69,21 +69,24 @@ def test_a_decode_step_on_one_thread_leaves_another_threads_torch_alone():
 
 
 def test_the_engine_decodes_through_openblas_and_prefills_through_torch(llama_dir, monkeypatch):
+    """Small steps (here at most 4 tokens) go through OpenBLAS; the prompts' prefill step through torch."""
     seen = []
     real = np.matmul
     monkeypatch.setattr(cpu_blas.np, "matmul", lambda a, b: seen.append(a.shape[0]) or real(a, b))
+    monkeypatch.setattr(cpu_blas, "MAX_STEP_TOKENS", 4)
     llm = LLM(llama_dir, block_size=4)
     assert llm.engine.runner.model.openblas_decode
     llm.generate([{"prompt_token_ids": list(range(10, 30))}] * 2, SamplingParams(temperature=0, max_tokens=4))
-    assert seen and set(seen) <= {1, 2}  # decode rows only: the 20-token prompts went through torch
+    assert seen and set(seen) <= {1, 2}  # decode rows only: the 40 prompt tokens went through torch
 
 
-def test_decode_steps_over_a_long_context_keep_torch(llama_dir, monkeypatch):
-    """Attention over much context needs torch's threads: past the bound, decode steps stay in torch."""
+def test_steps_over_a_long_context_keep_torch(llama_dir, monkeypatch):
+    """Attention over much context needs torch's threads: past the bound, steps stay in torch."""
     seen = []
     real = np.matmul
     monkeypatch.setattr(cpu_blas.np, "matmul", lambda a, b: seen.append(a.shape[0]) or real(a, b))
     monkeypatch.setattr(cpu_blas, "MAX_CONTEXT_TOKENS", 21)  # the first decode step's context, no more
+    monkeypatch.setattr(cpu_blas, "MAX_STEP_TOKENS", 4)  # and the prompt's step through torch
     llm = LLM(llama_dir, block_size=4)
     llm.generate([{"prompt_token_ids": list(range(10, 30))}], SamplingParams(temperature=0, max_tokens=4))
     projections = sum(isinstance(m, nn.Linear) for m in llm.engine.runner.model.modules())

@@ -147,13 +147,13 @@ class ModelRunner:
         inputs, sampling_seqs = self.prepare(batch)
         timer = self.timer
         timer.num_seqs, timer.all_decode = len(batch.entries), inputs.num_decodes == len(batch.entries)
-        with cpu_blas.decode_step(self._openblas_step(inputs)):  # forward and sampling alike
+        with cpu_blas.small_step(self._openblas_step(inputs)):  # forward and sampling alike
             return self._forward_and_sample(batch, inputs, sampling_seqs)
 
     def _openblas_step(self, inputs: StepInputs) -> bool:
-        """A decode-only step on the CPU in float32 whose attention is small: projections through OpenBLAS
-        and torch on one thread (layers/cpu_blas.py)."""
-        return (inputs.num_decodes == len(inputs.context_lens) and getattr(self.model, "openblas_decode", False)
+        """A small step on the CPU in float32 (decodes, drafts to verify, a short prompt chunk) whose attention
+        is small too: projections through OpenBLAS and torch on one thread (layers/cpu_blas.py)."""
+        return (getattr(self.model, "openblas_decode", False) and len(inputs.input_ids) <= cpu_blas.MAX_STEP_TOKENS
                 and sum(inputs.context_lens) <= cpu_blas.MAX_CONTEXT_TOKENS)
 
     def _forward_and_sample(self, batch: ScheduledBatch, inputs: StepInputs, sampling_seqs: list[Sequence]
@@ -190,7 +190,7 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The logits of `inputs.logits_indices` after one eager pass over the inputs (a draft model's)."""
-        with cpu_blas.decode_step(self._openblas_step(inputs)):
+        with cpu_blas.small_step(self._openblas_step(inputs)):
             return self._run_eager(inputs, None)
 
     def _run_eager(self, inputs: StepInputs, lora: LoRAContext | None) -> torch.Tensor:

@@ -7,11 +7,12 @@ checkpoint's; 16 tokens 10.6 against 14.7 ms; 64 tokens 27.7 against 37.7 ms. Wh
 207 against 133 tok/s.
 
 Two thread pools cannot share two cores: while OpenBLAS runs, torch's OpenMP workers spin-wait, and the
-step ran 12x slower. So a decode-only step runs torch on one thread (its small per-layer ops gain
-nothing from more) and hands each projection to OpenBLAS, which uses every core. Attention is what one
-torch thread cannot carry: steps with a prefill, and decode steps over more than MAX_CONTEXT_TOKENS
-tokens of context in all, keep torch's threads and its own matmuls (48 sequences at ~200 tokens ran
-15% slower through OpenBLAS; at ~60 tokens, 17% faster). Only float32 (numpy has no bfloat16).
+step ran 12x slower. So a small step (decodes, drafts to verify, a short prompt chunk: at most
+MAX_STEP_TOKENS tokens) runs torch on one thread (its small per-layer ops gain nothing from more) and
+hands each projection to OpenBLAS, which uses every core. Attention is what one torch thread cannot
+carry: larger steps, and steps over more than MAX_CONTEXT_TOKENS tokens of context in all, keep
+torch's threads and its own matmuls (48 sequences at ~200 tokens ran 15% slower through OpenBLAS; at
+~60 tokens, 17% faster). Only float32 (numpy has no bfloat16).
 `KUBEINFER_CPU_OPENBLAS=0` turns it off; `KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT` moves the bound.
 """
 from __future__ import annotations
@@ -26,12 +27,13 @@ from torch import nn
 
 # Per thread, as torch's thread count is (OpenMP keeps it per thread): engines stepping on two threads
 # of one process do not change each other's.
-_step = threading.local()  # .active: this thread is in a decode step
+_step = threading.local()  # .active: this thread is in a small step
 MAX_CONTEXT_TOKENS = int(os.environ.get("KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT", "4096"))
+MAX_STEP_TOKENS = 256  # tokens computed in the step (decodes, drafts, a short chunk): OpenBLAS wins to 64 and past
 
 
 def use_openblas_for_decode(model: nn.Module) -> bool:
-    """Route the float32 CPU nn.Linear layers of `model` through OpenBLAS during decode steps; whether it did."""
+    """Route the float32 CPU nn.Linear layers of `model` through OpenBLAS during small steps; whether it did."""
     if os.environ.get("KUBEINFER_CPU_OPENBLAS", "1") == "0":
         return False
     layers = [m for m in model.modules() if isinstance(m, nn.Linear)
@@ -52,7 +54,7 @@ def _openblas_forward(layer: nn.Linear, torch_forward):
 
 
 @contextmanager
-def decode_step(enabled: bool):
+def small_step(enabled: bool):
     """Within: projections go to OpenBLAS and torch runs on one thread (see the module docstring)."""
     if not enabled:
         yield
