@@ -18,7 +18,7 @@ from kubeinfer.engine.model_executor.layers import cpu_blas
 def test_products_equal_torch_linear_with_and_without_bias_and_for_strided_inputs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 96, bias=True), nn.Linear(96, 32, bias=False))
-    assert cpu_blas.use_openblas_for_decode(model)
+    assert cpu_blas.use_openblas_for_small_steps(model)
     with torch.inference_mode():
         for x in (torch.randn(1, 48), torch.randn(5, 48), torch.randn(48, 7).t()):  # the last is not contiguous
             expected = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight)
@@ -32,7 +32,7 @@ def test_only_small_steps_use_openblas_and_torch_threads_come_back(monkeypatch):
     real = np.matmul
     monkeypatch.setattr(cpu_blas.np, "matmul", lambda a, b: calls.append(a.shape) or real(a, b))
     layer = nn.Linear(8, 8)
-    cpu_blas.use_openblas_for_decode(layer)
+    cpu_blas.use_openblas_for_small_steps(layer)
     threads = torch.get_num_threads()
     with torch.inference_mode():
         layer(torch.randn(1, 8))
@@ -75,7 +75,7 @@ def test_the_engine_decodes_through_openblas_and_prefills_through_torch(llama_di
     monkeypatch.setattr(cpu_blas.np, "matmul", lambda a, b: seen.append(a.shape[0]) or real(a, b))
     monkeypatch.setattr(cpu_blas, "MAX_STEP_TOKENS", 4)
     llm = LLM(llama_dir, block_size=4)
-    assert llm.engine.runner.model.openblas_decode
+    assert llm.engine.runner.model.openblas_small_steps
     llm.generate([{"prompt_token_ids": list(range(10, 30))}] * 2, SamplingParams(temperature=0, max_tokens=4))
     assert seen and set(seen) <= {1, 2}  # decode rows only: the 40 prompt tokens went through torch
 
@@ -95,4 +95,4 @@ def test_steps_over_a_long_context_keep_torch(llama_dir, monkeypatch):
 
 def test_the_switch_keeps_torch_matmuls(llama_dir, monkeypatch):
     monkeypatch.setenv("KUBEINFER_CPU_OPENBLAS", "0")
-    assert not LLM(llama_dir, block_size=4).engine.runner.model.openblas_decode
+    assert not LLM(llama_dir, block_size=4).engine.runner.model.openblas_small_steps

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from ..config import FUSED_WEIGHTS, ModelSpec
 from .layers.attention import AttentionBackend
-from .layers.cpu_blas import use_openblas_for_decode
+from .layers.cpu_blas import use_openblas_for_small_steps
 from .layers.rotary_embedding import RotaryEmbedding
 from .models.llama import CausalLM, use_triton_kernels
 
@@ -111,7 +111,7 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     _load_weights(model, files.weight_files)
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
         use_triton_kernels(model)
-    model.openblas_decode = use_openblas_for_decode(model)  # the CPU's decode-step matmuls; not on the GPU
+    model.openblas_small_steps = use_openblas_for_small_steps(model)  # the CPU's small-step matmuls; not the GPU
     return model.eval()
 
 

@@ -153,7 +153,8 @@ class ModelRunner:
     def _openblas_step(self, inputs: StepInputs) -> bool:
         """A small step on the CPU in float32 (decodes, drafts to verify, a short prompt chunk) whose attention
         is small too: projections through OpenBLAS and torch on one thread (layers/cpu_blas.py)."""
-        return (getattr(self.model, "openblas_decode", False) and len(inputs.input_ids) <= cpu_blas.MAX_STEP_TOKENS
+        return (getattr(self.model, "openblas_small_steps", False)
+                and len(inputs.input_ids) <= cpu_blas.MAX_STEP_TOKENS
                 and sum(inputs.context_lens) <= cpu_blas.MAX_CONTEXT_TOKENS)
 
     def _forward_and_sample(self, batch: ScheduledBatch, inputs: StepInputs, sampling_seqs: list[Sequence]

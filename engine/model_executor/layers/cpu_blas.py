@@ -1,10 +1,10 @@
-"""Decode-step projections on the CPU through OpenBLAS (numpy's), which streams the weights at nearly the
-machine's read bandwidth where torch's MKL/oneDNN paths do not.
+"""Projections of small steps on the CPU through OpenBLAS (numpy's), which streams the weights at nearly
+the machine's read bandwidth where torch's MKL/oneDNN paths do not.
 
 Measured here (benchmarks/bench_cpu_gemv.py, float32, a whole step's products of the benchmark model,
-2 threads): one token 2.7 ms with OpenBLAS against 5.3 ms for torch's best layout and 7.7 ms for the
-checkpoint's; 16 tokens 10.6 against 14.7 ms; 64 tokens 27.7 against 37.7 ms. Whole engine at batch 1:
-207 against 133 tok/s.
+2 threads): one token 2.5 ms with OpenBLAS against 4.9 ms for torch's best layout (column-major) and
+7.6 ms for the checkpoint's; 16 tokens 10.2 against 13.2-14.1 ms; 64 tokens 22.1 against 32.5-33.6 ms.
+Whole engine at batch 1 (bench_decode_roofline.py): 178.7 against 129.6 tok/s.
 
 Two thread pools cannot share two cores: while OpenBLAS runs, torch's OpenMP workers spin-wait, and the
 step ran 12x slower. So a small step (decodes, drafts to verify, a short prompt chunk: at most
@@ -32,7 +32,7 @@ MAX_CONTEXT_TOKENS = int(os.environ.get("KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT", "4
 MAX_STEP_TOKENS = 256  # tokens computed in the step (decodes, drafts, a short chunk): OpenBLAS wins to 64 and past
 
 
-def use_openblas_for_decode(model: nn.Module) -> bool:
+def use_openblas_for_small_steps(model: nn.Module) -> bool:
     """Route the float32 CPU nn.Linear layers of `model` through OpenBLAS during small steps; whether it did."""
     if os.environ.get("KUBEINFER_CPU_OPENBLAS", "1") == "0":
         return False
