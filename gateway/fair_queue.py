@@ -187,13 +187,14 @@ class FairQueue:
         head = tenants[0]
         if self.has_free_pod(heaps[head][0].request):
             return head, self._entitled(model, heaps, head)
-        if not self.preempt:
-            return None
-        if self._overtakes(heaps, head, heaps[head][0]):  # fair share sends it ahead
+        if self._entitled(model, heaps, head):
             return head, True
-        return next(((tenant, True) for tenant in tenants if self._below_share(model, heaps, tenant)), None)
+        return next(((tenant, True) for tenant in tenants[1:] if self.preempt
+                     and self._below_share(model, heaps, tenant)), None)
 
     def _entitled(self, model: str, heaps: dict[str, list[_Waiter]], tenant: str) -> bool:
+        """With `preempt`: fair share sends the tenant's request ahead of another's earlier one, or the
+        tenant runs less than its share."""
         return self.preempt and (self._overtakes(heaps, tenant, heaps[tenant][0])
                                  or self._below_share(model, heaps, tenant))
 

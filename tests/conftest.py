@@ -82,3 +82,18 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def references(hf_models):
+    """transformers' greedy continuations, per family: references(family[, prompts, max_tokens])."""
+    from test_engine_correctness import MAX_TOKENS, PROMPTS, hf_greedy
+
+    cache = {}
+
+    def get(family: str, prompts=PROMPTS, max_tokens=MAX_TOKENS):
+        key = (family, id(prompts))
+        if key not in cache:
+            cache[key] = [hf_greedy(hf_models(family), p, n) for p, n in zip(prompts, max_tokens)]
+        return cache[key]
+    return get

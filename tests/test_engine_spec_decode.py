@@ -11,7 +11,7 @@ import math
 import types
 
 import pytest
-from test_engine_correctness import FAMILIES, MAX_TOKENS, PROMPTS, hf_greedy
+from test_engine_correctness import FAMILIES, MAX_TOKENS, PROMPTS
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.core.block_manager import ROOT_KEY, hash_block
@@ -80,18 +80,6 @@ def run_checked(llm: LLM, prompts, params) -> list:
         check_blocks(engine)
     assert engine.block_manager.num_free_blocks == engine.num_kv_blocks  # nothing leaked
     return [finished[f"r{i}"].outputs[0] for i in range(len(prompts))]
-
-
-@pytest.fixture(scope="module")
-def references(hf_models):
-    cache = {}
-
-    def get(family: str, prompts=PROMPTS, max_tokens=MAX_TOKENS):
-        key = (family, id(prompts))
-        if key not in cache:
-            cache[key] = [hf_greedy(hf_models(family), p, n) for p, n in zip(prompts, max_tokens)]
-        return cache[key]
-    return get
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -6,19 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_correctness import FAMILIES, MAX_TOKENS, PROMPTS, hf_greedy
+from test_engine_correctness import FAMILIES, MAX_TOKENS, PROMPTS
 from test_engine_spec_decode import greedy, run_checked
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.lora.request import LoRARequest
-
-
-@pytest.fixture(scope="module")
-def references(hf_models):
-    """transformers' greedy continuation of PROMPTS, per family."""
-    cache: dict[str, list[list[int]]] = {}
-    return lambda family: cache.setdefault(family, [hf_greedy(hf_models(family), p, n)
-                                                    for p, n in zip(PROMPTS, MAX_TOKENS)])
 
 
 @pytest.fixture(scope="module")

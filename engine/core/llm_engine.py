@@ -59,7 +59,7 @@ class LLMEngine:
                      if config.enable_lora else None)
         pool = self.lora.pool if self.lora else None
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        draft = (draft_files(speculative.model, self.spec, self.max_model_len, self.tokenizer)
+        draft = (draft_files(speculative.model, self.max_model_len, self.tokenizer)
                  if speculative and speculative.model else None)
         self.runner, self.num_kv_blocks, draft_runner = build_runner(config, files, self.spec, self.device, self.dtype,
                                                                      self.max_model_len, pool, budget, draft)

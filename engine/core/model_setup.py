@@ -20,7 +20,7 @@ from .kv_cache_sizing import GiB, kv_cache_bytes, measure_gpu, num_kv_blocks, ou
 logger = logging.getLogger(__name__)
 
 
-def draft_files(model_dir: str, target: ModelSpec, max_model_len: int, target_tokenizer) -> ModelFiles:
+def draft_files(model_dir: str, max_model_len: int, target_tokenizer) -> ModelFiles:
     """The draft model's files, checked against the target before any weight is read."""
     from .detokenizer import load_tokenizer
 

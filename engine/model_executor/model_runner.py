@@ -32,6 +32,16 @@ class StepInputs:
     logits_indices: list[int] = field(default_factory=list)  # rows whose logits sample a token
     num_decodes: int = 0
 
+    def add(self, tokens: list[int], start: int, block_table: list[int], block_size: int) -> None:
+        """One sequence's tokens at positions start.., their slots by its block table."""
+        end = start + len(tokens)
+        self.input_ids.extend(tokens)
+        self.positions.extend(range(start, end))
+        self.slots.extend(block_table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        self.query_start_loc.append(self.query_start_loc[-1] + len(tokens))
+        self.context_lens.append(end)
+        self.block_tables.append(block_table)
+
 
 class ModelRunner:
     """Set up in order: __init__ loads the weights, `profile_run` (optional) measures a worst-case step,
@@ -114,18 +124,11 @@ class ModelRunner:
         """Host lists for the step's tokens, and the sequences that sample a token after it."""
         inputs = StepInputs()
         sampling_seqs: list[Sequence] = []
-        bs = self.block_size
         for seq, num_new in batch.entries:
             start = seq.num_computed_tokens
             end = start + num_new
             drafts = seq.spec_token_ids  # speculative decoding: guesses after the last token, checked in this pass
-            inputs.input_ids.extend(seq.token_ids[start:end - len(drafts)] + drafts)
-            inputs.positions.extend(range(start, end))
-            table = seq.block_table
-            inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            inputs.query_start_loc.append(inputs.query_start_loc[-1] + num_new)
-            inputs.context_lens.append(end)
-            inputs.block_tables.append(table)
+            inputs.add(seq.token_ids[start:end - len(drafts)] + drafts, start, seq.block_table, self.block_size)
             if ScheduledBatch.is_decode(seq, num_new):
                 inputs.num_decodes += 1
             if end - len(drafts) == seq.num_tokens:  # the last known token is computed: its logits give the next

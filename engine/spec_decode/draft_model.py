@@ -65,16 +65,8 @@ class DraftModel:
 
     def _next_tokens(self, spans: list[tuple[Sequence, int, list[int]]]) -> list[int]:
         inputs = StepInputs()
-        bs = self.runner.block_size
         for seq, start, tokens in spans:
-            end = start + len(tokens)
-            table = seq.block_table
-            inputs.input_ids.extend(tokens)
-            inputs.positions.extend(range(start, end))
-            inputs.slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            inputs.query_start_loc.append(inputs.query_start_loc[-1] + len(tokens))
-            inputs.context_lens.append(end)
-            inputs.block_tables.append(table)
+            inputs.add(tokens, start, seq.block_table, self.runner.block_size)
             inputs.logits_indices.append(inputs.query_start_loc[-1] - 1)
             inputs.num_decodes += len(tokens) == 1
         logits = self.runner.forward(inputs)

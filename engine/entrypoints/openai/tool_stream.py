@@ -70,8 +70,7 @@ class ToolStream:
 def read_reply(plan: ToolPlan, text: str, finished: bool) -> tuple[str, list[PartialCall]]:
     """(content that can be sent, calls so far) of a reply in progress, by the plan's format."""
     if plan.choice == "named":  # the whole reply is the arguments
-        arguments = text.strip() if finished else text.lstrip().rstrip(WHITESPACE)
-        return "", [PartialCall(plan.named, arguments)]
+        return "", [PartialCall(plan.named, text.strip())]  # trailing space waits: a string may go on
     if plan.choice == "required":
         return "", _read_call_list(text)
     if plan.parser == "hermes":
