@@ -123,3 +123,36 @@ def test_a_new_registration_of_a_lora_id_shares_no_blocks():
     run_prefill(bm, make_seq(list(range(10)), lora_id=1, lora_generation=1))
     assert bm.allocate_cached_prefix(make_seq(list(range(10)), lora_id=1, lora_generation=2)) == 0
     assert bm.allocate_cached_prefix(make_seq(list(range(10)), lora_id=1, lora_generation=1)) == 8
+
+
+def test_a_growing_sequence_takes_the_block_after_its_last():
+    """Blocks go back to the pool tail first, so a plain FIFO would hand a later request descending ids;
+    the block after a sequence's last one is taken when it is free and uncached (its context is then one
+    slice of the cache), and a cached block is never evicted for it."""
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=False)
+    first = make_seq(list(range(36)))
+    run_prefill(bm, first)  # blocks 0-8
+    bm.free(first)  # back as 8, 7, ..., 0 after 9, 10, 11
+    second = make_seq(list(range(100, 112)))
+    run_prefill(bm, second)  # 9, 10, 11
+    bm.free(second)
+    third = make_seq([7])  # the pool offers 8 first (the last freed of `first`), then 7, 6, ... to a FIFO
+    run_prefill(bm, third)
+    for _ in range(12):  # decodes, a block every 4 tokens
+        third.append_token(1)
+        assert bm.allocate_slots(third, 1)
+        third.num_computed_tokens += 1
+    start = third.block_table[0]
+    assert third.block_table == list(range(start, start + 4)), third.block_table
+
+    cached = BlockManager(num_blocks=4, block_size=4)
+    growing = make_seq([60])
+    run_prefill(cached, growing)  # block 0
+    full = make_seq(list(range(4)))
+    run_prefill(cached, full)  # block 1, full and hashed
+    cached.free(full)  # 1 is free but cached
+    for _ in range(4):
+        growing.append_token(1)
+        assert cached.allocate_slots(growing, 1)
+        growing.num_computed_tokens += 1
+    assert growing.block_table == [0, 2] and 1 in cached.hash_to_block.values()

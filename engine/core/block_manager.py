@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict, deque
+from collections import OrderedDict
 
 from ..sequence import Sequence
 
@@ -44,7 +44,9 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_uncached: deque[int] = deque(range(num_blocks))
+        # Never-cached free blocks in the order they are handed out (an ordered set: a sequence may ask for
+        # the block after its last one, wherever that is in the order).
+        self.free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # LRU order: oldest first
         self.hash_to_block: dict[bytes, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -65,9 +67,14 @@ class BlockManager:
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
     # -- allocation ---------------------------------------------------------------------------
-    def _take_free_block(self) -> int:
-        if self.free_uncached:
-            block_id = self.free_uncached.popleft()
+    def _take_free_block(self, preferred: int | None = None) -> int:
+        """A free block: `preferred` if it is free and uncached, else the first uncached one, else the least
+        recently freed cached one (evicted)."""
+        if preferred in self.free_uncached:
+            del self.free_uncached[preferred]
+            block_id = preferred
+        elif self.free_uncached:
+            block_id, _ = self.free_uncached.popitem(last=False)
         else:  # evict the least recently freed cached block
             block_id, _ = self.free_cached.popitem(last=False)
             block = self.blocks[block_id]
@@ -115,8 +122,11 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_new_tokens)
         if needed > self.num_free_blocks:
             return False
+        table = seq.block_table
         for _ in range(needed):
-            seq.block_table.append(self._take_free_block())
+            # The block after the sequence's last when free: a context in consecutive blocks is a slice of
+            # the cache, which the CPU attention reads without gathering it.
+            table.append(self._take_free_block(table[-1] + 1 if table else None))
         return True
 
     def free(self, seq: Sequence) -> None:
@@ -129,7 +139,7 @@ class BlockManager:
                     self.free_cached[block_id] = None
                 else:
                     block.block_hash = None
-                    self.free_uncached.append(block_id)
+                    self.free_uncached[block_id] = None
         seq.block_table = []
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
@@ -144,7 +154,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 block.block_hash = None
-                self.free_uncached.appendleft(block.block_id)
+                self.free_uncached[block.block_id] = None
+                self.free_uncached.move_to_end(block.block_id, last=False)
 
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Register blocks that became full of computed tokens, so later requests can reuse them."""
@@ -168,6 +179,6 @@ class BlockManager:
         for block_id in list(self.free_cached):
             block = self.blocks[block_id]
             block.block_hash = None
-            self.free_uncached.append(block_id)
+            self.free_uncached[block_id] = None
         self.free_cached.clear()
         self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}

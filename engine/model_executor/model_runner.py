@@ -204,7 +204,7 @@ class ModelRunner:
         for i, table in enumerate(tables):
             block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
         meta = AttentionMetadata.build(inputs.slots, inputs.query_start_loc, inputs.context_lens, block_tables,
-                                       inputs.num_decodes, self.sliding_window, dev)
+                                       inputs.num_decodes, self.sliding_window, dev, block_table_lists=tables)
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
         logits_indices = torch.tensor(inputs.logits_indices, dtype=torch.long, device=dev)

@@ -25,16 +25,33 @@ class AttentionMetadata:
     query_start_tensor: torch.Tensor | None = None  # [B + 1] int32 query_start_loc on the device (kernels read it)
     max_prefill_len: int = 0  # the longest query among the sequences after the decodes
     decode_mask: torch.Tensor | None = field(default=None, repr=False)  # built by the first layer, shared by all
+    # The block tables as host lists (the CPU path reads them to find contexts it can slice instead of gather).
+    block_table_lists: list[list[int]] | None = field(default=None, repr=False)
+    _runs: dict = field(default_factory=dict, repr=False)  # (seq, blocks) -> first block of a run, or None
 
     @property
     def num_seqs(self) -> int:
         return self.context_lens_tensor.shape[0]
 
+    def first_block_of_run(self, seq: int, num_blocks: int) -> int | None:
+        """The first block id when sequence `seq`'s first `num_blocks` blocks are consecutive ids (the block
+        manager hands out consecutive blocks where it can), else None; None too without the host lists."""
+        if self.block_table_lists is None:
+            return None
+        key = (seq, num_blocks)
+        if key not in self._runs:
+            table = self.block_table_lists[seq]
+            first = table[0]
+            self._runs[key] = first if table[:num_blocks] == list(range(first, first + num_blocks)) else None
+        return self._runs[key]
+
     @classmethod
     def build(cls, slots: list[int], query_start_loc: list[int], context_lens: list[int], block_tables: torch.Tensor,
-              num_decodes: int, sliding_window: int | None, device: torch.device) -> AttentionMetadata:
+              num_decodes: int, sliding_window: int | None, device: torch.device,
+              block_table_lists: list[list[int]] | None = None) -> AttentionMetadata:
         """A step's metadata from host lists, with the device copies every backend may read."""
         return cls(
+            block_table_lists=block_table_lists,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             query_start_loc=query_start_loc,
             context_lens=context_lens,
@@ -63,8 +80,24 @@ class AttentionBackend:
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k.dtype != k_cache.dtype:  # (a no-op .to() still costs a call; a decode step makes hundreds)
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def sequence_context(cache: torch.Tensor, meta: AttentionMetadata, seq: int, length: int) -> torch.Tensor:
+    """[1, Hkv, length, D] keys or values of one sequence: a slice of the cache when its blocks are
+    consecutive (no copy: at batch 1 the gathers were the largest of a step's small ops), else gathered."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    first = meta.first_block_of_run(seq, num_blocks)
+    if first is None:
+        return gather_context(cache, meta.block_tables[seq:seq + 1], length)
+    _, _, num_kv_heads, head_dim = cache.shape
+    token_stride = num_kv_heads * head_dim  # one call where slicing, viewing and transposing took four
+    return cache.as_strided((1, num_kv_heads, length, head_dim), (0, head_dim, token_stride, 1),
+                            cache.storage_offset() + first * block_size * token_stride)
 
 
 def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
@@ -81,36 +114,45 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
         nd = meta.num_decodes
+        if nd == meta.num_seqs:  # decodes only: their output is the whole output
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-            out[start:end] = self._prefill(q[start:end], k_cache, v_cache, meta.block_tables[i:i + 1],
-                                           meta.context_lens[i], meta.sliding_window, scale)
+            out[start:end] = self._prefill(q[start:end], k_cache, v_cache, meta, i, scale)
         return out
 
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale):
         nd = q.shape[0]
-        max_len = max(meta.context_lens[:nd])
-        keys = gather_context(k_cache, meta.block_tables[:nd], max_len)
-        values = gather_context(v_cache, meta.block_tables[:nd], max_len)
-        if meta.decode_mask is None:
+        lengths = meta.context_lens[:nd]
+        max_len = max(lengths)
+        if nd == 1:
+            keys, values = sequence_context(k_cache, meta, 0, max_len), sequence_context(v_cache, meta, 0, max_len)
+        else:
+            keys = gather_context(k_cache, meta.block_tables[:nd], max_len)
+            values = gather_context(v_cache, meta.block_tables[:nd], max_len)
+        # Every position attended (one sequence, or all as long, inside any window): no mask, a faster kernel.
+        attends_all = min(lengths) == max_len and not (meta.sliding_window and max_len > meta.sliding_window)
+        grouped = _slow_masked_sdpa(q)
+        if meta.decode_mask is None and (grouped or not attends_all):
             meta.decode_mask = _decode_mask(meta.context_lens_tensor[:nd], max_len, meta.sliding_window)
-        mask = meta.decode_mask
-        if _slow_masked_sdpa(q):
-            return _grouped_decode(q, keys, values, mask, scale)
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys.to(q.dtype), values.to(q.dtype),
-                                             attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+        if grouped:
+            return _grouped_decode(q, keys, values, meta.decode_mask, scale)
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        mask = None if attends_all else meta.decode_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, block_table, context_len, sliding_window, scale):
-        num_queries = q.shape[0]
-        keys = gather_context(k_cache, block_table, context_len).to(q.dtype)
-        values = gather_context(v_cache, block_table, context_len).to(q.dtype)
+    def _prefill(q, k_cache, v_cache, meta, seq, scale):
+        num_queries, context_len, sliding_window = q.shape[0], meta.context_lens[seq], meta.sliding_window
+        keys = sequence_context(k_cache, meta, seq, context_len).to(q.dtype)
+        values = sequence_context(v_cache, meta, seq, context_len).to(q.dtype)
         query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if num_queries == context_len and not sliding_window:
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)

@@ -67,20 +67,40 @@ class RotaryEmbedding(torch.nn.Module):
         else:
             raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn")
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
-        self.register_buffer("cos", (freqs.cos() * attention_factor).to(device), persistent=False)
-        self.register_buffer("sin", (freqs.sin() * attention_factor).to(device), persistent=False)
+        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        self.register_buffer("cos", cos.to(device), persistent=False)  # [max_positions, D / 2]: Triton's tables
+        self.register_buffer("sin", sin.to(device), persistent=False)
+        # Whole-width tables for the torch path: x * cos_full + swap_halves(x) * sin_signed is the rotation.
+        self.register_buffer("cos_full", torch.cat((cos, cos), -1).to(device), persistent=False)
+        self.register_buffer("sin_signed", torch.cat((-sin, sin), -1).to(device), persistent=False)
+        self.begin_step()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
         if self.fused:
             from .triton_norm import apply_rotary
             return apply_rotary(q, k, positions, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.rotate(positions, q), self.rotate(positions, k)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] (any heads, so q and k may go through together) -> rotated, a new tensor.
+        Computed in fp32, as Hugging Face's models do, with the same products and sums."""
+        cos, sin = self._tables(positions)
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        out = xf * cos
+        out.add_(torch.cat((x2, x1), dim=-1).mul_(sin))
+        return out.to(x.dtype)
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    def begin_step(self) -> None:
+        """Forget the last step's tables (called at the top of each forward pass, so that a CUDA graph
+        captures the lookup instead of reusing a warm-up's)."""
+        self._step_positions, self._step_tables = None, None
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, D] cos and signed sin of the step's positions: looked up by the first layer, reused by the
+        others (every layer of a step passes the same positions tensor)."""
+        if positions is not self._step_positions:
+            self._step_positions = positions
+            self._step_tables = self.cos_full[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+        return self._step_tables

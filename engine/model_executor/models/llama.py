@@ -42,6 +42,8 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata, lora: LoRAContext | None = None):
         qkv = _project(self.qkv_proj, x, lora, self.layer_idx, "qkv_proj")
+        if self.q_norm is None and not self.rotary.fused:
+            return self._attend(*self._rotate_side_by_side(qkv, positions), kv_cache, meta, lora)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -49,6 +51,17 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
+        return self._attend(q, k, v, kv_cache, meta, lora)
+
+    def _rotate_side_by_side(self, qkv: torch.Tensor, positions: torch.Tensor):
+        """q, k, v from the fused projection, q and k rotated in one pass: they lie side by side in each row
+        (one rotation over H + Hkv heads costs what one over H did; a step's small ops are its overhead)."""
+        heads = self.num_heads + self.num_kv_heads
+        qk = self.rotary.rotate(positions, qkv[:, :self.q_size + self.kv_size].reshape(-1, heads, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return q, k, qkv[:, self.q_size + self.kv_size:].reshape(-1, self.num_kv_heads, self.head_dim)
+
+    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, lora: LoRAContext | None) -> torch.Tensor:
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(-1, self.q_size)
         return _project(self.o_proj, out, lora, self.layer_idx, "o_proj")
 
@@ -120,10 +133,13 @@ class CausalLM(nn.Module):
         """Runs the step's flat tokens; returns logits [len(logits_indices), vocab] for the rows
         that sample (the last computed token of each sequence that completes its prompt or decodes).
         `lora` routes each token to its adapter's delta; None runs the base model alone."""
+        self.model.rotary.begin_step()
         x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv_cache, meta, lora)
-        x, _ = self.model.norm(x[logits_indices], residual[logits_indices])
+        if logits_indices.shape[0] != x.shape[0]:  # as many rows as tokens: every row samples (increasing, distinct)
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.model.norm(x, residual)
         return self.lm_head(x).float()
 
 
