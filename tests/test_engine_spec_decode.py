@@ -33,7 +33,7 @@ class OracleProposer:
         self.spoil = spoil
         self.calls = 0
 
-    def propose(self, token_ids: list[int], num_tokens: int) -> list[int]:
+    def propose(self, token_ids: list[int], num_tokens: int, owner=None) -> list[int]:
         for prompt, reference in self.known:
             done = len(token_ids) - len(prompt)
             if token_ids[:len(prompt)] == prompt and 0 <= done and token_ids[len(prompt):] == reference[:done]:
@@ -216,7 +216,7 @@ def test_a_request_whose_drafts_keep_failing_pauses_speculation(llama_dir, refer
     never = next(t for t in range(256) if t not in ref)
 
     class Wrong:
-        def propose(self, token_ids, num_tokens):
+        def propose(self, token_ids, num_tokens, owner=None):
             return [never] * num_tokens
 
     drafted = []

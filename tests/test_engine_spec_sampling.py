@@ -135,3 +135,31 @@ def test_config_defaults_and_vllm_spellings():
     assert SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 1}) \
         == SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=1, prompt_lookup_min=1)
     assert SpeculativeConfig.parse(None) is None and SpeculativeConfig.parse({}) is None
+
+
+def test_ngram_index_grows_with_the_sequence_and_proposes_what_a_full_scan_would():
+    """The proposer keeps an index per sequence and extends it by the tokens added since its last call;
+    every proposal must equal a scan of the whole sequence from scratch (written here in plain Python)."""
+    import random
+
+    def scan(tokens, k, min_n=2, max_n=4):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+            if starts:
+                full = [s for s in starts if s + n + k <= len(tokens)]
+                begin = (full[-1] if full else starts[0]) + n
+                return tokens[begin:begin + k]
+        return []
+
+    class Owner:  # stands for a Sequence: weakly referenced, identity-hashed
+        pass
+
+    rng = random.Random(0)
+    proposer, owner, tokens = NgramProposer(min_n=2, max_n=4), Owner(), []
+    for _ in range(400):
+        tokens.extend(rng.choice([1, 2, 3]) for _ in range(rng.randint(1, 5)))  # 1 token, or accepted drafts
+        k = rng.randint(1, 5)
+        assert proposer.propose(tokens, k, owner=owner) == scan(tokens, k)
+    assert len(proposer._indexes) == 1
+    del owner
+    assert len(proposer._indexes) == 0  # a finished sequence takes its index with it

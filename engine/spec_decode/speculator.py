@@ -76,7 +76,7 @@ class Speculator:
                    self.max_model_len - seq.num_tokens - 1)
         if self.draft is not None:  # guessed once the scheduler has given their slots (DraftModel.fill)
             return [PLACEHOLDER] * max(0, room)
-        return self.proposer.propose(seq.token_ids, room)
+        return self.proposer.propose(seq.token_ids, room, owner=seq)
 
     # -- the step -------------------------------------------------------------------------------------
     def verify(self, logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None) -> SampleResult:

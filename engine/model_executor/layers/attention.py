@@ -28,10 +28,28 @@ class AttentionMetadata:
     # The block tables as host lists (the CPU path reads them to find contexts it can slice instead of gather).
     block_table_lists: list[list[int]] | None = field(default=None, repr=False)
     _runs: dict = field(default_factory=dict, repr=False)  # (seq, blocks) -> first block of a run, or None
+    _chunk_masks: dict = field(default_factory=dict, repr=False)  # (seq, dtype) -> its queries' mask
 
     @property
     def num_seqs(self) -> int:
         return self.context_lens_tensor.shape[0]
+
+    def chunk_mask(self, seq: int, num_queries: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """[num_queries, context] additive mask (0 or -inf) of the positions each query of sequence `seq`
+        attends to: its queries are the last num_queries positions of the context (a chunk, or a token and
+        its drafts to verify). Built by the first layer, shared by the others; additive because SDPA turns a
+        boolean mask into one on every call."""
+        key = (seq, dtype)
+        if key not in self._chunk_masks:
+            context_len = self.context_lens[seq]
+            q_pos = torch.arange(context_len - num_queries, context_len, device=device)[:, None]
+            k_pos = torch.arange(context_len, device=device)[None, :]
+            hidden = k_pos > q_pos
+            if self.sliding_window:
+                hidden |= k_pos <= q_pos - self.sliding_window
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
+            self._chunk_masks[key] = mask.masked_fill_(hidden, float("-inf"))
+        return self._chunk_masks[key]
 
     def first_block_of_run(self, seq: int, num_blocks: int) -> int | None:
         """The first block id when sequence `seq`'s first `num_blocks` blocks are consecutive ids (the block
@@ -117,6 +135,8 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd == meta.num_seqs:  # decodes only: their output is the whole output
             return self._decode(q, k_cache, v_cache, meta, scale)
+        if nd == 0 and meta.num_seqs == 1:  # one prompt, chunk or verification: its output is the output
+            return self._prefill(q, k_cache, v_cache, meta, 0, scale)
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
@@ -151,23 +171,24 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _prefill(q, k_cache, v_cache, meta, seq, scale):
         num_queries, context_len, sliding_window = q.shape[0], meta.context_lens[seq], meta.sliding_window
-        keys = sequence_context(k_cache, meta, seq, context_len).to(q.dtype)
-        values = sequence_context(v_cache, meta, seq, context_len).to(q.dtype)
+        keys = sequence_context(k_cache, meta, seq, context_len)
+        values = sequence_context(v_cache, meta, seq, context_len)
         query = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if num_queries == context_len and not sliding_window:
+            if keys.dtype != q.dtype:
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # Queries are the last num_queries positions of the context: causal with an offset.
             dtype = query.dtype
             if _slow_masked_sdpa(query):
-                query, keys, values = query.float(), keys.float(), values.float()
-            q_pos = torch.arange(context_len - num_queries, context_len, device=q.device)[:, None]
-            k_pos = torch.arange(context_len, device=q.device)[None, :]
-            mask = k_pos <= q_pos
-            if sliding_window:
-                mask &= k_pos > q_pos - sliding_window
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                                 enable_gqa=True).to(dtype)
+                query = query.float()
+            if keys.dtype != query.dtype:
+                keys, values = keys.to(query.dtype), values.to(query.dtype)
+            mask = meta.chunk_mask(seq, num_queries, query.dtype, q.device)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            if out.dtype != dtype:
+                out = out.to(dtype)
         return out.squeeze(0).transpose(0, 1)
 
 
