@@ -39,7 +39,7 @@ class SampleResult:
 def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> SampleResult:
     """`grammar_masks`: the structured-output masks of `seqs`, when the caller computed them already
     (the model runner does, on another thread, while the forward pass runs)."""
-    if all(_plain_greedy(seq) for seq in seqs):  # the common decode: one argmax, one copy to the host
+    if all(plain_greedy(seq) for seq in seqs):  # the common decode: one argmax, one copy to the host
         return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
     logits = logits.float()
     device = logits.device
@@ -67,7 +67,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
     return SampleResult(tokens, logprobs)
 
 
-def _plain_greedy(seq: Sequence) -> bool:
+def plain_greedy(seq: Sequence) -> bool:
     """Greedy with no logprobs and no rule that could change a logit now: the raw argmax is its token."""
     p = seq.params
     return (p.greedy and p.logprobs is None and seq.grammar is None and not p.uses_penalties and not p.logit_bias

@@ -21,6 +21,7 @@ import torch
 
 from ..model_executor.sampler import (
     GrammarMasks,
+    plain_greedy,
     SampleResult,
     exponential_noise,
     logprob_entry,
@@ -51,6 +52,11 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
         starts.append(row)
         row += 1 + len(seq.spec_token_ids)
     result = SampleResult([0] * len(seqs), [None] * len(seqs), [[] for _ in seqs], [[] for _ in seqs])
+    if all(plain_greedy(seq) for seq in seqs):  # the common case: one argmax over every row, one host copy
+        targets = logits.argmax(dim=-1).tolist()
+        for i, seq in enumerate(seqs):
+            _accept_greedy(targets[starts[i]:starts[i] + 1 + len(seq.spec_token_ids)], seq, result, i)
+        return result
     plain = [i for i, seq in enumerate(seqs) if not seq.spec_token_ids]
     if plain:
         position = {i: r for r, i in enumerate(plain)}  # grammar masks index seqs; only plain ones have grammars
@@ -64,6 +70,14 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
             rows = logits[starts[i]:starts[i] + 1 + len(seq.spec_token_ids)]
             _verify_one(rows, seq, result, i)
     return result
+
+
+def _accept_greedy(targets: list[int], seq: Sequence, result: SampleResult, i: int) -> None:
+    """A plain greedy sequence (no rule changes its logits, no logprobs): its rows' raw argmaxes decide."""
+    drafts = seq.spec_token_ids
+    num_accepted = next((j for j, d in enumerate(drafts) if d != targets[j]), len(drafts))
+    result.accepted[i], result.accepted_logprobs[i] = drafts[:num_accepted], [None] * num_accepted
+    result.token_ids[i] = targets[num_accepted]
 
 
 def _verify_one(rows: torch.Tensor, seq: Sequence, result: SampleResult, i: int) -> None:
