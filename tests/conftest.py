@@ -4,9 +4,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in its CPU interpreter, which must be chosen before anything imports
+# triton (transformers may): here, before any test module loads, whichever runs alone or first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +30,6 @@ def llama_dir(model_dirs) -> str:
 @pytest.fixture(scope="session")
 def hf_models(model_dirs):
     """The transformers reference implementation of each family, loaded from the same directory."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     cache = {}

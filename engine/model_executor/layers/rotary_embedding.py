@@ -68,11 +68,8 @@ class RotaryEmbedding(torch.nn.Module):
             raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn")
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
-        self.register_buffer("cos", cos.to(device), persistent=False)  # [max_positions, D / 2]: Triton's tables
+        self.register_buffer("cos", cos.to(device), persistent=False)  # [max_positions, D / 2]
         self.register_buffer("sin", sin.to(device), persistent=False)
-        # Whole-width tables for the torch path: x * cos_full + swap_halves(x) * sin_signed is the rotation.
-        self.register_buffer("cos_full", torch.cat((cos, cos), -1).to(device), persistent=False)
-        self.register_buffer("sin_signed", torch.cat((-sin, sin), -1).to(device), persistent=False)
         self.begin_step()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +95,12 @@ class RotaryEmbedding(torch.nn.Module):
         self._step_positions, self._step_tables = None, None
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, D] cos and signed sin of the step's positions: looked up by the first layer, reused by the
-        others (every layer of a step passes the same positions tensor)."""
+        """[T, 1, D] whole-width cos and signed sin (x * cos + swap_halves(x) * sin is the rotation) of the
+        step's positions: built by the first layer, reused by the others (every layer of a step passes the
+        same positions tensor). Per step rather than per position: whole-width tables for every position
+        would double the tables' memory, which long contexts feel on a GPU."""
         if positions is not self._step_positions:
+            cos, sin = self.cos[positions], self.sin[positions]
             self._step_positions = positions
-            self._step_tables = self.cos_full[positions].unsqueeze(1), self.sin_signed[positions].unsqueeze(1)
+            self._step_tables = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
         return self._step_tables
