@@ -74,6 +74,9 @@ class Sequence(OutputTokens):
         # Speculative decoding: guessed tokens after the last one, verified by the next forward pass (spec_decode).
         # Never part of token_ids; the scheduler computes them as extra query tokens, then they are dropped.
         self.spec_token_ids: list[int] = []
+        # A draft model's distributions q of sampled drafts ([drafts, vocab], each row sums to 1), for the
+        # acceptance rule min(1, p / q); None when the drafts are point guesses (greedy, n-gram).
+        self.spec_draft_probs: torch.Tensor | None = None
         self.cumulative_logprob = 0.0
         # timing, for metrics
         self.first_scheduled_time: float | None = None

@@ -73,6 +73,23 @@ def test_the_target_as_its_own_draft_is_right_through_preemption_and_the_prefix_
     assert speculator.num_draft_tokens > 50 and speculator.acceptance_rate > 0.9
 
 
+def test_sampled_drafts_from_the_target_itself_are_accepted(llama_dir):
+    """For a sampled request the draft draws its drafts from its own distribution q under the request's
+    rules and passes q on: with the target as its own draft q equals p, so min(1, p / q) accepts nearly
+    every draft (greedy guesses would be accepted with probability p(guess) only: a few percent at
+    temperature 1 over a random model's vocabulary), and a seed still gives the same tokens."""
+    def run() -> tuple[list[list[int]], float]:
+        llm = LLM(llama_dir, block_size=4, speculative_config=draft_config(llama_dir, k=4))
+        params = [SamplingParams(temperature=1.0, top_k=50, seed=s, max_tokens=16, ignore_eos=True) for s in (1, 2)]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
+        speculator = llm.engine.speculator
+        assert speculator.num_draft_tokens > 10
+        return [o.outputs[0].token_ids for o in outputs], speculator.acceptance_rate
+
+    (first, acceptance), (second, _) = run(), run()
+    assert first == second and acceptance > 0.9, acceptance
+
+
 def test_sampled_and_lora_requests_run_beside_greedy_ones(llama_dir, draft_dirs, tmp_path):
     """The draft has no adapter (its guesses for a LoRA request are worse, not wrong); sampled
     requests keep the target's distribution by rejection sampling and are reproducible by seed."""

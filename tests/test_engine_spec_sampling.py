@@ -91,6 +91,45 @@ def test_rejection_sampling_preserves_the_target_distribution(name):
     assert 0 < second_after_accept.sum() < DRAWS  # both branches were taken
 
 
+# A draft model's distributions for two drafts (rows sum to 1): close to the targets, not equal to them.
+DRAFT_Q = torch.tensor([[0.30, 0.10, 0.05, 0.30, 0.15, 0.10],
+                        [0.10, 0.35, 0.05, 0.05, 0.30, 0.15]])
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_drafts_drawn_from_a_draft_distribution_keep_the_target_distribution(name):
+    """Drafts drawn from q (a draft model's), accepted with probability min(1, p / q), the residual
+    max(0, p - q) drawn on a rejection: the emitted tokens follow p, and the acceptance rate is the
+    sum of min(p, q) (with the point-guess rule it would be sum(p * q), far lower here)."""
+    params, output = PARAMS[name], [1]
+    first, second_after_accept, accepted_first = torch.zeros(6), torch.zeros(6), 0
+    for trial in range(DRAWS):
+        drafting = torch.Generator().manual_seed(10_000 + trial)
+        drafts = [int(torch.multinomial(DRAFT_Q[0], 1, generator=drafting))]
+        drafts.append(int(torch.multinomial(DRAFT_Q[1], 1, generator=drafting)))
+        seq = make_seq(params, drafts, output, seed=trial)
+        seq.spec_draft_probs = DRAFT_Q.clone()
+        result = verify(LOGITS, [seq])
+        emitted = result.accepted[0] + [result.token_ids[0]]
+        first[emitted[0]] += 1
+        if result.accepted[0]:
+            accepted_first += 1
+            second_after_accept[emitted[1]] += 1
+    tokens = PROMPT + output
+    p0 = reference_target(LOGITS[0], params, tokens, output)
+    statistic, df = chi_square(first, p0)
+    assert statistic < CHI2_CRITICAL_001[df], (name, first.tolist(), (p0 * DRAWS).tolist())
+    # After an accepted first draft the second row's target depends on which draft it was (penalties):
+    # with temperature alone it does not, and the second token follows row 1's target too.
+    if name == "temperature":
+        p1 = reference_target(LOGITS[1], params, tokens, output)
+        statistic, df = chi_square(second_after_accept, p1)
+        assert statistic < CHI2_CRITICAL_001[df], (second_after_accept.tolist(), (p1 * accepted_first).tolist())
+        want = float(torch.minimum(p0, DRAFT_Q[0]).sum())
+        assert abs(accepted_first / DRAWS - want) < 0.03, (accepted_first / DRAWS, want)
+        assert want > float((p0 * DRAFT_Q[0]).sum()) + 0.3  # the two rules are far apart here
+
+
 def test_a_draft_the_filters_remove_is_never_accepted():
     params = SamplingParams(temperature=1.0, top_k=2)  # row 0 keeps tokens 0 and 3
     for trial in range(200):

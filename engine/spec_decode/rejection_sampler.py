@@ -6,10 +6,11 @@ penalties and min_tokens see the drafts before it as already generated), then:
 
 - greedy: d(j+1) is accepted while it equals row j's argmax; the first mismatch is replaced by that argmax;
   if all k pass, row k's argmax is a free extra token. The output is what non-speculative greedy gives.
-- sampling: the n-gram proposal is a point mass q = 1{d}, so the rule min(1, p(d) / q(d)) of Leviathan et
-  al. / Chen et al. accepts d with probability p(d); on a rejection the residual max(0, p - q), normalised,
-  is p with d removed and renormalised, drawn from. Each emitted token is then distributed as p exactly:
-  P(d) = p(d), and P(t != d) = (1 - p(d)) * p(t) / (1 - p(d)) = p(t). All draws come from the sequence's
+- sampling: the rule of Leviathan et al. / Chen et al.: d, drawn from q, is accepted with probability
+  min(1, p(d) / q(d)); on a rejection the next token is drawn from the residual max(0, p - q), normalised.
+  Each emitted token is then distributed as p exactly, whatever q is. A draft model that samples its
+  drafts passes its q (`Sequence.spec_draft_probs`); a point guess (n-gram, greedy drafts) is q = 1{d}:
+  d is accepted with probability p(d), and the residual is p without d. All draws come from the sequence's
   own generator, so a seeded request is reproducible run to run (though not equal to its non-speculative
   output: the draws are consumed differently).
 
@@ -21,10 +22,10 @@ import torch
 
 from ..model_executor.sampler import (
     GrammarMasks,
-    plain_greedy,
     SampleResult,
     exponential_noise,
     logprob_entry,
+    plain_greedy,
     process_logits,
     raw_logprobs_of,
     sample,
@@ -89,7 +90,9 @@ def _verify_one(rows: torch.Tensor, seq: Sequence, result: SampleResult, i: int)
         num_accepted = next((j for j, d in enumerate(drafts) if d != targets[j]), len(drafts))
         token = targets[num_accepted]
     else:
-        num_accepted, token = _accept_by_probability(target_probs(processed, views), drafts, seq.generator)
+        q = seq.spec_draft_probs  # a draft model's q, when it sampled these very drafts
+        q = q if q is not None and len(q) == len(drafts) else None
+        num_accepted, token = _accept_by_probability(target_probs(processed, views), drafts, seq.generator, q)
     raw = raw_logprobs_of(rows.float(), views)
     num_top = seq.params.logprobs
     emitted = drafts[:num_accepted] + [token]
@@ -98,17 +101,32 @@ def _verify_one(rows: torch.Tensor, seq: Sequence, result: SampleResult, i: int)
     result.token_ids[i], result.logprobs[i] = token, entries[-1]
 
 
-def _accept_by_probability(probs: torch.Tensor, drafts: list[int], generator: torch.Generator) -> tuple[int, int]:
-    """(drafts accepted, the token after them). `probs`: the k + 1 target rows, filtered but unnormalised."""
+def _accept_by_probability(probs: torch.Tensor, drafts: list[int], generator: torch.Generator,
+                           q: torch.Tensor | None = None) -> tuple[int, int]:
+    """(drafts accepted, the token after them). `probs`: the k + 1 target rows, filtered but unnormalised;
+    `q`: the k rows the drafts were drawn from (normalised), or None for point guesses (q = 1{d})."""
     device = probs.device
     probs = probs / probs.sum(dim=-1, keepdim=True)
+    rows = torch.arange(len(drafts), device=device)
     draft_ids = torch.tensor(drafts, device=device)
-    p_draft = probs[torch.arange(len(drafts), device=device), draft_ids]
+    p_draft = probs[rows, draft_ids]
     uniform = torch.rand(len(drafts), generator=generator, device=device)
-    rejected = (uniform >= p_draft).tolist()  # u < p(d): accepted with probability p(d)
+    if q is not None:
+        q = q.to(device=device, dtype=probs.dtype)
+        q_draft = q[rows, draft_ids]
+        if not bool((q_draft > 0).all()):  # not drawn from these rows after all: judge them as point guesses
+            q = None
+    if q is None:
+        rejected = (uniform >= p_draft).tolist()  # u < p(d): accepted with probability p(d)
+    else:
+        rejected = (uniform * q_draft >= p_draft).tolist()  # u < p(d) / q(d)
     num_accepted = rejected.index(True) if True in rejected else len(drafts)
     target = probs[num_accepted].clone()
-    if num_accepted < len(drafts):
-        target[drafts[num_accepted]] = 0.0  # the residual: p without the rejected draft
+    if num_accepted < len(drafts):  # the residual max(0, p - q), drawn from (an exponential race needs no norm)
+        if q is None:
+            target[drafts[num_accepted]] = 0.0
+        else:
+            residual = (target - q[num_accepted]).clamp_(min=0.0)
+            target = residual if bool(residual.sum() > 0) else target  # p == q up to rounding: p itself
     token = int((target / exponential_noise(target.shape[0], generator, device)).argmax())
     return num_accepted, token

@@ -61,6 +61,7 @@ class Speculator:
         on = limit is None or len(running) + num_waiting < limit
         for seq in running:
             seq.spec_token_ids = self._drafts(seq) if on and self._may_speculate(seq) else []
+            seq.spec_draft_probs = None  # a draft model sets it when it samples the drafts (DraftModel.fill)
 
     def _may_speculate(self, seq: Sequence) -> bool:
         """Decoding (one token left to compute), free of a grammar (the drafts would have to be checked
