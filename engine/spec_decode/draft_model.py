@@ -57,7 +57,8 @@ class DraftModel:
         spans = [(seq, starts[seq], seq.token_ids[starts[seq]:]) for seq in seqs]
         for seq in seqs:
             if not seq.params.greedy:
-                seq.spec_draft_probs = torch.zeros(len(seq.spec_token_ids), self.target_vocab_size)
+                seq.spec_draft_probs = torch.zeros(len(seq.spec_token_ids), self.target_vocab_size,
+                                                   device=self.runner.device)
         for position in range(max(len(seq.spec_token_ids) for seq in seqs)):
             for (seq, _, _), token in zip(spans, self._next_tokens(spans, position)):
                 seq.spec_token_ids[position] = token
@@ -87,7 +88,7 @@ class DraftModel:
             q = self._draft_probs(logits[sampled], [spans[i][0] for i in sampled], position)
             for row, i in enumerate(sampled):
                 seq = spans[i][0]
-                seq.spec_draft_probs[position] = q[row].cpu()
+                seq.spec_draft_probs[position] = q[row]
                 drafts[i] = int((q[row] / exponential_noise(q.shape[1], seq.generator, q.device)).argmax())
         return drafts
 
