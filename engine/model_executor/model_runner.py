@@ -6,6 +6,7 @@ import concurrent.futures
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..lora.layers import LoRAContext
@@ -67,6 +68,7 @@ class ModelRunner:
         # ... and, for a draft model, writes the drafts into the scheduled sequences: fill_drafts(batch).
         self.fill_drafts: Callable | None = None
         self.timer = StepTimer(device)  # the engine switches it on; prepare / forward / sample are marked here
+        self._block_table_buffer = BlockTableBuffer()
 
     @staticmethod
     def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
@@ -200,9 +202,7 @@ class ModelRunner:
     def _run_eager(self, inputs: StepInputs, lora: LoRAContext | None) -> torch.Tensor:
         dev = self.device
         tables = inputs.block_tables
-        block_tables = torch.zeros((len(tables), max(len(t) for t in tables)), dtype=torch.long)
-        for i, table in enumerate(tables):
-            block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+        block_tables = self._block_table_buffer.fill(tables)
         meta = AttentionMetadata.build(inputs.slots, inputs.query_start_loc, inputs.context_lens, block_tables,
                                        inputs.num_decodes, self.sliding_window, dev, block_table_lists=tables)
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
@@ -215,3 +215,22 @@ class ModelRunner:
 def _per_token(per_sequence: list[int], batch: ScheduledBatch) -> list[int]:
     """Each sequence's value repeated for each of its tokens in the step."""
     return [value for value, (_, num_new) in zip(per_sequence, batch.entries) for _ in range(num_new)]
+
+
+class BlockTableBuffer:
+    """The step's block tables as one zero-padded [sequences, longest table] host tensor, written into memory
+    kept from step to step: one numpy row write per sequence where a tensor per sequence cost ~5 us each
+    (0.3 ms a step at batch 64). The tensor returned is valid until the next `fill`."""
+
+    def __init__(self) -> None:
+        self._memory = np.zeros(0, dtype=np.int64)
+
+    def fill(self, tables: list[list[int]]) -> torch.Tensor:
+        rows, width = len(tables), max(len(t) for t in tables)
+        if self._memory.size < rows * width:
+            self._memory = np.zeros(max(rows * width, 2 * self._memory.size), dtype=np.int64)
+        out = self._memory[:rows * width].reshape(rows, width)
+        out.fill(0)
+        for row, table in zip(out, tables):
+            row[:len(table)] = table
+        return torch.from_numpy(out)
