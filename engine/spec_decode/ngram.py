@@ -20,8 +20,10 @@ class NgramIndex:
 
     def extend(self, tokens: list[int]) -> None:
         length = len(tokens)
-        if length < self.covered:  # not the list it indexed: start over
-            self.__init__(min(self.starts), max(self.starts))
+        if length < self.covered:  # not the list it indexed (token lists only grow): start over
+            for starts in self.starts.values():
+                starts.clear()
+            self.covered = 0
         for n, starts in self.starts.items():
             # Starts s with s + n <= length - 1 are eligible; those up to covered - 1 - n are in already.
             for s in range(max(0, self.covered - n), length - n):

@@ -76,9 +76,14 @@ def verify(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
 def _accept_greedy(targets: list[int], seq: Sequence, result: SampleResult, i: int) -> None:
     """A plain greedy sequence (no rule changes its logits, no logprobs): its rows' raw argmaxes decide."""
     drafts = seq.spec_token_ids
-    num_accepted = next((j for j, d in enumerate(drafts) if d != targets[j]), len(drafts))
+    num_accepted = _agreeing_prefix(drafts, targets)
     result.accepted[i], result.accepted_logprobs[i] = drafts[:num_accepted], [None] * num_accepted
     result.token_ids[i] = targets[num_accepted]
+
+
+def _agreeing_prefix(drafts: list[int], targets: list[int]) -> int:
+    """How many leading drafts equal the argmax of the row before them (greedy acceptance)."""
+    return next((j for j, d in enumerate(drafts) if d != targets[j]), len(drafts))
 
 
 def _verify_one(rows: torch.Tensor, seq: Sequence, result: SampleResult, i: int) -> None:
@@ -87,7 +92,7 @@ def _verify_one(rows: torch.Tensor, seq: Sequence, result: SampleResult, i: int)
     processed = process_logits(rows, views)
     if seq.params.greedy:
         targets = processed.argmax(dim=-1).tolist()
-        num_accepted = next((j for j, d in enumerate(drafts) if d != targets[j]), len(drafts))
+        num_accepted = _agreeing_prefix(drafts, targets)
         token = targets[num_accepted]
     else:
         q = seq.spec_draft_probs  # a draft model's q, when it sampled these very drafts
