@@ -6,7 +6,8 @@ about a minute) and the draft its one-layer distillation.
   built from the model's own output: a prefix P (a chat question) is continued greedily to G, and the
   prompt is P + G + P (the document, then its beginning again, as when editing or quoting): if the model
   continues as it did, the continuation is in the prompt. The acceptance rate says how far that held.
-  The others are random tokens.
+  The others are random tokens; a third row samples chat questions (temperature 0.8, top-p 0.95, seeded), where
+  the draft model proposes from its own distribution.
 * batch 8 and 32: throughput of a mixed workload (half copy-heavy) without speculation, with n-gram
   always on, and with the adaptive switch (`disable_by_batch_size` 8) for n-gram and for the draft.
 
@@ -38,16 +39,25 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def sampled(max_tokens: int, seed: int) -> SamplingParams:
+    """A chat-like sampled request: what the draft model's own-distribution drafts are for."""
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+
+
 def plain_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab_size) for _ in range(length)] for _ in range(count)]
 
 
-def copy_prompts(llm: LLM, count: int, tokens: int) -> list[list[int]]:
+def chat_prompts(llm: LLM, count: int) -> list[list[int]]:
     tokenizer = llm.engine.tokenizer
     questions = [f"<|im_start|>user\n{q} ({i})<|im_end|>\n<|im_start|>assistant\n"
                  for i in range(count) for q in DEMO_QUESTIONS][:count]
-    prefixes = [tokenizer.encode(q) for q in questions]
+    return [tokenizer.encode(q) for q in questions]
+
+
+def copy_prompts(llm: LLM, count: int, tokens: int) -> list[list[int]]:
+    prefixes = chat_prompts(llm, count)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prefixes], greedy(tokens + 32))
     return [p + o.outputs[0].token_ids + p for p, o in zip(prefixes, outputs)]
 
@@ -59,11 +69,11 @@ def rotated(names: tuple[str, ...], repeat: int) -> tuple[str, ...]:
     return names[shift:] + names[:shift]
 
 
-def run(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, int]:
-    """(seconds, output tokens) of one generate call over all prompts at once."""
+def run(llm: LLM, prompts: list[list[int]], tokens: int, params: SamplingParams | None = None) -> tuple[float, int]:
+    """(seconds, output tokens) of one generate call over all prompts at once (greedy unless `params`)."""
     gc.collect()  # the previous pass's garbage is not this one's cost
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(tokens))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params or greedy(tokens))
     return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
@@ -99,6 +109,7 @@ def main() -> None:
     vocab_size = engines["off"].engine.spec.vocab_size
     kinds = {"copy-heavy": copy_prompts(engines["off"], max(args.prompts, max(batches) // 2), args.tokens),
              "no copying": plain_prompts(max(args.prompts, max(batches)), 96, vocab_size, seed=2)}
+    chat = chat_prompts(engines["off"], args.prompts)
     lengths = ", ".join(f"{k} {sum(map(len, v)) // len(v)}" for k, v in kinds.items())
     print(f"torch threads {torch.get_num_threads()}; mean prompt lengths: {lengths}")
     for llm in engines.values():  # warm up
@@ -106,14 +117,17 @@ def main() -> None:
 
     rows = ["| prompts | tokens/s, no speculation | n-gram | speed-up | acceptance | draft model | speed-up | acceptance |",
             "|---|---|---|---|---|---|---|---|"]
-    for kind, prompts in kinds.items():
+    batch_one = [(kind, prompts, False) for kind, prompts in kinds.items()]
+    batch_one.append(("chat, sampled (temperature 0.8, top-p 0.95)", chat, True))
+    for kind, prompts, is_sampled in batch_one:
         speed, accepted = {}, {}
         for repeat in range(args.repeats):  # interleaved; each system's fastest pass counts
             for name in rotated(("off", "ngram", "draft"), repeat):
                 llm, seconds, produced = engines[name], 0.0, 0
                 before = counters(llm)
-                for prompt in prompts[:args.prompts]:  # one at a time: batch 1
-                    s, n = run(llm, [prompt], args.tokens)
+                for i, prompt in enumerate(prompts[:args.prompts]):  # one at a time: batch 1
+                    params = sampled(args.tokens, seed=1000 * repeat + i) if is_sampled else None
+                    s, n = run(llm, [prompt], args.tokens, params)
                     seconds, produced = seconds + s, produced + n
                 speed[name] = max(speed.get(name, 0.0), produced / seconds)
                 accepted[name] = acceptance(llm, before) if name != "off" else 0.0
@@ -148,7 +162,9 @@ def main() -> None:
         f"{args.tokens} output tokens per request, num_speculative_tokens={args.k}, fastest of {args.repeats} "
         "interleaved passes); the draft model is its one-layer, "
         "hidden-64 distillation. Copy-heavy prompts are P + G + P with P a chat question and G the model's own "
-        "greedy continuation of P; the others are random tokens. Batch 1, one request at a time:\n\n"
+        "greedy continuation of P; \"no copying\" prompts are random tokens; \"chat, sampled\" are the questions P "
+        "alone, sampled with a seed per request (the draft model draws its drafts from its own distribution and "
+        "verification accepts with min(1, p/q)); all other rows are greedy. Batch 1, one request at a time:\n\n"
         + "\n".join(rows) + f"\n\nMixed batches (half copy-heavy); adaptive turns speculation off from "
         f"{adaptive_limit} requests (`disable_by_batch_size`):\n\n" + "\n".join(table) +
         "\n\nOn this CPU the forward pass of this small target costs about 0.6 ms at one token and 0.95 ms at five: "
