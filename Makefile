@@ -43,7 +43,8 @@ bench-gpu:
 	$(GPU_PYTHON) benchmarks/bench_gpu.py
 
 # The GPU path's tests, compiled kernels and captured graphs included (their CUDA cases skip without a GPU).
-GPU_TESTS := tests/test_triton_kernels.py tests/test_triton_fused.py tests/test_cuda_graphs.py tests/test_kv_cache_sizing.py
+GPU_TESTS := tests/test_triton_kernels.py tests/test_triton_fused.py tests/test_cuda_graphs.py tests/test_kv_cache_sizing.py \
+             tests/test_engine_deferred_text.py tests/test_sampler.py
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -rs $(GPU_TESTS)
 

@@ -222,6 +222,16 @@ def main() -> None:
               f"ITL {lat['itl_mean'] * 1e3:.1f} ms")
     del llm
     _free(device)
+    # Deferred text (async output processing) is on by default on CUDA: the same runs with it off, for the A/B.
+    llm = engine(async_output_processing=False)
+    largest = max(batch_sizes)
+    inline = {"decode": engine_decode_rate(llm, prompt, args.decode_len),
+              largest: engine_throughput(llm, random_prompts(largest, args.prompt_len, vocab, seed=largest),
+                                         args.output_len)}
+    print(f"text not deferred: batch-1 decode {inline['decode']:.1f} tok/s, {largest} sequences {inline[largest]:.0f} "
+          f"tok/s (deferred: {decode:.1f}, {throughput[largest]:.0f})")
+    del llm
+    _free(device)
     lora = {}
     if args.lora_adapters:
         lora_batch = min(batch_sizes)
@@ -259,7 +269,7 @@ def main() -> None:
                   f"{'n/a' if hf_cb[b] is None else f'{hf_cb[b]:.0f} tok/s'}")
     if not args.smoke:
         record(args, shape, backend, bandwidth, decode, eager_decode, roofline, throughput, latency, hf_decode,
-               hf_static, hf_cb, lora)
+               hf_static, hf_cb, lora, inline)
 
 
 def _free(device: str) -> None:
@@ -271,7 +281,7 @@ def _free(device: str) -> None:
 
 
 def record(args, shape, backend, bandwidth, decode, eager_decode, roofline, throughput, latency, hf_decode, hf_static,
-           hf_cb, lora) -> None:
+           hf_cb, lora, inline) -> None:
     gpu = torch.cuda.get_device_name()
 
     def ratio(mine: float, peer: float | None) -> str:
@@ -288,6 +298,12 @@ def record(args, shape, backend, bandwidth, decode, eager_decode, roofline, thro
         static, cb = (hf_static or {}).get(b), (hf_cb or {}).get(b)
         table.append(f"| {b} sequences (output tok/s) | {rate:.0f} | {static or 0:.0f} | {ratio(rate, static)} | "
                      f"{cb or 0:.0f} | {ratio(rate, cb)} |")
+    largest = max(throughput)
+    deferral = ["| run | text deferred (default) | not deferred (`--disable-async-output-proc`) | deferred vs not |",
+                "|---|---|---|---|",
+                f"| batch-1 decode (tok/s) | {decode:.1f} | {inline['decode']:.1f} | {ratio(decode, inline['decode'])} |",
+                f"| {largest} sequences (output tok/s) | {throughput[largest]:.0f} | {inline[largest]:.0f} | "
+                f"{ratio(throughput[largest], inline[largest])} |"]
     lat = ["| request rate | TTFT p50 | TTFT p90 | inter-token latency |", "|---|---|---|---|"]
     lat += [f"| {r:g} req/s | {v['ttft_p50'] * 1e3:.0f} ms | {v['ttft_p90'] * 1e3:.0f} ms | "
             f"{v['itl_mean'] * 1e3:.1f} ms |" for r, v in latency.items()]
@@ -309,7 +325,8 @@ def record(args, shape, backend, bandwidth, decode, eager_decode, roofline, thro
         f"tokens (batch-1 decode: {args.decode_len}), greedy, all submitted at once; transformers runs one static "
         "batch of the same requests.", "", *table, "",
         f"Latency under Poisson arrivals ({args.rate_requests} requests per rate, engine only):", "", *lat,
-        *lora_text])
+        *lora_text, "", "Deferred text (a step's detokenizing and outputs done while the GPU runs the next step):",
+        "", *deferral])
     update_results(f"gpu-{shape}", f"GPU: {shape} on {gpu}", body)
 
 

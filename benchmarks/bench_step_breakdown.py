@@ -65,12 +65,16 @@ def main() -> None:
     parser.add_argument("--title", default="Decode step breakdown (CPU)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     parser.add_argument("--batches", type=int, nargs="+", default=list(BATCH_SIZES))
+    parser.add_argument("--async-output-processing", choices=("auto", "on", "off"), default="auto",
+                        help="deferred text (default: the engine's, on with CUDA): its work shows as `text`")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    llm = LLM(str(model_dir()), max_num_seqs=max(args.batches), enable_prefix_caching=False, dtype=args.dtype)
+    deferred = {"auto": None, "on": True, "off": False}[args.async_output_processing]
+    llm = LLM(str(model_dir()), max_num_seqs=max(args.batches), enable_prefix_caching=False, dtype=args.dtype,
+              async_output_processing=deferred)
     engine = llm.engine
     engine.step_timer.enabled = engine.step_timer.keep_records = True
     run_batch(engine, 4, 8, "warm-up")
@@ -94,13 +98,15 @@ def main() -> None:
     body = "\n".join([
         f"Command: `python benchmarks/bench_step_breakdown.py --tokens {args.tokens} --repeats {args.repeats} "
         f"--dtype {args.dtype}" + (f" --threads {args.threads}" if args.threads else "")
+        + (f" --async-output-processing {args.async_output_processing}" if deferred is not None else "")
         + f"`. Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads, {args.dtype}.",
         (f"Model: bench_throughput's MODEL_SHAPE with a 512-token tokenizer; each batch is that many requests with "
          f"{PROMPT_LEN}-token prompts and {args.tokens} greedy tokens. Milliseconds per all-decode step, mean over "
          f"the steps of a run, fastest of {args.repeats} interleaved runs. Phases as the engine's step timer "
          "(model_executor/step_timer.py) charges them: `prepare` is host lists plus input tensors, `outputs` "
-         "token append + detokenize + stop checks, `deliver` building the RequestOutputs."),
+         "token append + detokenize + stop checks, `deliver` building the RequestOutputs; `text` is the "
+         "previous step's deferred text work (detokenize, outputs, hand-off) when deferred text is on."),
         "", *table])
     update_results(args.key, args.title, body)
 

@@ -229,3 +229,13 @@ def test_sampling_runs_where_the_logits_are(device):
     assert logprob == pytest.approx(math.log(PROBS[0]), abs=1e-5)
     biased = SamplingParams(temperature=0.8, logit_bias={5: 100}, allowed_token_ids=[4, 5])
     assert set(sample(logits[:50], seqs(biased, 50)).token_ids) == {5}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_deferred_copy_of_greedy_tokens_waits_for_the_device():
+    logits = torch.randn(64, 1000, device="cuda")
+    seqs = [Sequence("r", [1, 2], SamplingParams(temperature=0), torch.Generator(device="cuda")) for _ in range(64)]
+    result = sample(logits, seqs, defer_copy=True)
+    assert not isinstance(result.token_ids, list)
+    result.wait()
+    assert result.token_ids == logits.argmax(dim=-1).tolist()

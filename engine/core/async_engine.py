@@ -52,6 +52,7 @@ class AsyncEngine:
         # Called on the engine thread: with each step's outputs, and with the id of each aborted request.
         self.output_observers: list[Callable[[list[RequestOutput]], None]] = []
         self.abort_observers: list[Callable[[str], None]] = []
+        engine.deliver_early = self._deliver  # deferred outputs reach their slots while the next step runs
         self._adapter_reader: AdapterReader | None = None
         if engine.lora is not None:
             self._adapter_reader = AdapterReader(engine.lora, post=lambda result: self._commands.put(("adapter", result)))

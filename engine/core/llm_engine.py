@@ -3,6 +3,8 @@
 `add_request` validates and queues; `step` schedules a batch, runs the model once, samples, then
 detokenizes and applies stop conditions; `abort` drops a request and frees its KV blocks at any time.
 The offline `LLM` and the servers both drive this class.
+What happens to the sampled tokens is the output processor's (output_processor.py), including the
+deferred text: a step's detokenizing and outputs done after the next step is launched, on CUDA.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -26,6 +29,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from .errors import StepFailedError
 from .model_setup import build_runner, draft_files
+from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Completion, Request, prompt_tokens
 from .scheduler import Scheduler, SchedulerConfig
@@ -75,10 +79,17 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._rng_lock = threading.Lock()  # prepare_request runs on front-end threads
-        self.num_prompt_tokens = 0  # prompt tokens of requests that produced their first token
-        self.num_generation_tokens = 0
         self.grammar_compiler = None  # built on the first structured-output request
         self.num_structured_requests = 0
+        self.defer_text = (config.async_output_processing if config.async_output_processing is not None
+                           else self.device.type == "cuda")
+        self.outputs = OutputProcessor(self.scheduler, self.requests, max_model_len=self.max_model_len,
+                                       token_text=self._token_text, after_outputs=self._retire_unloaded_adapters,
+                                       defer_text=self.defer_text)
+        # Where deferred outputs go as soon as they are built, inside the next step (the async engine's slots);
+        # when None, `step` returns them.
+        self.deliver_early: Callable[[list[RequestOutput]], None] | None = None
+        self.runner.defer_token_copy = self.defer_text
         logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
                     self.device, self.dtype, self.num_kv_blocks, config.block_size)
 
@@ -196,7 +207,7 @@ class LLMEngine:
             self.lora.retire_idle(self._adapters_in_use())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.outputs.has_deferred
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -212,7 +223,7 @@ class LLMEngine:
         failed = {seq.request_id for seq in batch.failed}
         outputs = self.fail_requests(failed, {s.request_id: s.error for s in batch.failed})
         if not batch:
-            return outputs + self._finish_outputs({})
+            return outputs + self.outputs.deferred_outputs() + self.outputs.finish({})
         now = time.monotonic()
         for seq, _ in batch.entries:
             if seq.first_scheduled_time is None:
@@ -222,66 +233,39 @@ class LLMEngine:
         except Exception as error:
             in_batch = {seq.request_id for seq, _ in batch.entries}
             message = f"the model step failed: {type(error).__name__}: {error}"
+            outputs += self.outputs.deferred_outputs()  # the previous step's tokens are good: their text goes out
             raise StepFailedError(error, outputs + self.fail_requests(in_batch, dict.fromkeys(in_batch, message))) \
                 from error
+        if self.outputs.has_deferred:  # the device may still run this step: the previous step's text fills the wait
+            early = self.outputs.deferred_outputs()
+            if self.deliver_early is not None:
+                self.deliver_early(early)
+            else:
+                outputs += early
+            timer.mark("text")
+        result.wait()  # the sampled token ids reach the host
         self.scheduler.on_step_done(batch)
-        touched: dict[str, Request] = {}
-        broken: dict[str, str] = {}
-        now = time.monotonic()
-        for i, seq in enumerate(sampled_seqs):
-            request = self.requests.get(seq.request_id)
-            if request is None or seq.is_finished:
-                continue
-            try:
-                for token, logprob in result.tokens(i):  # with speculative decoding, accepted drafts first
-                    self._append_token(request, seq, token, logprob, now)
-                    self.num_generation_tokens += 1
-                    if seq.is_finished:  # a stop or the length: the tokens after it are dropped
-                        break
-                if seq.spec_token_ids:
-                    self.scheduler.accept_drafts(seq, len(result.accepted[i]))
-            except Exception as error:  # e.g. the tokenizer cannot decode it: this request alone ends
-                logger.exception("request %s failed after a step", seq.request_id)
-                broken[seq.request_id] = f"{type(error).__name__}: {error}"
-                continue
-            touched[request.request_id] = request
-        timer.mark("outputs")
-        outputs += self.fail_requests(set(broken), broken) + self._finish_outputs(touched)
+        outputs += self.outputs.add_step(sampled_seqs, result, time.monotonic(), mark=timer.mark)
         timer.mark("deliver")  # the async engine's loop adds its hand-off to the slots to this phase
         return outputs
 
-    def _append_token(self, request: Request, seq: Sequence, token: int, logprob, now: float) -> None:
-        if seq.first_token_time is None and seq.index == 0:
-            self.num_prompt_tokens += seq.num_prompt_tokens
-        reason = request.completions[seq.index].append_token(token, logprob, now, max_model_len=self.max_model_len,
-                                                             token_text=self._token_text)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-
     def fail_requests(self, request_ids: set[str], errors: dict[str, str | None]) -> list[RequestOutput]:
         """End every sequence of these requests with finish reason "abort" and the error; their final outputs."""
-        ended = {}
-        for request_id in request_ids:
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            for completion in request.completions:
-                self.scheduler.finish(completion.seq, "abort", errors.get(request_id) or "the engine gave up on it")
-            ended[request_id] = request
-        return self._finish_outputs(ended)
-
-    def _finish_outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
-        outputs = [r.to_output() for r in touched.values()]
-        for r in touched.values():
-            if r.finished:
-                del self.requests[r.request_id]
-        self._retire_unloaded_adapters()
-        return outputs
+        return self.outputs.fail(request_ids, errors)
 
     def _token_text(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     # -- state, for metrics and tests -----------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens of requests that produced their first token."""
+        return self.outputs.num_prompt_tokens
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return self.outputs.num_generation_tokens
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

@@ -2,7 +2,9 @@
 
 `Completion.append_token` is the per-token output processing (vLLM's output processor): the token
 joins its sequence, its logprobs are recorded, it is detokenized, and EOS, stop tokens, stop strings
-and length decide whether the sequence is done. `Request.to_output` is what callers see.
+and length decide whether the sequence is done. It comes in two parts, `add_token_id` (what the next
+step needs) and `add_text` (what only the reader needs, unless stop strings are set), so that the engine
+can run the second while the device computes the next step. `Request.to_output` is what callers see.
 """
 from __future__ import annotations
 
@@ -28,6 +30,12 @@ class Completion:
                      token_text: Callable[[int], str | None]) -> str | None:
         """Adds a sampled token; returns the finish reason ("stop" / "length") when the sequence is done.
         `logprob` is the sampler's (chosen logprob, rank, top [(token, logprob)]) or None."""
+        reason = self.add_token_id(token, logprob, now, max_model_len=max_model_len)
+        return self.add_text(token, logprob, reason, token_text=token_text)
+
+    def add_token_id(self, token: int, logprob, now: float, *, max_model_len: int) -> str | None:
+        """The part of `append_token` the next step depends on: the token joins its sequence (and its grammar),
+        and EOS, stop tokens, a finished grammar or the length say whether the sequence is done."""
         seq, params = self.seq, self.seq.params
         seq.append_token(token)
         if seq.grammar is not None and not seq.grammar.accept(token):
@@ -36,38 +44,41 @@ class Completion:
             seq.first_token_time = now
         seq.last_token_time = now
         if logprob is not None:
+            seq.cumulative_logprob += logprob[0]
+        may_stop = seq.num_output_tokens >= params.min_tokens
+        if may_stop and token in params.eos_token_ids:
+            return "stop"
+        if may_stop and token in params.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        if seq.grammar is not None and seq.grammar.is_finished:
+            return "stop"  # the document is complete: only EOS could follow
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def add_text(self, token: int, logprob, reason: str | None, *, token_text: Callable[[int], str | None]) -> str | None:
+        """The text part, after `add_token_id` gave `reason`: logprob entries with their tokens' text,
+        detokenizing, and stop strings, which may end the sequence here (the reason returned then says so).
+        Only a request with stop strings needs this before its next step (see LLMEngine's deferred text)."""
+        seq = self.seq
+        if logprob is not None:
             chosen, rank, top = logprob
-            seq.cumulative_logprob += chosen
             entry = {t: Logprob(lp, r + 1, token_text(t)) for r, (t, lp) in enumerate(top)}
             entry[token] = Logprob(chosen, rank, token_text(token))
             seq.logprobs.append(entry)
-
-        reason = stop_reason = None
-        may_stop = seq.num_output_tokens >= params.min_tokens
-        if may_stop and token in params.eos_token_ids:
-            reason = "stop"
-        elif may_stop and token in params.stop_token_ids:
-            reason, stop_reason = "stop", token
-        elif seq.grammar is not None and seq.grammar.is_finished:
-            reason = "stop"  # the document is complete: only EOS could follow
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
-            reason = "length"
         full_text, new_chars = "", 0
         if self.detokenizer is not None:
             new_chars = len(self.detokenizer.add_token(token))
             if reason is not None:
                 new_chars += len(self.detokenizer.flush())
             full_text = self.detokenizer.text
-        if may_stop:
+        if seq.num_output_tokens >= seq.params.min_tokens:
             match = self.stops.find(full_text, new_chars)
             if match is not None:  # a stop string wins over a length stop in the same token
-                (stop_reason, end), reason = match, "stop"
+                (seq.stop_reason, end), reason = match, "stop"
                 full_text = full_text[:end]
-        if reason is None:
-            self.text = full_text[:self.stops.safe_length(full_text)]
-            return None
-        self.text = full_text
-        seq.stop_reason = stop_reason
+        self.text = full_text if reason is not None else full_text[:self.stops.safe_length(full_text)]
         return reason
 
     def to_output(self) -> CompletionOutput:

@@ -223,6 +223,8 @@ class Scheduler:
         """Advance each scheduled sequence past the tokens just computed, and cache its full blocks. Draft
         tokens are not counted here: `accept_drafts` counts those the verification kept."""
         for seq, num_new in batch.entries:
+            if seq.is_finished:  # ended while the step ran (deferred text work failed it): its blocks are gone
+                continue
             seq.num_computed_tokens += num_new - len(seq.spec_token_ids)
             self.block_manager.commit_computed_blocks(seq)
 

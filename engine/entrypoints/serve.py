@@ -44,6 +44,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                         help="this engine's share of GPU memory for weights, activations and the KV cache")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step runs eagerly")
+    parser.add_argument("--disable-async-output-proc", dest="async_output_processing", action="store_const",
+                        const=False, default=None,
+                        help="CUDA: detokenize and deliver each step's outputs before launching the next step "
+                             "instead of while the GPU runs it (on by default on CUDA, off on CPU)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="bound on queued sequences (each prompt of a request times its n); beyond it clients "
@@ -101,7 +105,8 @@ def build_state(args: argparse.Namespace):
                               max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                               attention_backend=args.attention_backend,
                               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                              scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config)
+                              scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
+                              async_output_processing=args.async_output_processing)
         engine = LLMEngine(config)
     except ValueError as error:
         raise SystemExit(f"kubeinfer serve: {error}") from None

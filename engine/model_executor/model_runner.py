@@ -69,6 +69,8 @@ class ModelRunner:
         self.fill_drafts: Callable | None = None
         self.timer = StepTimer(device)  # the engine switches it on; prepare / forward / sample are marked here
         self._block_table_buffer = BlockTableBuffer()
+        # The engine sets it with deferred text: `execute` may return before the sampled ids are on the host.
+        self.defer_token_copy = False
 
     @staticmethod
     def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
@@ -184,7 +186,7 @@ class ModelRunner:
         if self.verify_drafts is not None and any(seq.spec_token_ids for seq in sampling_seqs):
             result = self.verify_drafts(logits, sampling_seqs, masks)
         else:
-            result = sample(logits, sampling_seqs, masks)
+            result = sample(logits, sampling_seqs, masks, defer_copy=self.defer_token_copy)
         timer.mark("sample")
         return sampling_seqs, result
 

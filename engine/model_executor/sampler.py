@@ -23,24 +23,49 @@ from ..sequence import Sequence
 
 @dataclass
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int] | PendingTokens
     # per row: (logprob of the sampled token, its rank, top-N [(token, logprob)]) or None
     logprobs: list[tuple[float, int, list[tuple[int, float]]] | None]
     # Speculative decoding: per row, the draft tokens accepted before token_ids[i], and their logprobs
     accepted: list[list[int]] | None = None
     accepted_logprobs: list[list] | None = None
 
+    def wait(self) -> None:
+        """Until the token ids are on the host (they may still be on their way from the device)."""
+        if isinstance(self.token_ids, PendingTokens):
+            self.token_ids = self.token_ids.tolist()
+
     def tokens(self, i: int) -> list[tuple[int, tuple | None]]:
         """Row i's new tokens in order, with their logprobs: accepted drafts (if any), then the sampled one."""
+        self.wait()
         drafts = list(zip(self.accepted[i], self.accepted_logprobs[i])) if self.accepted else []
         return drafts + [(self.token_ids[i], self.logprobs[i])]
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> SampleResult:
+class PendingTokens:
+    """Token ids on their way from a GPU: the copy to pinned host memory is queued behind the step's kernels,
+    and `tolist` waits for it, so the host can do other work (the previous step's text) meanwhile."""
+
+    def __init__(self, token_ids: torch.Tensor) -> None:
+        self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        self._host.copy_(token_ids, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def tolist(self) -> list[int]:
+        self._copied.synchronize()
+        return self._host.tolist()
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None,
+           defer_copy: bool = False) -> SampleResult:
     """`grammar_masks`: the structured-output masks of `seqs`, when the caller computed them already
-    (the model runner does, on another thread, while the forward pass runs)."""
+    (the model runner does, on another thread, while the forward pass runs). `defer_copy`: on a GPU, return
+    before the plain-greedy token ids reach the host (`SampleResult.wait` / `tokens` wait for them)."""
     if all(plain_greedy(seq) for seq in seqs):  # the common decode: one argmax, one copy to the host
-        return SampleResult(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+        token_ids = logits.argmax(dim=-1)
+        pending = defer_copy and token_ids.is_cuda
+        return SampleResult(PendingTokens(token_ids) if pending else token_ids.tolist(), [None] * len(seqs))
     logits = logits.float()
     device = logits.device
     raw_logprobs = raw_logprobs_of(logits, seqs)

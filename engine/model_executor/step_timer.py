@@ -1,4 +1,5 @@
-"""Where a step's wall time goes: scheduling, input preparation, forward, sampling, output processing, delivery.
+"""Where a step's wall time goes: scheduling, input preparation, forward, sampling, the previous step's deferred
+text, output processing, delivery.
 
 The engine and the model runner call `mark(phase)` as each phase ends; the time since the previous mark
 is charged to it. Off by default, a mark is one attribute test. When on, a mark on a GPU waits for the
@@ -13,7 +14,8 @@ import time
 
 import torch
 
-PHASES = ("schedule", "prepare", "forward", "sample", "outputs", "deliver")
+# "text": the previous step's deferred text work and its hand-off, done inside this step (output_processor.py)
+PHASES = ("schedule", "prepare", "forward", "sample", "text", "outputs", "deliver")
 
 
 class StepTimer:
