@@ -28,6 +28,9 @@ import torch
 from .layers.attention import AttentionMetadata
 
 MAX_CAPTURED_BATCH = 512  # beyond this a decode step is compute-bound and a graph saves nothing that matters
+# The static per-row inputs, in their rows' order (input ids, positions, KV slots, context lengths, adapter
+# slots), and what a padding row holds in each.
+ROW_DEFAULTS = (0, 0, -1, 1, 0)
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURED_BATCH) -> list[int]:
@@ -71,15 +74,23 @@ class DecodeGraphs:
         self.sizes = sorted(sizes)
         self.sliding_window = sliding_window
         max_batch = self.sizes[-1]
-        self.input_ids = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.long, device=device)
-        self.context_lens = torch.ones(max_batch, dtype=torch.long, device=device)
+        # The per-row inputs are the rows of one device tensor, written each step by one copy from host memory
+        # kept across steps (pinned on CUDA, so the copies queue behind the previous step without a host wait).
+        pinned = device.type == "cuda"
+        self._rows = torch.zeros((len(ROW_DEFAULTS), max_batch), dtype=torch.long, device=device)
+        self._host_rows = torch.zeros(self._rows.shape, dtype=torch.long, pin_memory=pinned)
+        for row, default in enumerate(ROW_DEFAULTS):
+            self._rows[row].fill_(default)
+            self._host_rows[row].fill_(default)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.lora_slots = self._rows.unbind()
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.long, device=device)
+        self._host_tables = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.long, pin_memory=pinned)
+        # Recorded after each step's copies: host memory is rewritten only once they are done (the engine
+        # waits for each step's tokens anyway, so this wait is normally already over).
+        self._copied = torch.cuda.Event() if pinned else None
         self.query_start = torch.arange(max_batch + 1, dtype=torch.int32, device=device)  # one query per row, always
         self.logits_indices = torch.arange(max_batch, dtype=torch.long, device=device)
         self.logits = torch.zeros((max_batch, vocab_size), dtype=torch.float32, device=device)
-        self.lora_slots = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.replays: dict[int, Callable[[], None]] = {}
         self.lora_replays: dict[int, Callable[[], None]] = {}
         self.num_replays = 0  # steps served by a graph (tests and logs read it)
@@ -128,22 +139,28 @@ class DecodeGraphs:
         adapter slot, when the step uses adapters (then `lora_replays` must hold its size)."""
         n = len(input_ids)
         size = self.padded_size(n)
-        pad = size - n
-        self.input_ids[:size].copy_(torch.tensor(input_ids + [0] * pad))
-        self.positions[:size].copy_(torch.tensor(positions + [0] * pad))
-        self.slot_mapping[:size].copy_(torch.tensor(slots + [-1] * pad))
-        self.context_lens[:size].copy_(torch.tensor(context_lens + [1] * pad))
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows = self._host_rows.numpy()
+        for row, values in enumerate((input_ids, positions, slots, context_lens, lora_slots)):
+            if values is not None:  # (without adapters the lora row is not read: the plain graphs skip LoRA)
+                rows[row, :n] = values
+                rows[row, n:size] = ROW_DEFAULTS[row]  # padding: no KV write (slot -1), a one-token context
+        self._rows.copy_(self._host_rows, non_blocking=True)
         # Only the columns this step uses: later columns of a row are never read, since no key
         # lies beyond its context, and a padding row reads one key of whatever block its column 0 names.
         width = max(len(table) for table in block_tables)
-        host = torch.zeros((n, width), dtype=torch.long)
-        for row, table in enumerate(block_tables):
-            host[row, :len(table)] = torch.tensor(table, dtype=torch.long)
-        self.block_tables[:n, :width].copy_(host)
+        host = self._host_tables[:n * width].view(n, width)
+        tables = host.numpy()
+        tables.fill(0)
+        for row, table in zip(tables, block_tables):
+            row[:len(table)] = table
+        self.block_tables[:n, :width].copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         if lora_slots is None:
             self.replays[size]()
         else:
-            self.lora_slots[:size].copy_(torch.tensor(lora_slots + [0] * pad))
             self.lora_replays[size]()
             self.num_lora_replays += 1
         self.num_replays += 1
