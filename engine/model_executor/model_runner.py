@@ -175,7 +175,9 @@ class ModelRunner:
             timer.mark("prepare")  # the graph's own copies into its static inputs count as forward
             rows = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.context_lens,
                                    inputs.block_tables, lora_slots)
-            logits = rows[inputs.logits_indices]  # a prompt's one-token middle chunk computes but does not sample
+            # Every row samples in the usual decode step (no index tensor to copy to the device then); a
+            # prompt's one-token middle chunk computes but does not sample.
+            logits = rows if len(inputs.logits_indices) == rows.shape[0] else rows[inputs.logits_indices]
         else:
             lora = None if lora_slots is None else LoRAContext.build(self.lora_pool, _per_token(lora_slots, batch))
             logits = self._run_eager(inputs, lora)
