@@ -35,8 +35,8 @@ class EngineConfig:
     # or {"model": DRAFT_DIR, "num_speculative_tokens": 4};
     # parsed and checked by spec_decode.config (the engine refuses a bad one before loading the model)
     speculative_config: str | dict | None = None
-    # Detokenizing and output delivery of step N while the device computes step N+1 (LLMEngine's deferred
-    # text). None: on with CUDA; on a CPU nothing runs alongside the forward, so it would only delay outputs.
+    # Detokenizing and output delivery of step N while the device computes step N+1 (deferred text,
+    # core/output_processor.py). None: on with CUDA; on a CPU nothing runs alongside the forward, so it would only delay outputs.
     async_output_processing: bool | None = None
 
     def __post_init__(self) -> None:

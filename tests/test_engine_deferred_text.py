@@ -42,7 +42,10 @@ def request_mix(stop_text: str) -> list[SamplingParams]:
 
 @pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3,
                                                 "prompt_lookup_min": 1}])
-def test_outputs_are_the_same_with_and_without_deferred_text(llama_dir, speculative):
+@pytest.mark.parametrize("mix", ["all", "sync-free"])
+def test_outputs_are_the_same_with_and_without_deferred_text(llama_dir, speculative, mix):
+    """"all": while the logprobs request runs, its steps need the ids on the host and keep their text; "sync-free"
+    (greedy and sampled rows, stop strings and stop tokens) defers the text of every step but the stop string's."""
     inline, deferred = engine_pair(llama_dir, speculative_config=speculative)
     assert not inline.engine.defer_text and deferred.engine.defer_text
     probe = inline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
@@ -50,9 +53,19 @@ def test_outputs_are_the_same_with_and_without_deferred_text(llama_dir, speculat
     assert stop_text.strip()
     prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0], PROMPTS[1]]  # the stop string's request: PROMPTS[0]
     params = request_mix(stop_text)
+    if mix == "sync-free":
+        params[2] = SamplingParams(temperature=0.7, top_k=20, seed=5, max_tokens=9, ignore_eos=True)
+        params[4] = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[7, 11, 13], ignore_eos=True)
     expected = summary(inline.generate(prompts, params))
     assert expected[3][0][2] == "stop" and expected[3][0][3] == stop_text
-    assert summary(deferred.generate(prompts, params)) == expected
+    processor, deferred_tokens = deferred.engine.outputs, []
+    take_text = processor.deferred_outputs
+    processor.deferred_outputs = lambda: deferred_tokens.append(len(processor._deferred)) or take_text()
+    outputs = deferred.generate(prompts, params)
+    assert summary(outputs) == expected
+    if mix == "sync-free" and speculative is None:  # every token but the stop string request's was deferred
+        assert sum(deferred_tokens) == sum(len(c.token_ids) for i, o in enumerate(outputs) if i != 3 for c in o.outputs)
+    assert sum(deferred_tokens) > 0
     assert deferred.engine.block_manager.usage == 0 and not deferred.engine.outputs.has_deferred
 
 

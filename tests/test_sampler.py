@@ -232,10 +232,13 @@ def test_sampling_runs_where_the_logits_are(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_deferred_copy_of_greedy_tokens_waits_for_the_device():
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9, seed=4)])
+def test_deferred_copy_waits_for_the_device_and_changes_no_token(params):
     logits = torch.randn(64, 1000, device="cuda")
-    seqs = [Sequence("r", [1, 2], SamplingParams(temperature=0), torch.Generator(device="cuda")) for _ in range(64)]
-    result = sample(logits, seqs, defer_copy=True)
-    assert not isinstance(result.token_ids, list)
+
+    def seqs():
+        return [Sequence("r", [1, 2], params, torch.Generator(device="cuda").manual_seed(i)) for i in range(64)]
+    result = sample(logits, seqs(), defer_copy=True)
+    assert result.async_copy and not isinstance(result.token_ids, list)
     result.wait()
-    assert result.token_ids == logits.argmax(dim=-1).tolist()
+    assert result.token_ids == sample(logits, seqs()).token_ids

@@ -51,7 +51,9 @@ class OutputProcessor:
             request = self.requests.get(seq.request_id)
             if request is None or seq.is_finished:
                 continue
-            defer = self.defer_text and not request.params.stop
+            # Deferred only if this step was queued without a wait (the next one likely will be too, so its text
+            # work has a forward pass to hide behind), and never with stop strings (the text decides the end).
+            defer = self.defer_text and result.async_copy and not request.params.stop
             try:
                 for token, logprob in result.tokens(i):  # with speculative decoding, accepted drafts first
                     self._add_token(request, seq, token, logprob, now, defer)

@@ -60,7 +60,7 @@ class Completion:
     def add_text(self, token: int, logprob, reason: str | None, *, token_text: Callable[[int], str | None]) -> str | None:
         """The text part, after `add_token_id` gave `reason`: logprob entries with their tokens' text,
         detokenizing, and stop strings, which may end the sequence here (the reason returned then says so).
-        Only a request with stop strings needs this before its next step (see LLMEngine's deferred text)."""
+        Only a request with stop strings needs this before its next step (see output_processor: deferred text)."""
         seq = self.seq
         if logprob is not None:
             chosen, rank, top = logprob

@@ -29,6 +29,9 @@ class SampleResult:
     # Speculative decoding: per row, the draft tokens accepted before token_ids[i], and their logprobs
     accepted: list[list[int]] | None = None
     accepted_logprobs: list[list] | None = None
+    # The sampler queued the step without waiting for the device (`sample(defer_copy=True)` on sync-free rows):
+    # the engine may then leave the text of these tokens for the next step, to do while that one runs.
+    async_copy: bool = False
 
     def wait(self) -> None:
         """Until the token ids are on the host (they may still be on their way from the device)."""
@@ -60,12 +63,11 @@ class PendingTokens:
 def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None,
            defer_copy: bool = False) -> SampleResult:
     """`grammar_masks`: the structured-output masks of `seqs`, when the caller computed them already
-    (the model runner does, on another thread, while the forward pass runs). `defer_copy`: on a GPU, return
-    before the plain-greedy token ids reach the host (`SampleResult.wait` / `tokens` wait for them)."""
+    (the model runner does, on another thread, while the forward pass runs). `defer_copy`: when every row is
+    `sync_free`, return before the token ids reach the host (on a GPU: `SampleResult.wait` / `tokens` wait)."""
+    async_copy = defer_copy and all(sync_free(seq) for seq in seqs)
     if all(plain_greedy(seq) for seq in seqs):  # the common decode: one argmax, one copy to the host
-        token_ids = logits.argmax(dim=-1)
-        pending = defer_copy and token_ids.is_cuda
-        return SampleResult(PendingTokens(token_ids) if pending else token_ids.tolist(), [None] * len(seqs))
+        return _result(logits.argmax(dim=-1), [None] * len(seqs), async_copy)
     logits = logits.float()
     device = logits.device
     raw_logprobs = raw_logprobs_of(logits, seqs)
@@ -74,29 +76,49 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
     greedy = [s.params.greedy for s in seqs]
     token_ids = torch.empty(len(seqs), dtype=torch.long, device=device)
     if any(greedy):
-        rows = torch.tensor([i for i, g in enumerate(greedy) if g], device=device)
+        rows = on_device([i for i, g in enumerate(greedy) if g], torch.long, device)
         token_ids[rows] = logits[rows].argmax(dim=-1)
     random_rows = [i for i, g in enumerate(greedy) if not g]
     if random_rows:
-        rows = torch.tensor(random_rows, device=device)
+        rows = on_device(random_rows, torch.long, device)
         probs = target_probs(logits[rows], [seqs[i] for i in random_rows])
         noise = torch.stack([exponential_noise(probs.shape[1], seqs[i].generator, device) for i in random_rows])
         token_ids[rows] = (probs / noise).argmax(dim=-1)
 
-    tokens = token_ids.tolist()
+    if raw_logprobs is None:
+        return _result(token_ids, [None] * len(seqs), async_copy)
+    tokens = token_ids.tolist()  # the logprob entries need the chosen tokens on the host
     logprobs = [None] * len(seqs)
-    if raw_logprobs is not None:
-        for i, seq in enumerate(seqs):
-            if seq.params.logprobs is not None:
-                logprobs[i] = logprob_entry(raw_logprobs[i], tokens[i], seq.params.logprobs)
+    for i, seq in enumerate(seqs):
+        if seq.params.logprobs is not None:
+            logprobs[i] = logprob_entry(raw_logprobs[i], tokens[i], seq.params.logprobs)
     return SampleResult(tokens, logprobs)
 
 
 def plain_greedy(seq: Sequence) -> bool:
     """Greedy with no logprobs and no rule that could change a logit now: the raw argmax is its token."""
+    return seq.params.greedy and sync_free(seq)
+
+
+def sync_free(seq: Sequence) -> bool:
+    """No logprobs and no rule that could change a logit now (penalties, bias, allowed ids, the min_tokens ban, a
+    grammar): greedy or temperature / top-k / top-p / min-p, which `sample` queues without waiting for the device."""
     p = seq.params
-    return (p.greedy and p.logprobs is None and seq.grammar is None and not p.uses_penalties and not p.logit_bias
+    return (p.logprobs is None and seq.grammar is None and not p.uses_penalties and not p.logit_bias
             and not p.allowed_token_ids and seq.num_output_tokens >= p.min_tokens)
+
+
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`. On a GPU through pinned memory and a non_blocking copy: a
+    copy from pageable memory would make the host wait for every kernel queued before it (the forward pass)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def _result(token_ids: torch.Tensor, logprobs: list, async_copy: bool) -> SampleResult:
+    pending = async_copy and token_ids.is_cuda
+    return SampleResult(PendingTokens(token_ids) if pending else token_ids.tolist(), logprobs, async_copy=async_copy)
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> torch.Tensor:
@@ -115,7 +137,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: Gr
 def target_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """The distribution a non-greedy row samples from, from processed logits: temperature, then top-k,
     top-p and min-p. Not renormalised after the filters (a draw by exponential race does not need it)."""
-    temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device).unsqueeze(1)
+    temperature = on_device([s.params.temperature for s in seqs], torch.float32, logits.device).unsqueeze(1)
     return _filter(torch.softmax(logits / temperature, dim=-1), seqs)
 
 
@@ -233,9 +255,9 @@ def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if not any(s.params.uses_filters for s in seqs):
         return probs
     vocab, device = probs.shape[1], probs.device
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], device=device)
-    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=probs.dtype, device=device)
-    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=probs.dtype, device=device)
+    top_k = on_device([s.params.top_k if s.params.top_k > 0 else vocab for s in seqs], torch.long, device)
+    top_p = on_device([s.params.top_p for s in seqs], probs.dtype, device)
+    min_p = on_device([s.params.min_p for s in seqs], probs.dtype, device)
 
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device).unsqueeze(0)
