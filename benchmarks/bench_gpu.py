@@ -222,16 +222,20 @@ def main() -> None:
               f"ITL {lat['itl_mean'] * 1e3:.1f} ms")
     del llm
     _free(device)
-    # Deferred text (async output processing) is on by default on CUDA: the same runs with it off, for the A/B.
-    llm = engine(async_output_processing=False)
+    # Deferred text (async output processing) is on by default on CUDA: the same runs with it off, and with
+    # async scheduling on, for the A/B.
     largest = max(batch_sizes)
-    inline = {"decode": engine_decode_rate(llm, prompt, args.decode_len),
-              largest: engine_throughput(llm, random_prompts(largest, args.prompt_len, vocab, seed=largest),
-                                         args.output_len)}
-    print(f"text not deferred: batch-1 decode {inline['decode']:.1f} tok/s, {largest} sequences {inline[largest]:.0f} "
-          f"tok/s (deferred: {decode:.1f}, {throughput[largest]:.0f})")
-    del llm
-    _free(device)
+    inline = {}
+    for name, overrides in (("not deferred", dict(async_output_processing=False)),
+                            ("async scheduling", dict(async_scheduling=True))):
+        llm = engine(**overrides)
+        inline[name] = {"decode": engine_decode_rate(llm, prompt, args.decode_len),
+                        largest: engine_throughput(llm, random_prompts(largest, args.prompt_len, vocab, seed=largest),
+                                                   args.output_len)}
+        print(f"{name}: batch-1 decode {inline[name]['decode']:.1f} tok/s, {largest} sequences "
+              f"{inline[name][largest]:.0f} tok/s (default: {decode:.1f}, {throughput[largest]:.0f})")
+        del llm
+        _free(device)
     lora = {}
     if args.lora_adapters:
         lora_batch = min(batch_sizes)
@@ -299,11 +303,13 @@ def record(args, shape, backend, bandwidth, decode, eager_decode, roofline, thro
         table.append(f"| {b} sequences (output tok/s) | {rate:.0f} | {static or 0:.0f} | {ratio(rate, static)} | "
                      f"{cb or 0:.0f} | {ratio(rate, cb)} |")
     largest = max(throughput)
-    deferral = ["| run | text deferred (default) | not deferred (`--disable-async-output-proc`) | deferred vs not |",
-                "|---|---|---|---|",
-                f"| batch-1 decode (tok/s) | {decode:.1f} | {inline['decode']:.1f} | {ratio(decode, inline['decode'])} |",
-                f"| {largest} sequences (output tok/s) | {throughput[largest]:.0f} | {inline[largest]:.0f} | "
-                f"{ratio(throughput[largest], inline[largest])} |"]
+    off, ahead = inline["not deferred"], inline["async scheduling"]
+    deferral = ["| run | default (text deferred) | `--disable-async-output-proc` | default vs it | `--async-scheduling` "
+                "| it vs default |", "|---|---|---|---|---|---|"]
+    for key, label, mine in (("decode", "batch-1 decode (tok/s)", decode),
+                             (largest, f"{largest} sequences (output tok/s)", throughput[largest])):
+        deferral.append(f"| {label} | {mine:.1f} | {off[key]:.1f} | {ratio(mine, off[key])} | {ahead[key]:.1f} | "
+                        f"{ratio(ahead[key], mine)} |")
     lat = ["| request rate | TTFT p50 | TTFT p90 | inter-token latency |", "|---|---|---|---|"]
     lat += [f"| {r:g} req/s | {v['ttft_p50'] * 1e3:.0f} ms | {v['ttft_p90'] * 1e3:.0f} ms | "
             f"{v['itl_mean'] * 1e3:.1f} ms |" for r, v in latency.items()]
@@ -325,7 +331,8 @@ def record(args, shape, backend, bandwidth, decode, eager_decode, roofline, thro
         f"tokens (batch-1 decode: {args.decode_len}), greedy, all submitted at once; transformers runs one static "
         "batch of the same requests.", "", *table, "",
         f"Latency under Poisson arrivals ({args.rate_requests} requests per rate, engine only):", "", *lat,
-        *lora_text, "", "Deferred text (a step's detokenizing and outputs done while the GPU runs the next step):",
+        *lora_text, "", "Host work between steps: deferred text (a step's detokenizing and outputs done while the "
+        "GPU runs the next step) and async scheduling (the next step launched before this one's ids are read):",
         "", *deferral])
     update_results(f"gpu-{shape}", f"GPU: {shape} on {gpu}", body)
 

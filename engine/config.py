@@ -38,6 +38,9 @@ class EngineConfig:
     # Detokenizing and output delivery of step N while the device computes step N+1 (deferred text,
     # core/output_processor.py). None: on with CUDA; on a CPU nothing runs alongside the forward, so it would only delay outputs.
     async_output_processing: bool | None = None
+    # Schedule and launch step N+1 before step N's ids reach the host (core/async_scheduling.py). For a GPU;
+    # off by default, as in vLLM (`--async-scheduling`). On a CPU it only delays outputs by a step.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:

@@ -12,6 +12,9 @@ import torch
 from .sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
+# Async scheduling: the token a launched step will sample, in token_ids until its id reaches the host
+# (core/async_scheduling.py); its input row is filled on the device from that step's sampled ids.
+PENDING_TOKEN = -1
 
 
 class SequenceStatus(enum.Enum):
@@ -78,6 +81,7 @@ class Sequence(OutputTokens):
         # acceptance rule min(1, p / q); None when the drafts are point guesses (greedy, n-gram).
         self.spec_draft_probs: torch.Tensor | None = None
         self.cumulative_logprob = 0.0
+        self.pending_row = 0  # async scheduling: this sequence's row in the launched step's sampled ids
         # timing, for metrics
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

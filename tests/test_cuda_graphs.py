@@ -32,28 +32,35 @@ def _capture(llm, device):
     return runner.graphs
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["synchronous", "async-scheduling"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_graphs_match_transformers_with_padding_and_preemption(device, model_dirs, hf_models):
+def test_decode_graphs_match_transformers_with_padding_and_preemption(device, async_scheduling, model_dirs,
+                                                                      hf_models):
+    """With async scheduling each decode row's input id is written into the graph's static buffer on the
+    device, from the previous step's sampled ids, after the host's copy."""
     from kubeinfer.engine import LLM
 
     want = [hf_greedy(hf_models("qwen3"), p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     # 5 sequences finish at different steps, so decode batches of 5, 4, 3 (padded to 4), 2 and 1 occur;
     # too few blocks force preemption, and 4-token blocks make tables of several columns.
     llm = LLM(model_dirs["qwen3"], device=device, dtype="float32", attention_backend="triton", block_size=4,
-              num_kv_blocks=14, max_num_batched_tokens=16, max_num_seqs=5, enforce_eager=True)
+              num_kv_blocks=14, max_num_batched_tokens=16, max_num_seqs=5, enforce_eager=True,
+              async_scheduling=async_scheduling)
     graphs = _capture(llm, device)
     assert graphs.sizes == [1, 2, 4, 5]
-    padded = []
+    padded, filled = [], []
     original_run = graphs.run
 
-    def spy(input_ids, *args):
+    def spy(input_ids, *args, **kwargs):
         padded.append((len(input_ids), graphs.padded_size(len(input_ids))))
-        return original_run(input_ids, *args)
+        filled.append(any(a is not None for a in args[5:]) or kwargs.get("fill") is not None)
+        return original_run(input_ids, *args, **kwargs)
 
     graphs.run = spy
     assert engine_greedy(llm) == want
     assert graphs.num_replays > 0 and (3, 4) in padded
     assert llm.engine.scheduler.num_preemptions > 0
+    assert any(filled) == async_scheduling
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -48,11 +48,11 @@ class FailingSteps:
         self.execute, self.failing, self.error, self.calls = runner.execute, failing, error, 0
         runner.execute = self
 
-    def __call__(self, batch):
+    def __call__(self, batch, *args):
         self.calls += 1
         if self.calls in self.failing:
             raise self.error
-        return self.execute(batch)
+        return self.execute(batch, *args)
 
 
 def run_all(engine) -> dict:

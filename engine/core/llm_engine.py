@@ -4,7 +4,8 @@
 detokenizes and applies stop conditions; `abort` drops a request and frees its KV blocks at any time.
 The offline `LLM` and the servers both drive this class.
 What happens to the sampled tokens is the output processor's (output_processor.py), including the
-deferred text: a step's detokenizing and outputs done after the next step is launched, on CUDA.
+deferred text: a step's detokenizing and outputs done after the next step is launched, on CUDA. With
+async scheduling (async_scheduling.py) `step` runs one launched step ahead of the host.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ..sampling_params import SamplingParams
 from ..sequence import Sequence
 from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.speculator import Speculator
+from .async_scheduling import StepPipeline
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from .errors import StepFailedError
@@ -83,13 +85,16 @@ class LLMEngine:
         self.num_structured_requests = 0
         self.defer_text = (config.async_output_processing if config.async_output_processing is not None
                            else self.device.type == "cuda")
+        # Async scheduling reads a step's ids while the next one runs: its text needs no deferring on top.
+        self.pipeline = StepPipeline(self) if config.async_scheduling else None
+        self.defer_text = self.defer_text and self.pipeline is None
         self.outputs = OutputProcessor(self.scheduler, self.requests, max_model_len=self.max_model_len,
                                        token_text=self._token_text, after_outputs=self._retire_unloaded_adapters,
                                        defer_text=self.defer_text)
         # Where deferred outputs go as soon as they are built, inside the next step (the async engine's slots);
         # when None, `step` returns them.
         self.deliver_early: Callable[[list[RequestOutput]], None] | None = None
-        self.runner.defer_token_copy = self.defer_text
+        self.runner.defer_token_copy = self.defer_text or self.pipeline is not None
         logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
                     self.device, self.dtype, self.num_kv_blocks, config.block_size)
 
@@ -207,13 +212,18 @@ class LLMEngine:
             self.lora.retire_idle(self._adapters_in_use())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self.outputs.has_deferred
+        return (self.scheduler.has_unfinished() or self.outputs.has_deferred
+                or (self.pipeline is not None and self.pipeline.busy))
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One scheduler step. A sequence that fails alone (its adapter, its text) ends its request with an
         error and the step goes on; if the model itself raises, the batch's requests end and
-        StepFailedError carries their outputs."""
+        StepFailedError carries their outputs. With async scheduling the outputs are those of the step
+        launched before (core/async_scheduling.py)."""
+        return self.pipeline.step() if self.pipeline is not None else self.synchronous_step()
+
+    def synchronous_step(self) -> list[RequestOutput]:
         timer = self.step_timer
         timer.start()
         if self.speculator is not None:

@@ -222,11 +222,20 @@ class Scheduler:
     def on_step_done(self, batch: ScheduledBatch) -> None:
         """Advance each scheduled sequence past the tokens just computed, and cache its full blocks. Draft
         tokens are not counted here: `accept_drafts` counts those the verification kept."""
+        self.advance(batch)
+        self.commit(batch)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """Count the batch's tokens as computed (async scheduling does this as soon as the step is launched)."""
         for seq, num_new in batch.entries:
-            if seq.is_finished:  # ended while the step ran (deferred text work failed it): its blocks are gone
-                continue
-            seq.num_computed_tokens += num_new - len(seq.spec_token_ids)
-            self.block_manager.commit_computed_blocks(seq)
+            if not seq.is_finished:  # (one ended while the step ran has no blocks left)
+                seq.num_computed_tokens += num_new - len(seq.spec_token_ids)
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Register the blocks the batch filled in the prefix cache (once their token ids are all known)."""
+        for seq, _ in batch.entries:
+            if not seq.is_finished:
+                self.block_manager.commit_computed_blocks(seq)
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """After a verification step whose tokens were appended: the K/V of the accepted drafts is valid (it

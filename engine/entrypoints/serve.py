@@ -48,6 +48,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         const=False, default=None,
                         help="CUDA: detokenize and deliver each step's outputs before launching the next step "
                              "instead of while the GPU runs it (on by default on CUDA, off on CPU)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="CUDA: schedule and launch each step before the previous step's token ids reach the "
+                             "host, so the GPU does not wait for the host between steps (outputs unchanged)")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--max-waiting-requests", type=int, default=256,
                         help="bound on queued sequences (each prompt of a request times its n); beyond it clients "
@@ -106,7 +109,8 @@ def build_state(args: argparse.Namespace):
                               attention_backend=args.attention_backend,
                               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                               scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
-                              async_output_processing=args.async_output_processing)
+                              async_output_processing=args.async_output_processing,
+                              async_scheduling=args.async_scheduling)
         engine = LLMEngine(config)
     except ValueError as error:
         raise SystemExit(f"kubeinfer serve: {error}") from None

@@ -133,10 +133,12 @@ class DecodeGraphs:
         return next((size for size in self.sizes if size >= num_seqs), None)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
-            block_tables: list[list[int]], lora_slots: list[int] | None = None) -> torch.Tensor:
+            block_tables: list[list[int]], lora_slots: list[int] | None = None,
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """One decode step of len(input_ids) sequences through its graph; returns their logits [n, vocab]
         (a view of the static buffer: read it before the next step). `lora_slots`: each sequence's
-        adapter slot, when the step uses adapters (then `lora_replays` must hold its size)."""
+        adapter slot, when the step uses adapters (then `lora_replays` must hold its size). `fill(input_ids)`
+        writes on the device what the host does not know yet (async scheduling's pending tokens)."""
         n = len(input_ids)
         size = self.padded_size(n)
         if self._copied is not None:
@@ -158,6 +160,8 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if fill is not None:
+            fill(self.input_ids[:n])
         if lora_slots is None:
             self.replays[size]()
         else:

@@ -11,8 +11,9 @@ import torch
 
 from ..lora.layers import LoRAContext
 from ..lora.pool import LoRAPool
-from ..sequence import ScheduledBatch, Sequence
+from ..sequence import PENDING_TOKEN, ScheduledBatch, Sequence
 from .cuda_graphs import DecodeGraphs, capture_cuda_graph, capture_sizes
+from .device_copy import on_device
 from .layers import cpu_blas
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
@@ -32,6 +33,8 @@ class StepInputs:
     block_tables: list[list[int]] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)  # rows whose logits sample a token
     num_decodes: int = 0
+    # Async scheduling: (input row, row of the previous step's sampled ids) for each token not known on the host
+    pending: list[tuple[int, int]] = field(default_factory=list)
 
     def add(self, tokens: list[int], start: int, block_table: list[int], block_size: int) -> None:
         """One sequence's tokens at positions start.., their slots by its block table."""
@@ -71,6 +74,7 @@ class ModelRunner:
         self._block_table_buffer = BlockTableBuffer()
         # The engine sets it with deferred text: `execute` may return before the sampled ids are on the host.
         self.defer_token_copy = False
+        self._previous_ids: torch.Tensor | None = None  # the step's `previous_ids` (async scheduling)
 
     @staticmethod
     def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
@@ -132,7 +136,10 @@ class ModelRunner:
             start = seq.num_computed_tokens
             end = start + num_new
             drafts = seq.spec_token_ids  # speculative decoding: guesses after the last token, checked in this pass
-            inputs.add(seq.token_ids[start:end - len(drafts)] + drafts, start, seq.block_table, self.block_size)
+            tokens = seq.token_ids[start:end - len(drafts)] + drafts
+            if tokens[-1] == PENDING_TOKEN:  # its id is still on the device (async scheduling): filled in there
+                inputs.pending.append((len(inputs.input_ids) + len(tokens) - 1, seq.pending_row))
+            inputs.add(tokens, start, seq.block_table, self.block_size)
             if ScheduledBatch.is_decode(seq, num_new):
                 inputs.num_decodes += 1
             if end - len(drafts) == seq.num_tokens:  # the last known token is computed: its logits give the next
@@ -148,10 +155,16 @@ class ModelRunner:
         return [self.lora_pool.slot_of(seq.lora_id) for seq, _ in batch.entries]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult]:
+    def execute(self, batch: ScheduledBatch, previous_ids: torch.Tensor | None = None
+                ) -> tuple[list[Sequence], SampleResult]:
+        """`previous_ids`: the sampled ids of the step launched before this one, where the logits were; async
+        scheduling launches this step before they reach the host, and its pending tokens are read from them."""
         if self.fill_drafts is not None:  # the draft model's passes count as this step's `prepare`
             self.fill_drafts(batch)
         inputs, sampling_seqs = self.prepare(batch)
+        self._previous_ids = previous_ids
+        if inputs.pending and previous_ids is None:
+            raise RuntimeError("a scheduled token is pending but no previous step's ids were given")
         timer = self.timer
         timer.num_seqs, timer.all_decode = len(batch.entries), inputs.num_decodes == len(batch.entries)
         with cpu_blas.small_step(self._openblas_step(inputs)):  # forward and sampling alike
@@ -173,8 +186,9 @@ class ModelRunner:
         lora_slots = self._adapter_slots(batch)
         if self._graph_can_run(inputs, lora_slots):
             timer.mark("prepare")  # the graph's own copies into its static inputs count as forward
+            fill = (lambda ids: self._fill_pending(ids, inputs)) if inputs.pending else None
             rows = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.context_lens,
-                                   inputs.block_tables, lora_slots)
+                                   inputs.block_tables, lora_slots, fill)
             # Every row samples in the usual decode step (no index tensor to copy to the device then); a
             # prompt's one-token middle chunk computes but does not sample.
             logits = rows if len(inputs.logits_indices) == rows.shape[0] else rows[inputs.logits_indices]
@@ -209,11 +223,20 @@ class ModelRunner:
         block_tables = self._block_table_buffer.fill(tables)
         meta = AttentionMetadata.build(inputs.slots, inputs.query_start_loc, inputs.context_lens, block_tables,
                                        inputs.num_decodes, self.sliding_window, dev, block_table_lists=tables)
-        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
-        logits_indices = torch.tensor(inputs.logits_indices, dtype=torch.long, device=dev)
+        input_ids = on_device(inputs.input_ids, torch.long, dev)
+        self._fill_pending(input_ids, inputs)
+        positions = on_device(inputs.positions, torch.long, dev)
+        logits_indices = on_device(inputs.logits_indices, torch.long, dev)
         self.timer.mark("prepare")
         return self.model(input_ids, positions, self.kv_caches, meta, logits_indices, lora)
+
+
+    def _fill_pending(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
+        """Async scheduling: the input rows whose token the previous step sampled take it on the device."""
+        if inputs.pending:
+            rows = on_device([row for row, _ in inputs.pending], torch.long, input_ids.device)
+            sampled = on_device([prev for _, prev in inputs.pending], torch.long, input_ids.device)
+            input_ids[rows] = self._previous_ids[sampled]
 
 
 def _per_token(per_sequence: list[int], batch: ScheduledBatch) -> list[int]:

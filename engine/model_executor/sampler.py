@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..sequence import Sequence
+from .device_copy import on_device
 
 
 @dataclass
@@ -32,6 +33,7 @@ class SampleResult:
     # The sampler queued the step without waiting for the device (`sample(defer_copy=True)` on sync-free rows):
     # the engine may then leave the text of these tokens for the next step, to do while that one runs.
     async_copy: bool = False
+    device_ids: torch.Tensor | None = None  # the sampled ids where the logits are (async scheduling reads them)
 
     def wait(self) -> None:
         """Until the token ids are on the host (they may still be on their way from the device)."""
@@ -92,7 +94,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMas
     for i, seq in enumerate(seqs):
         if seq.params.logprobs is not None:
             logprobs[i] = logprob_entry(raw_logprobs[i], tokens[i], seq.params.logprobs)
-    return SampleResult(tokens, logprobs)
+    return SampleResult(tokens, logprobs, device_ids=token_ids)
 
 
 def plain_greedy(seq: Sequence) -> bool:
@@ -108,17 +110,10 @@ def sync_free(seq: Sequence) -> bool:
             and not p.allowed_token_ids and seq.num_output_tokens >= p.min_tokens)
 
 
-def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a tensor on `device`. On a GPU through pinned memory and a non_blocking copy: a
-    copy from pageable memory would make the host wait for every kernel queued before it (the forward pass)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-
-
 def _result(token_ids: torch.Tensor, logprobs: list, async_copy: bool) -> SampleResult:
     pending = async_copy and token_ids.is_cuda
-    return SampleResult(PendingTokens(token_ids) if pending else token_ids.tolist(), logprobs, async_copy=async_copy)
+    return SampleResult(PendingTokens(token_ids) if pending else token_ids.tolist(), logprobs, async_copy=async_copy,
+                        device_ids=token_ids)
 
 
 def process_logits(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: GrammarMasks | None = None) -> torch.Tensor:

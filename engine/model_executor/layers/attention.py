@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..device_copy import on_device, to_device
+
 
 @dataclass
 class AttentionMetadata:
@@ -70,14 +72,14 @@ class AttentionMetadata:
         """A step's metadata from host lists, with the device copies every backend may read."""
         return cls(
             block_table_lists=block_table_lists,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=on_device(slots, torch.long, device),
             query_start_loc=query_start_loc,
             context_lens=context_lens,
-            context_lens_tensor=torch.tensor(context_lens, dtype=torch.long, device=device),
-            block_tables=block_tables.to(device),
+            context_lens_tensor=on_device(context_lens, torch.long, device),
+            block_tables=to_device(block_tables, device),
             num_decodes=num_decodes,
             sliding_window=sliding_window,
-            query_start_tensor=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            query_start_tensor=on_device(query_start_loc, torch.int32, device),
             max_prefill_len=max((query_start_loc[i + 1] - query_start_loc[i]
                                  for i in range(num_decodes, len(context_lens))), default=0),
         )
