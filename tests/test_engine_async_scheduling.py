@@ -138,3 +138,18 @@ def test_the_flag(llama_dir):
     assert parser.parse_args(["/models/x", "--async-scheduling"]).async_scheduling is True
     assert parser.parse_args(["/models/x"]).async_scheduling is False
     assert LLM(llama_dir, block_size=4).engine.pipeline is None
+
+
+def test_adapters_mixed_in_one_batch_run_ahead_to_what_peft_gives(lora_base_dir, lora_adapters,
+                                                                   lora_base_reference):
+    """Each request on its own adapter (or none), all in one batch, running ahead: transformers + PEFT's tokens."""
+    from lora_helpers import MAX_TOKENS
+    from lora_helpers import PROMPTS as LORA_PROMPTS
+
+    llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=3, max_lora_rank=8, block_size=4, async_scheduling=True)
+    names = ["attn", "mlp", "all", None]
+    requests = [lora_adapters[n][0] if n else None for n in names]
+    want = [lora_adapters[n][1][i] if n else lora_base_reference[i] for i, n in enumerate(names)]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in LORA_PROMPTS],
+                           SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), lora_request=requests)
+    assert [o.outputs[0].token_ids for o in outputs] == want

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import FUSED_WEIGHTS, ModelSpec
+from ..device_copy import to_device
 from .adapter import module_shapes
 from .pool import LoRAPool
 
@@ -74,7 +75,7 @@ class LoRAContext:
             index = (slots == slot).nonzero().squeeze(1)
             first, last = int(index[0]), int(index[-1])
             contiguous = last - first + 1 == index.numel()
-            groups.append((slot, slice(first, last + 1) if contiguous else index.to(pool.device)))
+            groups.append((slot, slice(first, last + 1) if contiguous else to_device(index, pool.device)))
         return cls(pool, groups) if groups else None
 
     def _kernel_plan(self) -> SegmentPlan | None:

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..device_copy import on_device, to_device
 from ..triton_utils import MIN_DOT, must_upcast, unit_last_stride
 from .pool import LoRAPool
 
@@ -107,10 +108,10 @@ class SegmentPlan:
         starts = [0]
         for r in rows:
             starts.append(starts[-1] + len(r))
-        seg_slot = torch.tensor([slot for slot, _ in groups], dtype=torch.long, device=device)
+        seg_slot = on_device([slot for slot, _ in groups], torch.long, device)
         ranks = pool.rank_table.index_select(1, seg_slot)  # [modules, S], read on the device
-        return cls(tokens=torch.cat(rows).to(device=device, dtype=torch.int32),
-                   seg_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        return cls(tokens=to_device(torch.cat(rows).to(torch.int32), device),
+                   seg_start=on_device(starts, torch.int32, device),
                    seg_slot=seg_slot,
                    seg_rank=dict(zip(pool.module_keys, ranks.unbind(0))),
                    targeted=frozenset().union(*(targets[slot] for slot, _ in groups)),

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..device_copy import on_device
 from ..lora.layers import LoRAContext
 from ..lora.pool import LoRAPool
 from ..sequence import PENDING_TOKEN, ScheduledBatch, Sequence
 from .cuda_graphs import DecodeGraphs, capture_cuda_graph, capture_sizes
-from .device_copy import on_device
 from .layers import cpu_blas
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..device_copy import on_device
 from ..sequence import Sequence
-from .device_copy import on_device
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..device_copy import on_device, to_device
+from ...device_copy import on_device, to_device
 
 
 @dataclass
