@@ -19,7 +19,7 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device | str) -> t
 
 
 def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on `device` (the tensor itself on a CPU)."""
-    if torch.device(device).type != "cuda":
+    """A tensor on `device` (itself when it is there already)."""
+    if torch.device(device).type != "cuda" or tensor.is_cuda:
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

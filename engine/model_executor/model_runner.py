@@ -230,7 +230,6 @@ class ModelRunner:
         self.timer.mark("prepare")
         return self.model(input_ids, positions, self.kv_caches, meta, logits_indices, lora)
 
-
     def _fill_pending(self, input_ids: torch.Tensor, inputs: StepInputs) -> None:
         """Async scheduling: the input rows whose token the previous step sampled take it on the device."""
         if inputs.pending:
