@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 from ..model_executor.sampler import SampleResult
 from ..sequence import PENDING_TOKEN, ScheduledBatch, Sequence
-from .errors import StepFailedError
 from .outputs import RequestOutput
 
 
@@ -50,27 +49,16 @@ class StepPipeline:
         if not self._can_run_ahead():
             launched, self.launched = self.launched, None
             return (self._read(launched) if launched else []) + engine.synchronous_step()
-        timer = engine.step_timer
-        timer.start()
-        batch = scheduler.schedule()
-        timer.mark("schedule")
-        failed = {seq.request_id for seq in batch.failed}
-        outputs = engine.fail_requests(failed, {s.request_id: s.error for s in batch.failed})
+        engine.step_timer.start()
+        batch, outputs = engine.schedule()
         previous, self.launched = self.launched, None
         if not batch:
             return outputs + (self._read(previous) if previous else []) + engine.outputs.finish({})
-        now = time.monotonic()
-        for seq, _ in batch.entries:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
         try:
             sampled_seqs, result = engine.runner.execute(batch, previous.result.device_ids if previous else None)
         except Exception as error:
             outputs += self._read(previous) if previous else []  # its tokens are good
-            in_batch = {seq.request_id for seq, _ in batch.entries}
-            message = f"the model step failed: {type(error).__name__}: {error}"
-            raise StepFailedError(error, outputs + engine.fail_requests(in_batch, dict.fromkeys(in_batch, message))) \
-                from error
+            raise engine.step_failed(error, batch, outputs) from error
         scheduler.advance(batch)
         for row, seq in enumerate(sampled_seqs):
             seq.append_token(PENDING_TOKEN)
@@ -79,7 +67,7 @@ class StepPipeline:
         if previous is not None:  # the device runs this step meanwhile
             outputs += self._read(previous)
         scheduler.commit(batch)  # its inputs' ids are all known now
-        timer.mark("deliver")
+        engine.step_timer.mark("deliver")
         return outputs
 
     def _can_run_ahead(self) -> bool:

@@ -23,7 +23,7 @@ from ..lora.request import LoRARequest
 from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
 from ..model_executor.step_timer import StepProfileLog
 from ..sampling_params import SamplingParams
-from ..sequence import Sequence
+from ..sequence import ScheduledBatch, Sequence
 from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.speculator import Speculator
 from .async_scheduling import StepPipeline
@@ -85,8 +85,7 @@ class LLMEngine:
         self.num_structured_requests = 0
         self.defer_text = (config.async_output_processing if config.async_output_processing is not None
                            else self.device.type == "cuda")
-        # Async scheduling reads a step's ids while the next one runs: its text needs no deferring on top.
-        self.pipeline = StepPipeline(self) if config.async_scheduling else None
+        self.pipeline = StepPipeline(self) if config.async_scheduling else None  # (its text needs no deferring)
         self.defer_text = self.defer_text and self.pipeline is None
         self.outputs = OutputProcessor(self.scheduler, self.requests, max_model_len=self.max_model_len,
                                        token_text=self._token_text, after_outputs=self._retire_unloaded_adapters,
@@ -228,24 +227,14 @@ class LLMEngine:
         timer.start()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
-        batch = self.scheduler.schedule()
-        timer.mark("schedule")
-        failed = {seq.request_id for seq in batch.failed}
-        outputs = self.fail_requests(failed, {s.request_id: s.error for s in batch.failed})
+        batch, outputs = self.schedule()
         if not batch:
             return outputs + self.outputs.deferred_outputs() + self.outputs.finish({})
-        now = time.monotonic()
-        for seq, _ in batch.entries:
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = now
         try:
             sampled_seqs, result = self.runner.execute(batch)
         except Exception as error:
-            in_batch = {seq.request_id for seq, _ in batch.entries}
-            message = f"the model step failed: {type(error).__name__}: {error}"
             outputs += self.outputs.deferred_outputs()  # the previous step's tokens are good: their text goes out
-            raise StepFailedError(error, outputs + self.fail_requests(in_batch, dict.fromkeys(in_batch, message))) \
-                from error
+            raise self.step_failed(error, batch, outputs) from error
         if self.outputs.has_deferred:  # the device may still run this step: the previous step's text fills the wait
             early = self.outputs.deferred_outputs()
             if self.deliver_early is not None:
@@ -259,6 +248,24 @@ class LLMEngine:
         timer.mark("deliver")  # the async engine's loop adds its hand-off to the slots to this phase
         return outputs
 
+    def schedule(self) -> tuple[ScheduledBatch, list[RequestOutput]]:
+        """The next batch, and the final outputs of the requests the scheduler ended unrun (their adapter)."""
+        batch = self.scheduler.schedule()
+        self.step_timer.mark("schedule")
+        outputs = self.fail_requests({seq.request_id for seq in batch.failed},
+                                     {seq.request_id: seq.error for seq in batch.failed})
+        now = time.monotonic()
+        for seq, _ in batch.entries:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        return batch, outputs
+
+    def step_failed(self, error: Exception, batch: ScheduledBatch, outputs: list[RequestOutput]) -> StepFailedError:
+        """The model raised running `batch`: its requests end with the error; `outputs` go out with theirs."""
+        in_batch = {seq.request_id for seq, _ in batch.entries}
+        message = f"the model step failed: {type(error).__name__}: {error}"
+        return StepFailedError(error, outputs + self.fail_requests(in_batch, dict.fromkeys(in_batch, message)))
+
     def fail_requests(self, request_ids: set[str], errors: dict[str, str | None]) -> list[RequestOutput]:
         """End every sequence of these requests with finish reason "abort" and the error; their final outputs."""
         return self.outputs.fail(request_ids, errors)
@@ -268,8 +275,7 @@ class LLMEngine:
 
     # -- state, for metrics and tests -----------------------------------------------------------
     @property
-    def num_prompt_tokens(self) -> int:
-        """Prompt tokens of requests that produced their first token."""
+    def num_prompt_tokens(self) -> int:  # of requests that produced their first token
         return self.outputs.num_prompt_tokens
 
     @property
