@@ -33,7 +33,7 @@ from .errors import StepFailedError
 from .model_setup import build_runner, draft_files
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
-from .request import Completion, Request, prompt_tokens
+from .request import Completion, Request, check_prompt_length, prompt_tokens
 from .scheduler import Scheduler, SchedulerConfig
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class LLMEngine:
                              + ("" if self.lora else "; LoRA is not enabled (enable_lora=True / --enable-lora)"))
         lora_generation = self.lora.generation(lora_id) if lora_id else 0  # ids can be reused; generations can't
         prompt_text, token_ids = prompt_tokens(prompt, self.tokenize, self.spec.vocab_size)
-        self.validate_prompt_length(len(token_ids), params)
+        check_prompt_length(len(token_ids), params, self.max_model_len, self.num_kv_blocks * self.config.block_size)
         params.check_token_ids(self.spec.vocab_size)
         params.eos_token_ids = frozenset() if params.ignore_eos else self.eos_token_ids
         grammars = [self._grammar_for(params) for _ in range(params.n)] if params.structured_outputs else None
@@ -155,21 +155,6 @@ class LLMEngine:
         self.num_structured_requests += request.params.structured_outputs is not None
         for completion in request.completions:
             self.scheduler.add(completion.seq)
-
-    def validate_prompt_length(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens >= self.max_model_len:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens; the model's context (max_model_len) is "
-                             f"{self.max_model_len}, which leaves no room to generate")
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - num_prompt_tokens
-        total = num_prompt_tokens + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) "
-                             f"is {total}, over the model's context of {self.max_model_len} tokens")
-        capacity = self.num_kv_blocks * self.config.block_size
-        if total > capacity:
-            raise ValueError(f"max_tokens: prompt plus max_tokens is {total} tokens, more than the whole KV cache "
-                             f"holds ({capacity}); lower max_tokens or raise num_kv_blocks")
 
     def _seed_for(self, seed: int | None, index: int) -> int:
         if seed is None:

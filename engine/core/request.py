@@ -133,3 +133,20 @@ def prompt_tokens(prompt, tokenize: Callable[[str], list[int]], vocab: int) -> t
     if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
         raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
     return None, token_ids
+
+
+def check_prompt_length(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, kv_capacity: int) -> None:
+    """ValueError unless the prompt leaves room to generate and prompt + max_tokens fits the context and the
+    whole KV cache (`kv_capacity` tokens); an unset max_tokens becomes what the context leaves."""
+    if num_prompt_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_prompt_tokens} tokens; the model's context (max_model_len) is "
+                         f"{max_model_len}, which leaves no room to generate")
+    if params.max_tokens is None:
+        params.max_tokens = max_model_len - num_prompt_tokens
+    total = num_prompt_tokens + params.max_tokens
+    if total > max_model_len:
+        raise ValueError(f"max_tokens: prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) "
+                         f"is {total}, over the model's context of {max_model_len} tokens")
+    if total > kv_capacity:
+        raise ValueError(f"max_tokens: prompt plus max_tokens is {total} tokens, more than the whole KV cache "
+                         f"holds ({kv_capacity}); lower max_tokens or raise num_kv_blocks")
