@@ -6,11 +6,10 @@ next step needs the ids on the host."""
 from __future__ import annotations
 
 import pytest
-from test_engine_deferred_text import PROMPTS
-from test_engine_faults import FailingSteps, assert_block_invariant, run_all
+from test_engine_deferred_text import PROMPTS, final_output_of_a_failed_step
+from test_engine_faults import assert_block_invariant, run_all
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.core.errors import StepFailedError
 from kubeinfer.engine.sequence import PENDING_TOKEN
 
 
@@ -112,19 +111,8 @@ def test_an_abort_while_a_step_runs_ahead(llama_dir):
 
 
 def test_a_failed_step_delivers_the_tokens_of_the_step_before(llama_dir):
-    finals = []
-    for llm in pair(llama_dir):
-        engine = llm.engine
-        FailingSteps(engine.runner, {4}, RuntimeError("injected"))
-        engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        outputs = []
-        with pytest.raises(StepFailedError) as failure:
-            for _ in range(4):
-                outputs += engine.step()
-        final = failure.value.outputs[-1]
-        assert final.finished and "injected" in final.error and no_pending_token([final])
-        assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0
-        finals.append(final)
+    finals = [final_output_of_a_failed_step(llm, failing_call=4) for llm in pair(llama_dir)]
+    assert no_pending_token(finals) and len(finals[0].outputs[0].token_ids) == 3
     assert summary(finals[1:]) == summary(finals[:1])  # the same three tokens, with or without running ahead
 
 

@@ -125,20 +125,24 @@ def test_text_that_cannot_be_decoded_ends_its_request_alone(llama_dir):
     assert_block_invariant(engine) and engine.block_manager.usage == 0
 
 
-def test_a_failed_step_still_delivers_the_text_of_the_step_before(llama_dir):
-    finals = []
-    for llm in engine_pair(llama_dir):
-        engine = llm.engine
-        FailingSteps(engine.runner, {3}, RuntimeError("injected"))
-        engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        engine.step()
-        engine.step()
-        with pytest.raises(StepFailedError) as failure:
+def final_output_of_a_failed_step(llm: LLM, failing_call: int):
+    """One greedy request whose `failing_call`-th model step raises: the final output the failure carries,
+    once the engine is checked to hold nothing more (no request, no block)."""
+    engine = llm.engine
+    FailingSteps(engine.runner, {failing_call}, RuntimeError("injected"))
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    with pytest.raises(StepFailedError) as failure:
+        for _ in range(failing_call):
             engine.step()
-        final = failure.value.outputs[-1]
-        assert final.finished and "injected" in final.error and len(final.outputs[0].token_ids) == 2
-        assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0
-        finals.append(final)
+    final = failure.value.outputs[-1]
+    assert final.finished and "injected" in final.error
+    assert not engine.has_unfinished_requests() and engine.block_manager.usage == 0
+    return final
+
+
+def test_a_failed_step_still_delivers_the_text_of_the_step_before(llama_dir):
+    finals = [final_output_of_a_failed_step(llm, failing_call=3) for llm in engine_pair(llama_dir)]
+    assert all(len(final.outputs[0].token_ids) == 2 for final in finals)
     assert summary(finals[1:]) == summary(finals[:1])  # the text of both tokens, as without deferral
 
 

@@ -21,13 +21,12 @@ import time
 from dataclasses import dataclass
 
 from ..model_executor.sampler import SampleResult
-from ..sequence import PENDING_TOKEN, ScheduledBatch, Sequence
+from ..sequence import PENDING_TOKEN, Sequence
 from .outputs import RequestOutput
 
 
 @dataclass
 class LaunchedStep:
-    batch: ScheduledBatch
     sampled_seqs: list[Sequence]
     result: SampleResult
 
@@ -63,7 +62,7 @@ class StepPipeline:
         for row, seq in enumerate(sampled_seqs):
             seq.append_token(PENDING_TOKEN)
             seq.pending_row = row
-        self.launched = LaunchedStep(batch, sampled_seqs, result)
+        self.launched = LaunchedStep(sampled_seqs, result)
         if previous is not None:  # the device runs this step meanwhile
             outputs += self._read(previous)
         scheduler.commit(batch)  # its inputs' ids are all known now

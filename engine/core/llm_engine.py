@@ -83,10 +83,10 @@ class LLMEngine:
         self._rng_lock = threading.Lock()  # prepare_request runs on front-end threads
         self.grammar_compiler = None  # built on the first structured-output request
         self.num_structured_requests = 0
-        self.defer_text = (config.async_output_processing if config.async_output_processing is not None
-                           else self.device.type == "cuda")
-        self.pipeline = StepPipeline(self) if config.async_scheduling else None  # (its text needs no deferring)
-        self.defer_text = self.defer_text and self.pipeline is None
+        self.pipeline = StepPipeline(self) if config.async_scheduling else None
+        # Async scheduling reads a step's ids while the next one runs: its text needs no deferring on top.
+        self.defer_text = self.pipeline is None and (config.async_output_processing if config.async_output_processing
+                                                     is not None else self.device.type == "cuda")
         self.outputs = OutputProcessor(self.scheduler, self.requests, max_model_len=self.max_model_len,
                                        token_text=self._token_text, after_outputs=self._retire_unloaded_adapters,
                                        defer_text=self.defer_text)
