@@ -13,7 +13,8 @@ import pytest
 from server_harness import RunningServer
 
 from kubeinfer.engine.entrypoints.openai.tool_calls import ToolPlan
-from kubeinfer.engine.entrypoints.openai.tool_parsers import parse_hermes, parse_llama3_json
+from kubeinfer.engine.entrypoints.openai.tool_parsers import (parse_hermes, parse_llama3_json, parse_mistral,
+                                                              parser_for_template)
 from kubeinfer.engine.entrypoints.openai.tool_stream import ToolStream
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
@@ -119,7 +120,6 @@ def test_tools_reach_the_chat_template_and_earlier_calls_render(client):
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"tool_choice": "auto"}, "tool_choice"),  # no --tool-call-parser on this server
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "required"}, "tools"),
@@ -130,21 +130,93 @@ def test_bad_tool_requests_are_a_400_naming_the_field(server, extra, param):
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
-def test_auto_finds_hermes_calls_in_free_text(long_context_dir):
-    """The model is steered (a regex constraint) to write a Hermes call; the parser turns it into tool_calls."""
+def steer(written: str) -> dict:
+    """A regex constraint that makes the model write `written` (braces escaped)."""
+    return {"guided_regex": written.replace("{", r"\{").replace("}", r"\}")}
+
+
+def test_auto_finds_hermes_calls_in_free_text(server, client):
+    """No tool_choice and no --tool-call-parser (OpenAI's default is "auto"; LangChain and the Agents SDK
+    send none): the format comes from the chat template, which writes <tool_call> blocks (hermes). The
+    model is steered (a regex constraint) to write a call; the parser turns it into tool_calls."""
+    assert server.state.tool_call_parser == "hermes"
     written = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-    with RunningServer(long_context_dir, name="tiny", block_size=8, tool_call_parser="hermes") as running:
-        client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0, timeout=60)
-        ask = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=100,
-                   extra_body={"guided_regex": written.replace("{", r"\{").replace("}", r"\}")})
-        reply = client.chat.completions.create(**ask)
-        streamed, finish, _ = collect_stream(client.chat.completions.create(**ask, stream=True))
+    ask = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=100, extra_body=steer(written))
+    reply = client.chat.completions.create(**ask)
+    streamed, finish, _ = collect_stream(client.chat.completions.create(**ask, stream=True))
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls[0].function.name == "add"
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"a": 2, "b": 3}
     assert finish == "tool_calls" and [(name, json.loads(arguments)) for _, name, arguments in streamed.values()] == \
         [("add", {"a": 2, "b": 3})]
+
+
+HERMES_CALL = '<tool_call>{"name": "add", "arguments": {"a": 12, "b": 34}}</tool_call>'
+
+
+@pytest.mark.parametrize("choice,extra,inside_arguments", [
+    ({"type": "function", "function": {"name": "add"}}, {}, 8),
+    ("required", {}, 30),
+    (None, {"extra_body": steer("Let me add. " + HERMES_CALL)}, 42),  # auto, the template's hermes format
+])
+@pytest.mark.parametrize("cut", ["early", "inside_arguments", "not"])
+def test_streamed_and_whole_replies_agree_even_when_max_tokens_cuts_a_call(client, choice, extra, inside_arguments,
+                                                                          cut):
+    """OpenAI returns a cut call with finish_reason "length"; the stream has sent it as far as it got,
+    and the non-streamed message must say the same (LangChain's with_structured_output reads it)."""
+    max_tokens = {"early": 3, "inside_arguments": inside_arguments, "not": 1000}[cut]
+    ask = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=max_tokens, temperature=0, seed=3, **extra)
+    if choice is not None:
+        ask["tool_choice"] = choice
+    whole = client.chat.completions.create(**ask).choices[0]
+    content, finish = "", None
+    calls = {}
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for streamed in chunk.choices:
+            content += streamed.delta.content or ""
+            for delta in streamed.delta.tool_calls or []:
+                if delta.id:
+                    calls[delta.index] = [delta.function.name, ""]
+                calls[delta.index][1] += delta.function.arguments or ""
+            finish = streamed.finish_reason or finish
+    assert finish == whole.finish_reason
+    assert (content or None) == whole.message.content
+    assert [tuple(c) for c in calls.values()] == \
+        [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    if cut == "inside_arguments":  # the call so far, as OpenAI returns it
+        assert whole.finish_reason == "length" and whole.message.tool_calls, whole
+        assert whole.message.tool_calls[0].function.name == "add"
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(whole.message.tool_calls[0].function.arguments)
+    elif cut == "not":
+        assert whole.finish_reason == "tool_calls"
+
+
+def test_auto_is_a_400_only_when_the_chat_template_has_no_tool_format(long_context_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    import shutil
+    plain = tmp_path / "plain"
+    shutil.copytree(long_context_dir, plain)
+    tokenizer = AutoTokenizer.from_pretrained(plain)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(plain)
+    body = {"model": "tiny", "messages": ASK, "max_tokens": 2, "tools": TOOLS}
+    with RunningServer(str(plain), name="tiny", block_size=8) as running:
+        refused = httpx.post(running.url + "/v1/chat/completions", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
+        assert "--tool-call-parser" in refused.json()["error"]["message"]
+        assert httpx.post(running.url + "/v1/chat/completions", json={**body, "tool_choice": "none"}).status_code == 200
+    with RunningServer(str(plain), name="tiny", block_size=8, tool_call_parser="hermes") as running:
+        assert httpx.post(running.url + "/v1/chat/completions", json=body).status_code == 200
+
+
+def test_the_tool_call_format_is_read_from_the_chat_template():
+    assert parser_for_template("{{ '<tool_call>\\n' + tool_call | tojson }}") == "hermes"
+    assert parser_for_template({"default": "[AVAILABLE_TOOLS]...[TOOL_CALLS]", "rag": "x"}) == "mistral"
+    assert parser_for_template("{{- '<|python_tag|>' + tool_call.name }}") == "llama3_json"
+    assert parser_for_template("{{ messages[0]['content'] }}") is None and parser_for_template(None) is None
 
 
 def test_parsers_keep_content_and_leave_broken_calls_as_text():
@@ -155,6 +227,9 @@ def test_parsers_keep_content_and_leave_broken_calls_as_text():
                                        '"parameters": {}}')
     assert content is None and [c.name for c in calls] == ["f", "g"] and json.loads(calls[0].arguments) == {"s": "a;b"}
     assert parse_llama3_json("plain answer") == ("plain answer", [])
+    content, calls = parse_mistral('Checking.[TOOL_CALLS][{"name": "f", "arguments": {"x": 1}}]')
+    assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})]
+    assert parse_mistral('[TOOL_CALLS][{"name": "f", "argu') == ('[TOOL_CALLS][{"name": "f", "argu', [])
 
 
 def replay(plan: ToolPlan, text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
@@ -183,6 +258,9 @@ def replay(plan: ToolPlan, text: str, step: int) -> tuple[str, list[tuple[str, s
                                                     '{"name": "g", "parameters": {}}'),
     (ToolPlan(TOOLS, "auto", parser="llama3_json"), "plain answer"),
     (ToolPlan(TOOLS, "auto", parser="llama3_json"), '{"not": "a call"}'),
+    (ToolPlan(TOOLS, "auto", parser="mistral"), 'Sure [x].[TOOL_CALLS][{"name": "f", "arguments": {"x": "]"}}, '
+                                                '{"name": "g", "arguments": {}}]'),
+    (ToolPlan(TOOLS, "auto", parser="mistral"), "no call [TOOL"),
 ])
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_a_streamed_reply_adds_up_to_the_parsed_one(plan, text, step):

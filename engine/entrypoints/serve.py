@@ -24,6 +24,9 @@ logger = logging.getLogger("kubeinfer.serve")
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """vLLM's flag names, so deployment manifests carry over."""
+    from .openai.reasoning_parsers import REASONING_PARSERS
+    from .openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
+
     parser.add_argument("model", help="Hugging Face model directory (safetensors)")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
@@ -82,9 +85,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora-catalog-dir", default=None, metavar="DIR",
                         help="directory holding one PEFT adapter per subdirectory, named after the adapter")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='tool_choice "auto": find tool calls in free text with --tool-call-parser')
-    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
-                        help="the model family's tool-call format: hermes (Qwen, Hermes), llama3_json (Llama 3.1+)")
+                        help='accepted for vLLM compatibility: tool_choice "auto" is always on (OpenAI\'s default '
+                             "with tools), with --tool-call-parser or the format of the model's chat template")
+    parser.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default=None,
+                        help="the model family's tool-call format: hermes (Qwen, Hermes), llama3_json (Llama 3.1+), "
+                             "mistral (default: the format the model's chat template writes)")
+    parser.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
+                        help="put a reasoning model's thinking (between its think tags) in message.reasoning, "
+                             "the rest in content")
     parser.add_argument("--log-level", default="info")
 
 
@@ -121,13 +129,8 @@ def build_state(args: argparse.Namespace):
             raise SystemExit(f"kubeinfer serve: --lora-modules {name}={path}: {error}") from None
     return ServerState(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests),
                        args.served_model_name or args.model, args.model, api_key=args.api_key,
-                       lora_dirs=list(args.allowed_lora_dirs), tool_call_parser=tool_call_parser(args))
-
-
-def tool_call_parser(args: argparse.Namespace) -> str | None:
-    if args.enable_auto_tool_choice != bool(args.tool_call_parser):
-        raise SystemExit("kubeinfer serve: --enable-auto-tool-choice and --tool-call-parser go together")
-    return args.tool_call_parser
+                       lora_dirs=list(args.allowed_lora_dirs), tool_call_parser=args.tool_call_parser,
+                       reasoning_parser=args.reasoning_parser)
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:

@@ -62,10 +62,8 @@ class RequestModel(BaseModel):
 
 
 class StreamOptions(RequestModel):
-    refused = {"continuous_usage_stats": (unset, NOT_YET + ": usage comes in the last chunk only")}
-
     include_usage: bool = False
-    continuous_usage_stats: Any = None
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk (guidellm sends it)
     include_obfuscation: Any = None  # no effect on what is generated
 
 
@@ -233,6 +231,15 @@ def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": function}
 
 
+# apply_chat_template's own parameters and the names transformers passes to every template.
+TEMPLATE_RESERVED_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "kwargs", "raise_exception",
+    "strftime_now", "bos_token", "eos_token", "unk_token", "pad_token"))
+MAX_TEMPLATE_KWARG_CHARS = 1024
+
+
 class ChatCompletionRequest(SamplingFields):
     refused = {**REFUSED_SHARED,
                "functions": (unset, "deprecated by OpenAI: use tools"),
@@ -269,6 +276,20 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: Any = None
     documents: Any = None
     add_special_tokens: Any = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _plain_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Switches the model's template reads (`enable_thinking`...), never what apply_chat_template
+        treats itself (a template of the client's, tools, tokenizing): vLLM's CVE-2025-61620."""
+        for key, value in (kwargs or {}).items():
+            if key in TEMPLATE_RESERVED_KWARGS:
+                raise ValueError(f"{key!r} cannot be set here; it is the server's (or a request field)")
+            if not (value is None or isinstance(value, (bool, int, float))
+                    or (isinstance(value, str) and len(value) <= MAX_TEMPLATE_KWARG_CHARS)):
+                raise ValueError(f"{key!r} must be a boolean, a number, null or a string of at most "
+                                 f"{MAX_TEMPLATE_KWARG_CHARS} characters")
+        return kwargs
 
     @model_validator(mode="after")
     def _check_logprobs(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -13,6 +14,10 @@ from typing import TypeVar
 
 from ...core.async_engine import AsyncEngine
 from ..metrics import EngineMetrics
+from .reasoning_parsers import REASONING_PARSERS, ReasoningParser
+from .tool_parsers import parser_for_template
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -27,7 +32,9 @@ class ServerState:
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: EngineMetrics | None = None
-    tool_call_parser: str | None = None  # set by --enable-auto-tool-choice --tool-call-parser: tool_choice "auto"
+    # tool_choice "auto": --tool-call-parser, else the format the model's chat template writes (None: none)
+    tool_call_parser: str | None = None
+    reasoning_parser: str | ReasoningParser | None = None  # --reasoning-parser NAME
     # One thread for tokenizers and chat templates: off the event loop, and never two encodes at once on
     # the same tokenizer (fast tokenizers are not safe to share between threads that change settings).
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
@@ -38,6 +45,12 @@ class ServerState:
         lora = self.engine.lora
         taken = [*lora.registered, *lora.retiring] if lora else []
         self._lora_ids = itertools.count(max(taken, default=0) + 1)
+        if self.tool_call_parser is None:
+            self.tool_call_parser = parser_for_template(getattr(self.engine.tokenizer, "chat_template", None))
+            logger.info("tool calls: %s", f"the {self.tool_call_parser} format, read from the chat template"
+                        if self.tool_call_parser else "this chat template writes none; tool_choice \"auto\" is refused")
+        if isinstance(self.reasoning_parser, str):
+            self.reasoning_parser = REASONING_PARSERS[self.reasoning_parser]
 
     def authorized(self, authorization: str) -> bool:
         """Whether an `Authorization` value (HTTP header or gRPC metadata) carries the API key, if one is set."""

@@ -14,7 +14,9 @@ from .server_state import ServerState
 from .serving_engine import check_serving, prepare_all, respond, to_params
 from .streaming import usage
 from .tool_calls import ToolPlan, tool_call_json
-from .tool_stream import ToolStream
+from .tool_parsers import KEEPS_SPECIAL_TOKENS
+from .reasoning_parsers import ReasoningParser, ReasoningStream
+from .tool_stream import ToolStream, final_reply
 
 
 async def create_chat_completion(state: ServerState, body: ChatCompletionRequest, request: Request):
@@ -25,7 +27,7 @@ async def create_chat_completion(state: ServerState, body: ChatCompletionRequest
     prepared = await prepare_all(state, body, lambda: [{"prompt_token_ids": chat_prompt(state, body, tools)}], params,
                                  "chatcmpl", lora_id)
     return await respond(state, request, body, prepared,
-                         ChatFormat(body.model, body.logprobs, body.top_logprobs or 0, tools))
+                         ChatFormat(body.model, body.logprobs, body.top_logprobs or 0, tools, state.reasoning_parser))
 
 
 def tool_plan(state: ServerState, body: ChatCompletionRequest, params) -> ToolPlan | None:
@@ -34,6 +36,8 @@ def tool_plan(state: ServerState, body: ChatCompletionRequest, params) -> ToolPl
         plan = ToolPlan.of(body, state.tool_call_parser)
     except ValueError as error:
         raise APIError(400, str(error), param_of(str(error)) or "tools") from error
+    if plan is not None and plan.parser in KEEPS_SPECIAL_TOKENS:
+        params.skip_special_tokens = False  # the format's tag is a special token
     constraint = plan.constraint() if plan else None
     if constraint is not None:
         if params.structured_outputs is not None:
@@ -66,7 +70,11 @@ class ChatFormat:
     logprobs: bool
     top_logprobs: int = 0
     tools: ToolPlan | None = None
-    tool_streams: dict[int, ToolStream] = field(default_factory=dict)  # per streamed choice
+    reasoning: ReasoningParser | None = None
+    # per streamed choice: what was sent of its calls, of its reasoning, of its content
+    tool_streams: dict[int, ToolStream] = field(default_factory=dict)
+    reasoning_streams: dict[int, ReasoningStream] = field(default_factory=dict)
+    content_sent: dict[int, int] = field(default_factory=dict)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -89,11 +97,14 @@ class ChatFormat:
         return {"content": content}
 
     def _reply(self, completion) -> tuple[dict, str | None]:
-        """The assistant's message (content, tool calls) and the finish reason OpenAI would give."""
+        """The assistant's message (content, reasoning, tool calls) and the finish reason OpenAI would give."""
+        message: dict = {"role": "assistant", "content": completion.text}
+        if self.reasoning is not None:
+            reasoning, message["content"] = self.reasoning.split(completion.text, True)
+            message["reasoning"] = message["reasoning_content"] = reasoning or None  # vLLM's new and old names
         if self.tools is None:
-            return {"role": "assistant", "content": completion.text}, completion.finish_reason
-        content, calls = self.tools.extract(completion.text)
-        message = {"role": "assistant", "content": content}
+            return message, completion.finish_reason
+        message["content"], calls = final_reply(self.tools, message["content"], completion.finish_reason)
         if not calls:
             return message, completion.finish_reason
         message["tool_calls"] = [tool_call_json(call) for call in calls]
@@ -118,19 +129,29 @@ class ChatFormat:
                                          "finish_reason": None} for i in range(count)])
 
     def chunk(self, request_id, index, text, completion, token_from, text_from) -> dict | None:
+        finished, finish_reason = bool(completion.finish_reason), completion.finish_reason
+        delta: dict = {}
+        content = completion.text
+        if self.reasoning is not None:  # thinking as it comes; the answer after it is the content
+            stream = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning))
+            reasoning, content = stream.update(completion.text, finished)
+            if reasoning:
+                delta["reasoning"] = delta["reasoning_content"] = reasoning
+        logprobs = None
         if self.tools is not None:  # content and calls as tool_stream reads them from the reply so far
             stream = self.tool_streams.setdefault(index, ToolStream(self.tools))
-            delta = stream.update(completion.text, bool(completion.finish_reason))
-            if delta is None and not completion.finish_reason:
-                return None
-            finish_reason = completion.finish_reason
+            delta.update(stream.update(content, finished) or {})
             if stream.called and finish_reason == "stop":
                 finish_reason = "tool_calls"
-            return self._chunk(request_id, [{"index": index, "delta": delta or {}, "logprobs": None,
-                                             "finish_reason": finish_reason, "stop_reason": completion.stop_reason}])
-        delta = {"content": text} if text else {}
-        return self._chunk(request_id, [{"index": index, "delta": delta, "logprobs": self._logprobs(completion, token_from),
-                                         "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}])
+        else:
+            sent = self.content_sent.get(index, 0)
+            if len(content) > sent:
+                delta["content"], self.content_sent[index] = content[sent:], len(content)
+            logprobs = self._logprobs(completion, token_from)
+        if not delta and not finished and logprobs is None:
+            return None
+        return self._chunk(request_id, [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish_reason, "stop_reason": completion.stop_reason}])
 
     def usage_chunk(self, request_id, outputs) -> dict:
         return {**self._chunk(request_id, []), "usage": usage(outputs)}

@@ -91,9 +91,11 @@ async def respond(state: ServerState, http_request: Request, body: SamplingField
     request_id, requests = prepared
     deadline = budget_deadline(http_request.headers, asyncio.get_running_loop().time())
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous_usage = bool(options and options.continuous_usage_stats)
         return StreamingResponse(stream_sse(state.async_engine, requests, fmt, request_id, body.n, include_usage,
-                                            deadline), media_type="text/event-stream")
+                                            deadline, continuous_usage), media_type="text/event-stream")
     final: dict[int, RequestOutput] = {}
 
     async def collect() -> None:

@@ -15,13 +15,24 @@ from .errors import ERROR_TYPES
 
 
 async def stream_sse(engine: AsyncEngine, requests, fmt, request_id: str, n: int, include_usage: bool,
-                     deadline: float | None = None):
+                     deadline: float | None = None, continuous_usage: bool = False):
+    """`continuous_usage` (vLLM's stream_options.continuous_usage_stats): every chunk also carries the
+    usage so far, the whole body's prompt tokens and the completion tokens generated until then."""
     sent_text: dict[tuple[int, int], int] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
     finals: dict[int, RequestOutput] = {}
+    prompt_tokens = sum(len(request.prompt_token_ids) for request, _ in requests)
+
+    def with_usage(chunk: dict) -> dict:
+        if continuous_usage:
+            completion_tokens = sum(sent_tokens.values())
+            chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}
+        return chunk
+
     try:
         if hasattr(fmt, "role_chunk"):
-            yield sse(fmt.role_chunk(request_id, len(requests) * n))
+            yield sse(with_usage(fmt.role_chunk(request_id, len(requests) * n)))
         async for index, output in merged(engine, requests, deadline):
             for completion in output.outputs:
                 key = (index, completion.index)
@@ -33,7 +44,7 @@ async def stream_sse(engine: AsyncEngine, requests, fmt, request_id: str, n: int
                 sent_text[key], sent_tokens[key] = len(completion.text), len(completion.token_ids)
                 chunk = fmt.chunk(request_id, index * n + completion.index, new_text, completion, tokens_from, text_from)
                 if chunk is not None:  # a format may hold text back (a tool call's name until complete)
-                    yield sse(chunk)
+                    yield sse(with_usage(chunk))
             if output.finished:
                 finals[index] = output
         if include_usage:

@@ -6,8 +6,9 @@
     always validate; the whole output is the call's arguments.
   * `required`: decoding is constrained to a JSON array of calls `[{"name", "arguments"}]` (one at most
     with `parallel_tool_calls: false`), each arguments object constrained to its function's schema.
-  * `auto` (the default with tools): free decoding, then the server's `--tool-call-parser` (tool_parsers)
-    finds the calls in the text; without `--enable-auto-tool-choice` it is a 400, as in vLLM.
+  * `auto` (the default with tools, as in OpenAI's API): free decoding, then the server's tool-call
+    parser (tool_parsers: `--tool-call-parser`, or the format the model's chat template writes) finds
+    the calls in the text; a 400 only when the model has no tool-call format.
 The tools go to the chat template (transformers' `apply_chat_template(tools=...)`); a reply with calls
 carries `tool_calls` (ids, JSON-string arguments) and `finish_reason: "tool_calls"`.
 """
@@ -50,8 +51,9 @@ class ToolPlan:
             return cls(tools, "required", None, parallel)
         if choice == "auto":
             if parser is None:
-                raise ValueError('tool_choice: "auto" needs the server started with --enable-auto-tool-choice '
-                                 "and --tool-call-parser; use \"required\" or a named function instead")
+                raise ValueError('tool_choice: "auto" needs a tool-call format, and this model\'s chat template '
+                                 "writes none that the server knows; start it with --tool-call-parser NAME, or "
+                                 'use "required" or a named function')
             return cls(tools, "auto", None, parallel, parser)
         raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function, got {json.dumps(choice)}')
 
@@ -71,7 +73,8 @@ class ToolPlan:
         return None
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished reply; a reply that is not a complete call stays text."""
+        """(content, calls) of a reply that ended by itself; a reply that is not a complete call stays text.
+        (The message sent is tool_stream.final_reply: the calls found here, as the stream sent them.)"""
         try:
             if self.choice == "named":
                 return None, [ToolCall(self.named, json.dumps(json.loads(text), ensure_ascii=False))]

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 
 from .tool_calls import ToolPlan, tool_call_json
-from .tool_parsers import ToolCall
+from .tool_parsers import MISTRAL_TAG, ToolCall
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -75,7 +75,36 @@ def read_reply(plan: ToolPlan, text: str, finished: bool) -> tuple[str, list[Par
         return "", _read_call_list(text)
     if plan.parser == "hermes":
         return _read_hermes(text, finished)
+    if plan.parser == "mistral":
+        return _read_mistral(text, finished)
     return _read_llama3(text, finished)
+
+
+def final_reply(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of the non-streamed message: what the stream sends for the same reply, so the
+    two agree to the character. A reply that ended by itself keeps a call only when the parser finds
+    it whole (ToolPlan.extract); one cut short (max_tokens) keeps the calls whose names were written,
+    with their arguments as far as they got, as OpenAI returns them."""
+    if finish_reason == "stop" and not plan.extract(text)[1]:
+        return text, []
+    content, calls = read_reply(plan, text, True)
+    named = []
+    for call in calls:
+        if call.name is None:
+            break
+        named.append(ToolCall(call.name, call.arguments))
+    if not named:
+        return text, []
+    return content or None, named
+
+
+def _read_mistral(text: str, finished: bool) -> tuple[str, list[PartialCall]]:
+    """Content, then `[TOOL_CALLS]` and a JSON array of calls."""
+    start = text.find(MISTRAL_TAG)
+    if start < 0:
+        return (text if finished else text[:len(text) - open_tag_prefix(text, MISTRAL_TAG)]), []
+    body = text[start + len(MISTRAL_TAG):]
+    return text[:start], _read_call_list(body)
 
 
 def _read_call_list(text: str) -> list[PartialCall]:
@@ -103,7 +132,7 @@ def _read_hermes(text: str, finished: bool) -> tuple[str, list[PartialCall]]:
         start = text.find(HERMES_OPEN, at)
         if start < 0:
             tail = text[at:]
-            content.append(tail if finished else tail[:len(tail) - _open_tag_prefix(tail, HERMES_OPEN)])
+            content.append(tail if finished else tail[:len(tail) - open_tag_prefix(tail, HERMES_OPEN)])
             break
         content.append(text[at:start])
         body = _skip(text, start + len(HERMES_OPEN))
@@ -215,7 +244,7 @@ def _skip(text: str, at: int, chars: str = WHITESPACE) -> int:
     return at
 
 
-def _open_tag_prefix(text: str, tag: str) -> int:
+def open_tag_prefix(text: str, tag: str) -> int:
     """How many trailing characters of text could begin `tag` (held back until the next update)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-size:]):
