@@ -23,14 +23,14 @@ def free_port() -> int:
 
 class RunningServer:
     def __init__(self, model_dir: str, name: str = "tiny", api_key: str | None = None,
-                 max_waiting_requests: int | None = 64, lora_modules=(), lora_dirs=(), tool_call_parser=None,
+                 max_waiting_requests: int | None = 64, lora_modules=(), lora_dirs=(), tool_call_parser=None, reasoning_parser=None,
                  port: int | None = None, **engine_kwargs) -> None:
         engine = LLMEngine(EngineConfig(model=model_dir, **engine_kwargs))
         for lora in lora_modules:  # LoRARequests, registered before serving as --lora-modules does
             engine.add_lora(lora)
         self.async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
         self.state = ServerState(self.async_engine, name, str(model_dir), api_key=api_key, lora_dirs=list(lora_dirs),
-                                 tool_call_parser=tool_call_parser)
+                                 tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(build_app(self.state), host="127.0.0.1", port=self.port,

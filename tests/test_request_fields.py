@@ -1,5 +1,6 @@
 """Every OpenAI / vLLM request field is honoured or refused with a 400 naming it, never accepted and
 ignored; unknown fields are ignored with a warning that names them. Driven through the real HTTP app."""
+import json
 import logging
 
 import httpx
@@ -98,12 +99,54 @@ def test_completion_fields_refused_with_a_400_naming_them(server, field, value):
     assert error["param"] == field and error["message"].startswith(field), error
 
 
-def test_tool_choice_auto_without_a_parser_names_tool_choice(server):
-    """OpenAI's default with tools is "auto", which needs --enable-auto-tool-choice (vLLM's rule)."""
-    body = {"model": "tiny", "messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}
+def test_tools_without_tool_choice_mean_auto(server):
+    """OpenAI's default with tools is "auto" (LangChain and the Agents SDK send no tool_choice): served
+    with the format the model's chat template writes, not refused for a missing server flag."""
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3,
+            "tools": [{"type": "function", "function": {"name": "f"}}]}
     response = httpx.post(server.url + "/v1/chat/completions", json=body)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
-    assert "--enable-auto-tool-choice" in response.json()["error"]["message"]
+    assert response.status_code == 200, response.text
+
+
+def stream_chunks(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": [PROMPT, "Hello"], "n": 2}),
+])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server, path, body):
+    """guidellm sends {"include_usage": true, "continuous_usage_stats": true} on every streamed request."""
+    body = {"model": "tiny", "max_tokens": 7, "ignore_eos": True, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **body}
+    chunks = stream_chunks(server, path, body)
+    final = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 7 * len(body.get("prompt", [1])) * body.get("n", 1)
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[-2] == final["completion_tokens"] and len(set(counts)) > 2
+    for chunk in chunks:
+        usage = chunk["usage"]
+        assert usage["prompt_tokens"] == final["prompt_tokens"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    without = stream_chunks(server, path, {**body, "stream_options": {"include_usage": True}})
+    assert all("usage" not in chunk for chunk in without[:-1]) and without[-1]["usage"] == final
+
+
+@pytest.mark.parametrize("kwargs", [{"chat_template": "{{ 'mine' }}"}, {"tokenize": True}, {"tools": []},
+                                    {"x": "y" * 5000}, {"x": ["a"]}, {"x": {"a": 1}}])
+def test_chat_template_kwargs_take_plain_values_only(server, kwargs):
+    """A client's own template (vLLM's CVE-2025-61620) or apply_chat_template's own parameters never
+    reach the renderer: a 400 naming chat_template_kwargs before any work."""
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": kwargs}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template_kwargs", response.text
+    plain = {**body, "chat_template_kwargs": {"enable_thinking": False, "custom": "short", "n": 3}}
+    assert httpx.post(server.url + "/v1/chat/completions", json=plain).status_code == 200
 
 
 def test_seed_at_the_64_bit_bounds_is_accepted(client):
