@@ -135,14 +135,14 @@ def _engine_request(request_id: str):
 
 async def test_the_engine_ends_a_request_when_its_budget_is_spent_and_still_reports_usage():
     from kubeinfer.engine.entrypoints.openai.serving_completion import CompletionFormat
-    from kubeinfer.engine.entrypoints.openai.streaming import stream_sse
+    from kubeinfer.engine.entrypoints.openai.streaming import stream_chunks, stream_sse
     from kubeinfer.engine.entrypoints.request_budget import budget_deadline
 
     engine = SlowEngine()
     loop = asyncio.get_running_loop()
     deadline = budget_deadline({"x-request-timeout-ms": "300"}, loop.time())
-    events = [e async for e in stream_sse(engine, [(_engine_request("r-0"), None)], CompletionFormat("m", None), "r",
-                                          1, True, deadline)]
+    chunks = stream_chunks(engine, [(_engine_request("r-0"), None)], CompletionFormat("m", None), "r", 1, True, deadline)
+    events = [e async for e in stream_sse(chunks)]
     assert loop.time() - deadline < 0.2
     payloads = [json.loads(e[len("data: "):]) for e in events[:-1]]
     await asyncio.sleep(0.05)  # the cancelled pump leaves engine.stream, which aborts the request

@@ -117,3 +117,19 @@ def test_streamed_splits_add_up_to_the_whole_one(name, text, expected, step):
         assert content_so_far.startswith(content)
         reasoning, content = reasoning + new, content_so_far
     assert (reasoning, content) == expected
+
+
+def test_responses_carry_the_thinking_as_a_reasoning_item(client):
+    written = "<think>Two plus three.</think>\n\nFive."
+    ask = {"model": "tiny", "input": "What is 2 + 3?", "max_output_tokens": 100,
+           "extra_body": {"guided_regex": re.escape(written)}}
+    whole = client.responses.create(**ask)
+    assert [item.type for item in whole.output] == ["reasoning", "message"] and whole.output_text == "Five."
+    assert whole.output[0].content[0].text == "Two plus three."
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+    with client.responses.stream(**ask) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.reasoning_text.delta" in kinds and final.output_text == "Five."
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == "Two plus three."

@@ -8,13 +8,16 @@ import json
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from server_harness import RunningServer
 
 from kubeinfer.engine.entrypoints.openai.tool_calls import ToolPlan
-from kubeinfer.engine.entrypoints.openai.tool_parsers import (parse_hermes, parse_llama3_json, parse_mistral,
-                                                              parser_for_template)
+from kubeinfer.engine.entrypoints.openai.tool_parsers import (
+    parse_hermes,
+    parse_llama3_json,
+    parse_mistral,
+    parser_for_template,
+)
 from kubeinfer.engine.entrypoints.openai.tool_stream import ToolStream
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
@@ -194,9 +197,9 @@ def test_streamed_and_whole_replies_agree_even_when_max_tokens_cuts_a_call(clien
 
 
 def test_auto_is_a_400_only_when_the_chat_template_has_no_tool_format(long_context_dir, tmp_path):
-    from transformers import AutoTokenizer
-
     import shutil
+
+    from transformers import AutoTokenizer
     plain = tmp_path / "plain"
     shutil.copytree(long_context_dir, plain)
     tokenizer = AutoTokenizer.from_pretrained(plain)

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible HTTP API of an engine pod (FastAPI): the app and its routes. Completions and
-chat completions (serving_completion, serving_chat; streamed as SSE or not), /v1/models, /health,
+"""The OpenAI-compatible HTTP API of an engine pod (FastAPI): the app and its routes. Completions, chat
+completions and responses (serving_completion, serving_chat, serving_responses; streamed as SSE or
+not), /v1/models, /health,
 /version, /metrics and the LoRA adapter routes (lora_routes).
 
 Every request is validated and tokenized before it reaches the engine; errors use OpenAI's shape
@@ -20,9 +21,11 @@ from ..load_report import add_load_route
 from .errors import APIError, error_response
 from .lora_routes import add_lora_routes
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .responses_protocol import ResponsesRequest
 from .server_state import ServerState
 from .serving_chat import create_chat_completion
 from .serving_completion import create_completion
+from .serving_responses import create_response
 
 __all__ = ["ServerState", "build_app"]
 
@@ -103,6 +106,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(state, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await create_response(state, body, request)
 
     add_lora_routes(app, state)
     add_load_route(app, state)

@@ -8,57 +8,16 @@ and vLLM do, but named in a warning, as vLLM does.
 """
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from ...sampling_params import SamplingParams
+from .chat_messages import ChatMessage, check_template_kwargs
+from .protocol_base import NOT_YET, RequestModel, Trivial, one_of, unset, warn_about_ignored_fields
 from .structured import structured_outputs_of
 
-logger = logging.getLogger(__name__)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-# (value, the fields declared before it) -> whether that value asks for nothing
-Trivial = Callable[[Any, dict], bool]
-
-
-def unset(value: Any, _: dict) -> bool:
-    return value is None or value is False or value == [] or value == {}
-
-
-def one_of(*values: Any) -> Trivial:
-    return lambda value, _: value is None or any(value == v and type(value) is type(v) for v in values)
-
-
-NOT_YET = "not supported yet"
-
-
-class RequestModel(BaseModel):
-    """Keeps undeclared fields (to name them in a warning) and refuses the declared fields listed in
-    `refused` whose value is not trivial, with a 400 whose `param` is the field."""
-    model_config = ConfigDict(extra="allow")
-    refused: ClassVar[dict[str, tuple[Trivial, str]]] = {}
-
-    @field_validator("*")
-    @classmethod
-    def _refuse_unless_trivial(cls, value: Any, info: ValidationInfo) -> Any:
-        rule = cls.refused.get(info.field_name)
-        if rule is not None and not rule[0](value, info.data):
-            raise ValueError(rule[1])
-        return value
-
-    def ignored_fields(self) -> list[str]:
-        """Paths of the undeclared fields in this body and the bodies nested in it."""
-        found = list(self.model_extra or {})
-        for name in type(self).model_fields:
-            value = getattr(self, name)
-            for index, item in enumerate(value if isinstance(value, list) else [value]):
-                if isinstance(item, RequestModel):
-                    path = f"{name}[{index}]" if isinstance(value, list) else name
-                    found += [f"{path}.{field}" for field in item.ignored_fields()]
-        return found
 
 
 class StreamOptions(RequestModel):
@@ -147,8 +106,7 @@ class SamplingFields(RequestModel):
 
     @model_validator(mode="after")
     def _warn_about_ignored_fields(self):
-        if ignored := self.ignored_fields():
-            logger.warning("The following fields were present in the request but ignored: %s", ignored)
+        warn_about_ignored_fields(self)
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -193,53 +151,6 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
 
-class ChatMessage(RequestModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
-    tool_call_id: str | None = None  # a tool's answer names the call
-    name: str | None = None
-
-    def for_template(self) -> dict:
-        """The message as chat templates take it (a call's JSON-string arguments as an object)."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        if self.tool_calls:
-            message["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
-        for key in ("tool_call_id", "name"):
-            if getattr(self, key) is not None:
-                message[key] = getattr(self, key)
-        return message
-
-    def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: only text is understood by our models
-            parts = []
-            for part in self.content:
-                if part.get("type") != "text":
-                    raise ValueError(f"messages: content part type {part.get('type')!r} is not supported; only text")
-                parts.append(part.get("text", ""))
-            return "".join(parts)
-        return self.content or ""
-
-
-def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
-    if isinstance(function.get("arguments"), str):
-        try:
-            function["arguments"] = json.loads(function["arguments"])
-        except json.JSONDecodeError:
-            pass  # the template gets the text as the client sent it
-    return {**call, "function": function}
-
-
-# apply_chat_template's own parameters and the names transformers passes to every template.
-TEMPLATE_RESERVED_KWARGS = frozenset((
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs", "kwargs", "raise_exception",
-    "strftime_now", "bos_token", "eos_token", "unk_token", "pad_token"))
-MAX_TEMPLATE_KWARG_CHARS = 1024
-
-
 class ChatCompletionRequest(SamplingFields):
     refused = {**REFUSED_SHARED,
                "functions": (unset, "deprecated by OpenAI: use tools"),
@@ -280,15 +191,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _plain_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Switches the model's template reads (`enable_thinking`...), never what apply_chat_template
-        treats itself (a template of the client's, tools, tokenizing): vLLM's CVE-2025-61620."""
-        for key, value in (kwargs or {}).items():
-            if key in TEMPLATE_RESERVED_KWARGS:
-                raise ValueError(f"{key!r} cannot be set here; it is the server's (or a request field)")
-            if not (value is None or isinstance(value, (bool, int, float))
-                    or (isinstance(value, str) and len(value) <= MAX_TEMPLATE_KWARG_CHARS)):
-                raise ValueError(f"{key!r} must be a boolean, a number, null or a string of at most "
-                                 f"{MAX_TEMPLATE_KWARG_CHARS} characters")
+        check_template_kwargs(kwargs or {})
         return kwargs
 
     @model_validator(mode="after")

@@ -10,12 +10,12 @@ from fastapi import Request
 from ...core.outputs import RequestOutput
 from .errors import APIError, param_of
 from .protocol import ChatCompletionRequest
+from .reasoning_parsers import ReasoningParser, ReasoningStream
 from .server_state import ServerState
 from .serving_engine import check_serving, prepare_all, respond, to_params
 from .streaming import usage
 from .tool_calls import ToolPlan, tool_call_json
 from .tool_parsers import KEEPS_SPECIAL_TOKENS
-from .reasoning_parsers import ReasoningParser, ReasoningStream
 from .tool_stream import ToolStream, final_reply
 
 

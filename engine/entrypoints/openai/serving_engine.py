@@ -22,7 +22,7 @@ from ..request_budget import budget_deadline, merged
 from .errors import RETRY_AFTER_SECONDS, APIError, engine_unavailable, param_of
 from .protocol import SamplingFields
 from .server_state import ServerState
-from .streaming import stream_sse
+from .streaming import stream_chunks, stream_sse
 
 
 def check_serving(state: ServerState, body: SamplingFields) -> int:
@@ -94,8 +94,11 @@ async def respond(state: ServerState, http_request: Request, body: SamplingField
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         continuous_usage = bool(options and options.continuous_usage_stats)
-        return StreamingResponse(stream_sse(state.async_engine, requests, fmt, request_id, body.n, include_usage,
-                                            deadline, continuous_usage), media_type="text/event-stream")
+        chunks = stream_chunks(state.async_engine, requests, fmt, request_id, body.n, include_usage, deadline,
+                               continuous_usage)
+        # A format may stream events of its own (the Responses API's) instead of the chunks as they are.
+        events = fmt.events(request_id, chunks) if hasattr(fmt, "events") else stream_sse(chunks)
+        return StreamingResponse(events, media_type="text/event-stream")
     final: dict[int, RequestOutput] = {}
 
     async def collect() -> None:

@@ -14,9 +14,17 @@ from ..request_budget import merged
 from .errors import ERROR_TYPES
 
 
-async def stream_sse(engine: AsyncEngine, requests, fmt, request_id: str, n: int, include_usage: bool,
-                     deadline: float | None = None, continuous_usage: bool = False):
-    """`continuous_usage` (vLLM's stream_options.continuous_usage_stats): every chunk also carries the
+async def stream_sse(chunks):
+    """Chunks as Server-Sent Events, ending in `data: [DONE]` (completions and chat)."""
+    async for chunk in chunks:
+        yield sse(chunk)
+    yield "data: [DONE]\n\n"
+
+
+async def stream_chunks(engine: AsyncEngine, requests, fmt, request_id: str, n: int, include_usage: bool,
+                        deadline: float | None = None, continuous_usage: bool = False):
+    """The chunks of a streamed reply, then the usage chunk if asked; an error is a last chunk of its own.
+    `continuous_usage` (vLLM's stream_options.continuous_usage_stats): every chunk also carries the
     usage so far, the whole body's prompt tokens and the completion tokens generated until then."""
     sent_text: dict[tuple[int, int], int] = {}
     sent_tokens: dict[tuple[int, int], int] = {}
@@ -32,7 +40,7 @@ async def stream_sse(engine: AsyncEngine, requests, fmt, request_id: str, n: int
 
     try:
         if hasattr(fmt, "role_chunk"):
-            yield sse(with_usage(fmt.role_chunk(request_id, len(requests) * n)))
+            yield with_usage(fmt.role_chunk(request_id, len(requests) * n))
         async for index, output in merged(engine, requests, deadline):
             for completion in output.outputs:
                 key = (index, completion.index)
@@ -44,15 +52,14 @@ async def stream_sse(engine: AsyncEngine, requests, fmt, request_id: str, n: int
                 sent_text[key], sent_tokens[key] = len(completion.text), len(completion.token_ids)
                 chunk = fmt.chunk(request_id, index * n + completion.index, new_text, completion, tokens_from, text_from)
                 if chunk is not None:  # a format may hold text back (a tool call's name until complete)
-                    yield sse(with_usage(chunk))
+                    yield with_usage(chunk)
             if output.finished:
                 finals[index] = output
         if include_usage:
-            yield sse(fmt.usage_chunk(request_id, [finals[i] for i in sorted(finals)]))
+            yield fmt.usage_chunk(request_id, [finals[i] for i in sorted(finals)])
     except (EngineDeadError, RequestFailedError) as error:
         code = 503 if isinstance(error, EngineDeadError) else 500
-        yield sse({"error": {"message": str(error), "type": ERROR_TYPES[code], "param": None, "code": code}})
-    yield "data: [DONE]\n\n"
+        yield {"error": {"message": str(error), "type": ERROR_TYPES[code], "param": None, "code": code}}
 
 
 def sse(payload: dict) -> str:
