@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all bench bench-gpu test-gpu run proto clean
+.PHONY: setup test test-all bench bench-gpu test-gpu run proto clean clients-venv
 
 setup: $(STAMP)
 
@@ -20,8 +20,17 @@ $(STAMP): pyproject.toml
 test: setup
 	$(VENV)/bin/pytest -q -m "not slow"
 
-test-all: setup
+test-all: setup clients-venv
 	$(VENV)/bin/pytest -q
+
+# Client programs that pin their own dependencies (guidellm), in a virtual environment of their own,
+# for the client-compatibility tests (tests/test_client_compat.py) and the guidellm benchmark.
+CLIENTS_VENV := .venv-clients
+clients-venv: $(CLIENTS_VENV)/.installed
+$(CLIENTS_VENV)/.installed:
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install --quiet torch==2.13.0 guidellm==0.8.1
+	touch $@
 
 bench: setup
 	$(PY) benchmarks/bench_throughput.py
@@ -58,4 +67,4 @@ run: setup
 	$(VENV)/bin/kubeinfer local-stack
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(CLIENTS_VENV) .pytest_cache build *.egg-info
