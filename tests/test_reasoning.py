@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 
+import httpx
 import openai
 import pytest
 from server_harness import RunningServer
@@ -14,7 +15,8 @@ from server_harness import RunningServer
 from kubeinfer.engine.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 
 # Qwen3's switch, as its template reads it: thinking off writes an empty think block into the prompt.
-QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
+QWEN3_LIKE = ("{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n"
+              "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
               "{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
               "<|im_start|>assistant\n"
               "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}")
@@ -96,6 +98,21 @@ def test_enable_thinking_reaches_the_template(client):
     off = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1,
                                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert off.usage.prompt_tokens > on.usage.prompt_tokens
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it(client, reasoning_server):
+    server = reasoning_server
+    """OpenAI's reasoning_effort (and the Responses API's reasoning.effort) go to a template that reads
+    them, as gpt-oss's does; a template that does not is a 400 (test_request_fields)."""
+    plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1)
+    high = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=1, reasoning_effort="high")
+    assert high.usage.prompt_tokens > plain.usage.prompt_tokens
+    response = client.responses.create(model="tiny", input=ASK[0]["content"], max_output_tokens=1,
+                                       reasoning={"effort": "high"})
+    assert response.usage.input_tokens == high.usage.prompt_tokens and response.reasoning.effort == "high"
+    refused = httpx.post(server.url + "/v1/responses", json={"model": "tiny", "input": "Hi",
+                                                             "reasoning": {"summary": "detailed"}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning"
 
 
 @pytest.mark.parametrize("name,text,expected", [

@@ -156,7 +156,7 @@ class ChatCompletionRequest(SamplingFields):
                "functions": (unset, "deprecated by OpenAI: use tools"),
                "function_call": (one_of("none"), "deprecated by OpenAI: use tool_choice"),
                "audio": (unset, NOT_YET + ": text only"), "modalities": (one_of(["text"]), NOT_YET + ': only ["text"]'),
-               "prediction": (unset, NOT_YET), "reasoning_effort": (unset, NOT_YET), "verbosity": (unset, NOT_YET),
+               "prediction": (unset, NOT_YET), "verbosity": (unset, NOT_YET),
                "web_search_options": (unset, NOT_YET), "echo": (unset, NOT_YET),
                "continue_final_message": (unset, NOT_YET), "chat_template": (unset, NOT_YET),
                "documents": (unset, NOT_YET),
@@ -179,7 +179,7 @@ class ChatCompletionRequest(SamplingFields):
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
+    reasoning_effort: str | None = None  # passed to templates that read it (gpt-oss); else a 400 (serving_chat)
     verbosity: Any = None
     web_search_options: Any = None
     echo: Any = None

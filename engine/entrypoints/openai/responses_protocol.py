@@ -25,7 +25,8 @@ PASSED_TO_CHAT = ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "rep
                   "parallel_tool_calls", "chat_template_kwargs", "stream", "structured_outputs", "guided_json",
                   "guided_regex", "guided_choice", "guided_grammar")
 # Chat's field names in its errors, as this body calls them.
-PARAM_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input"}
+PARAM_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
+               "reasoning_effort": "reasoning"}
 
 
 def not_true(value: Any, _: dict) -> bool:
@@ -37,7 +38,6 @@ class ResponsesRequest(RequestModel):
         "previous_response_id": (unset, STATELESS), "store": (not_true, STATELESS + "; store must be false"),
         "conversation": (unset, STATELESS), "background": (not_true, STATELESS + "; background must be false"),
         "prompt": (unset, NOT_YET + ": stored prompt templates"), "include": (unset, NOT_YET),
-        "reasoning": (unset, NOT_YET + "; reasoning models think as their template says (chat_template_kwargs)"),
         "truncation": (one_of("disabled"), NOT_YET + '; only "disabled"'), "max_tool_calls": (unset, NOT_YET),
         "top_logprobs": (one_of(0), NOT_YET), "context_management": (unset, NOT_YET),
     }
@@ -78,6 +78,7 @@ class ResponsesRequest(RequestModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # effort, to templates that read it (chat's reasoning_effort)
     structured_outputs: Any = None  # vLLM's structured output fields, as chat reads them
     guided_json: Any = None
     guided_regex: Any = None
@@ -90,7 +91,6 @@ class ResponsesRequest(RequestModel):
     background: Any = None
     prompt: Any = None
     include: Any = None
-    reasoning: Any = None
     truncation: Any = None
     max_tool_calls: Any = None
     top_logprobs: Any = None
@@ -108,6 +108,12 @@ class ResponsesRequest(RequestModel):
         body.update({name: getattr(self, name) for name in PASSED_TO_CHAT if name in self.model_fields_set})
         if self.stream:  # the usage is reported in response.completed
             body["stream_options"] = {"include_usage": True}
+        reasoning = self.reasoning or {}
+        if reasoning.get("summary") not in (None, "auto"):
+            raise ValueError(f'reasoning: summary {reasoning["summary"]!r} is {NOT_YET}; the thinking itself is the '
+                             "reasoning item's content")
+        if reasoning.get("effort") is not None:
+            body["reasoning_effort"] = reasoning["effort"]
         if self.tools is not None:
             body["tools"] = [chat_tool(tool, i) for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:

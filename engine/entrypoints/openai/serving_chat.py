@@ -51,11 +51,15 @@ def chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: ToolPlan
     tokenizer = state.engine.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None:  # OpenAI's field; a template that reads it decides what it means
+        if "reasoning_effort" not in str(tokenizer.chat_template):
+            raise APIError(400, "reasoning_effort: this model's chat template has no reasoning effort", "reasoning_effort")
+        kwargs["reasoning_effort"] = body.reasoning_effort
     try:
         messages = [m.for_template() for m in body.messages]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                             tools=tools.tools if tools else None, tokenize=False,
-                                             **(body.chat_template_kwargs or {}))
+                                             tools=tools.tools if tools else None, tokenize=False, **kwargs)
     except ValueError as error:
         raise APIError(400, str(error), "messages") from error
     except Exception as error:  # a template error is the request's fault (bad roles, order...)

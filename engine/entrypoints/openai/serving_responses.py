@@ -93,7 +93,7 @@ class ResponsesFormat(ChatFormat):
                                                if reasoning and self.tokenizer else 0),
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None, "store": False, "background": False,
+            "previous_response_id": None, "reasoning": body.reasoning, "store": False, "background": False,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p,
             "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
