@@ -45,6 +45,7 @@ RESOURCES = {
     "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, verbs=VERBS,
                                               subresources={"status", "scale"}),
     "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True, verbs=VERBS),
     f"{API_VERSION}/{PLURAL}": kmock.ResourceInfo(kind="InferenceModel", namespaced=True, verbs=VERBS,
                                                   subresources={"status", "scale"}),
 }
