@@ -274,3 +274,18 @@ def test_network_policy_can_be_switched_off_and_peers_come_from_flags():
     for bad in ('{"podSelector": {}}', "[{}]", '[{"podSelecter": {}}]', "nope"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--network-policy-api-peers", bad])
+
+
+def test_a_missing_key_secret_shows_in_the_models_status():
+    """The pod cannot start without the Secret: the kubelet's CreateContainerConfigError reaches Ready."""
+    from kubeinfer.operator.pods import pod_view
+    from kubeinfer.operator.roles import assign_roles
+    from kubeinfer.operator.status import conditions_for
+
+    message = 'secret "kubeinfer-engine-api-key" not found'
+    pod = pod_view({"metadata": {"name": "chat-0", "creationTimestamp": "2026-01-01T00:00:00Z"},
+                    "status": {"phase": "Pending", "containerStatuses": [{"name": "engine", "state": {
+                        "waiting": {"reason": "CreateContainerConfigError", "message": message}}}]}})
+    spec = parse_spec("chat", {"model": {"uri": "pvc://m/x"}})
+    ready = conditions_for(spec, [pod], assign_roles([pod], 1), None)[0]
+    assert (ready.status, ready.reason) == (False, "ContainerNotStarting") and message in ready.message
