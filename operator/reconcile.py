@@ -60,7 +60,7 @@ class Reconciler:
                  metrics: QueueDepthSource | None = None, engines: LoadedAdapterSource | None = None):
         self.client = client
         self.config = config or OperatorConfig()
-        self.metrics = metrics or HttpQueueDepths()
+        self.metrics = metrics or HttpQueueDepths(api_key=self.config.engine_api_key)
         self.engines = engines or HttpLoadedAdapters(api_key=self.config.engine_api_key)
         self.autoscaler = Autoscaler()
         self.states: dict[tuple[str, str], ModelState] = defaultdict(ModelState)

@@ -221,3 +221,11 @@ def test_the_operator_may_only_relabel_and_annotate_its_own_pods(rendered):
     assert admitted(policy, "system:serviceaccount:llm:someone-else", *refusals["the image"]) == [], \
         "only the operator's service account is matched"
     assert not find(rendered["open"], "ValidatingAdmissionPolicy")
+
+
+def test_notes_say_what_the_platform_must_add(helm, tmp_path):
+    result = run_helm(helm, "install", "kubeinfer", str(CHART), "--namespace", NAMESPACE, "--dry-run=client",
+                      tmp_path=tmp_path)
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert "Secret kubeinfer-engine-api-key" in notes and "CNI that enforces NetworkPolicy" in notes
+    assert "namespace-scoped (operator.watchNamespaces)" in notes

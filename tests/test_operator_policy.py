@@ -289,3 +289,11 @@ def test_a_missing_key_secret_shows_in_the_models_status():
     spec = parse_spec("chat", {"model": {"uri": "pvc://m/x"}})
     ready = conditions_for(spec, [pod], assign_roles([pod], 1), None)[0]
     assert (ready.status, ready.reason) == (False, "ContainerNotStarting") and message in ready.message
+
+
+def test_the_reconciler_gives_the_key_to_both_readers_of_engines():
+    from kubeinfer.operator.reconcile import Reconciler
+
+    reconciler = Reconciler(client=None, config=OperatorConfig(engine_api_key="s3cret"))
+    assert reconciler.engines.headers == reconciler.metrics.headers == {"Authorization": "Bearer s3cret"}
+    assert "s3cret" not in repr(reconciler.config), "the key stays out of logs"
