@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from chart_helpers import CHART, KUBE_VERSION, NAMESPACE, container, find, one, run_helm
+from operator_harness import Emulator
 
 from kubeinfer.operator import names
 from kubeinfer.operator.builders import network_policy
@@ -76,11 +77,64 @@ def test_one_random_key_is_copied_into_every_engine_namespace(rendered):
     assert base64.b64decode(default["data"]["api-key"]) != key, "random per install (lookup keeps it on upgrades)"
 
 
-def test_the_chart_keeps_an_existing_key_on_upgrade():
-    """`lookup` finds the Secret the release made: the key is read back, never drawn again."""
-    template = (CHART / "templates" / "security" / "engine-api-key.yaml").read_text()
-    assert 'lookup "v1" "Secret" .Release.Namespace $name' in template
-    assert template.index("index $existing.data $key") < template.index("randAlphaNum")
+class ClusterForHelm(Emulator):
+    """kmock as helm sees a cluster: a version the chart accepts, core/v1 discovery as client-go parses it."""
+
+    async def _serve_server_version(self, request):
+        return {"major": "1", "minor": "37", "gitVersion": "v1.37.0", "platform": "linux/amd64"}
+
+    async def _serve_version(self, request):
+        payload = await super()._serve_version(request)
+        if isinstance(payload, dict) and payload.get("groupVersion") == "/v1":  # kmock writes "/v1"
+            payload["groupVersion"] = "v1"
+        return payload
+
+
+async def render_against(helm, objects: list[dict], existing: list[dict], tmp_path) -> list[dict]:
+    """`helm template --dry-run=server` (lookups read the cluster) against kmock holding `existing`."""
+    import asyncio
+    import subprocess
+
+    import httpx
+    import kmock
+
+    cluster_scoped = {"ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                      "ValidatingAdmissionPolicyBinding"}
+    async with ClusterForHelm() as k8s, kmock.Server(k8s) as server:
+        for obj in objects:  # helm maps every kind it renders through discovery
+            kind = obj["kind"]
+            plural = kind.lower()[:-1] + "ies" if kind.endswith("y") else kind.lower() + "s"
+            k8s.resources[f"{obj['apiVersion']}/{plural}"] = kmock.ResourceInfo(
+                kind=kind, namespaced=kind not in cluster_scoped, verbs={"create", "get", "list", "patch"})
+        url = str(server.url).rstrip("/")
+        async with httpx.AsyncClient() as client:
+            for obj in existing:
+                meta = obj["metadata"]
+                (await client.post(f"{url}/api/v1/namespaces/{meta['namespace']}/secrets", json=obj)).raise_for_status()
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": url}}], "users": [{"name": "u", "user": {"token": "t"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "u", "namespace": NAMESPACE}}]}))
+        result = await asyncio.to_thread(subprocess.run, [
+            str(helm), "template", "kubeinfer", str(CHART), "--namespace", NAMESPACE, "--kube-version", KUBE_VERSION,
+            "--dry-run=server", "--disable-openapi-validation", "--skip-crds"],
+            capture_output=True, text=True, timeout=120,
+            env={"KUBECONFIG": str(kubeconfig), "HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+async def test_the_chart_keeps_an_existing_key_on_upgrade(helm, rendered, tmp_path):
+    """On an upgrade `lookup` finds the Secret the release made: its key is read back, never drawn again."""
+    helm_owned = {"labels": {"app.kubernetes.io/managed-by": "Helm"},
+                  "annotations": {"meta.helm.sh/release-name": "kubeinfer", "meta.helm.sh/release-namespace": NAMESPACE}}
+    earlier = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "data": {"api-key": "c3RhYmxlLWtleQ=="},
+               "metadata": {"name": "kubeinfer-engine-api-key", "namespace": NAMESPACE, **helm_owned}}
+    upgraded = await render_against(helm, rendered["defaults"], [earlier], tmp_path)
+    assert one(upgraded, "Secret", "-engine-api-key")["data"] == {"api-key": "c3RhYmxlLWtleQ=="}
+    fresh = await render_against(helm, rendered["defaults"], [], tmp_path)
+    assert one(fresh, "Secret", "-engine-api-key")["data"]["api-key"] != "c3RhYmxlLWtleQ=="
 
 
 @pytest.mark.parametrize("variant, secret, key", [("defaults", "kubeinfer-engine-api-key", "api-key"),
