@@ -12,7 +12,7 @@ import celpy
 import kubernetes_validate
 import pytest
 import yaml
-from chart_helpers import CHART, KUBE_VERSION, NAMESPACE, container, find, one, run_helm
+from chart_helpers import CHART, KUBE_VERSION, NAMESPACE, container, find, one, run_helm, validate
 from operator_harness import Emulator
 
 from kubeinfer.operator import names
@@ -52,6 +52,12 @@ def rendered(helm, tmp_path_factory) -> dict[str, list[dict]]:
                           "--kube-version", KUBE_VERSION, values=values, tmp_path=tmp_path_factory.mktemp(name))
         out[name] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_security_variant_validates_strictly(rendered, variant):
+    for obj in rendered[variant]:
+        assert validate(obj) == [], f"{obj['kind']} {obj['metadata']['name']}"
 
 
 def operator_config(objects: list[dict]):
