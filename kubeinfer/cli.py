@@ -85,11 +85,12 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[Callable, Callable]]]] = {
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """Only the chosen subcommand's module is imported (all of them when argv is None)."""
-    parser = argparse.ArgumentParser(prog="kubeinfer", description="Kubernetes-native LLM serving")
+    # No abbreviations: `--served-model=x` must not pass for --served-model-name (issue 34, finding 11).
+    parser = argparse.ArgumentParser(prog="kubeinfer", description="Kubernetes-native LLM serving", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((a for a in argv if a in SUBCOMMANDS), None) if argv is not None else None
     for name, (help_text, load) in SUBCOMMANDS.items():
-        command = sub.add_parser(name, help=help_text)
+        command = sub.add_parser(name, help=help_text, allow_abbrev=False)
         if argv is None or name == chosen:
             add_arguments, run = load()
             add_arguments(command)

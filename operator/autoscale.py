@@ -103,11 +103,15 @@ def parse_activity(text: str) -> float | None:
 
 
 class HttpQueueDepths:
-    """Reads vllm:num_requests_waiting from each pod's /metrics (needs the pod network: run in-cluster)."""
+    """Reads vllm:num_requests_waiting from each pod's /metrics (needs the pod network: run in-cluster).
 
-    def __init__(self, timeout: float = 2.0, port: int = HTTP_PORT):
+    /metrics is open on the engine; the key goes along anyway, so the reading survives an engine that
+    puts its metrics behind it."""
+
+    def __init__(self, timeout: float = 2.0, port: int = HTTP_PORT, api_key: str = ""):
         self.timeout = timeout
         self.port = port
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def _one(self, client, pod: PodView, parse) -> tuple[str, float | None]:
         try:
@@ -120,7 +124,7 @@ class HttpQueueDepths:
     async def _read(self, pods: Sequence[PodView], parse) -> dict[str, float]:
         import httpx
 
-        async with httpx.AsyncClient(timeout=self.timeout) as client:
+        async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
             results = await asyncio.gather(*(self._one(client, p, parse) for p in pods if p.ip))
         return {name: value for name, value in results if value is not None}
 

@@ -1,4 +1,5 @@
-"""The objects an InferenceModel owns, as plain dicts: Deployment, Service, PodDisruptionBudget, InferencePool."""
+"""The objects an InferenceModel owns, as plain dicts: Deployment, Service, PodDisruptionBudget, InferencePool,
+NetworkPolicy."""
 from __future__ import annotations
 
 from typing import Any
@@ -6,6 +7,7 @@ from typing import Any
 from kubeinfer.operator.config import OperatorConfig
 from kubeinfer.operator.names import (API_VERSION, GRPC_PORT, HTTP_PORT, KIND, MANAGED_BY_LABEL, MANAGER, MODEL_LABEL,
                                       POOL_GROUP, POOL_VERSION, active_labels, selector_labels)
+from kubeinfer.operator.network_policy import network_policy_spec
 from kubeinfer.operator.pod_template import pod_template
 from kubeinfer.operator.spec import InferenceModelSpec
 
@@ -79,7 +81,15 @@ def inference_pool(owner: dict[str, Any], spec: InferenceModelSpec, config: Oper
     }
 
 
+def network_policy(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    """Ingress to the engine pods only from the gateway, the operator and the metrics scrapers."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _metadata(owner, spec),
+            "spec": network_policy_spec(spec.name, config)}
+
+
 def desired_objects(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig,
                     with_pool: bool) -> list[dict[str, Any]]:
-    objects = [deployment(owner, spec, config), service(owner, spec), pod_disruption_budget(owner, spec)]
+    # The NetworkPolicy first: no engine pod exists before the policy that fences it in.
+    objects = [network_policy(owner, spec, config)] if config.network_policy else []
+    objects += [deployment(owner, spec, config), service(owner, spec), pod_disruption_budget(owner, spec)]
     return objects + [inference_pool(owner, spec, config)] if with_pool else objects

@@ -2,7 +2,7 @@
 
 Spec changes (create / update / resume) re-apply the owned objects; pod events (a pod became ready,
 was deleted, lost readiness) and a periodic resync loop redo roles, placement, status and autoscaling.
-Owned objects (Deployment, Service, PDB, InferencePool) are watched too: one deleted or edited by
+Owned objects (Deployment, Service, PDB, InferencePool, NetworkPolicy) are watched too: one deleted or edited by
 hand is repaired by the pass its event starts, within a second, not at the next resync.
 No finalizer: owner references make the garbage collector delete what the operator built.
 """
@@ -26,7 +26,8 @@ RETRY_SECONDS = 10
 # What the operator builds, watched by its label; kopf skips a resource whose CRD is not installed.
 OWNED = {"Deployment": ("apps", "v1", "deployments"), "Service": ("", "v1", "services"),
          "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
-         "InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL)}
+         "InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL),
+         "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies")}
 
 
 async def connect_default() -> kopf.ConnectionInfo:

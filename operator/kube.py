@@ -19,7 +19,8 @@ import kopf
 from kubeinfer.operator.names import MANAGER, matches
 
 PLURALS = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
-           "InferencePool": "inferencepools", "Pod": "pods", "Event": "events", "InferenceModel": "inferencemodels"}
+           "InferencePool": "inferencepools", "NetworkPolicy": "networkpolicies", "Pod": "pods", "Event": "events",
+           "InferenceModel": "inferencemodels"}
 MERGE = "application/merge-patch+json"
 APPLY = "application/apply-patch+yaml"  # JSON is YAML
 logger = logging.getLogger(__name__)
@@ -123,6 +124,16 @@ class KubeClient:
             if err.status != 409:  # created meanwhile (a replayed watch event): apply over it
                 raise
             return await self.request("PATCH", path, obj, APPLY, params)
+
+    async def delete(self, api_version: str, plural: str, namespace: str | None, name: str) -> bool:
+        """Delete one object; False when it was already gone."""
+        try:
+            await self.request("DELETE", api_path(api_version, plural, namespace, name))
+        except ApiError as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
 
     async def patch(self, api_version: str, plural: str, namespace: str | None, name: str, body: dict[str, Any],
                     subresource: str | None = None) -> dict[str, Any]:

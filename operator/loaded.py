@@ -4,8 +4,9 @@ The annotation says what a pod should hold; only the engine knows whether the lo
 missing file, a rank over --max-lora-rank, no free slot). The engine lists its base model and every
 loaded adapter there, an adapter being a card whose `parent` is the base model. The operator asks
 each active pod directly, as the gateway and the autoscaler do: no extra RBAC, but it needs the pod
-network (run in-cluster; a NetworkPolicy must let the operator reach port 8000). A pod that does not
-answer within the timeout is reported as unknown, never as loaded.
+network (run in-cluster; the model's NetworkPolicy lets the operator's pods reach port 8000) and, when
+engines require a key, that key (the operator's KUBEINFER_ENGINE_API_KEY, the one the gateway presents).
+A pod that does not answer within the timeout is reported as unknown, never as loaded.
 """
 from __future__ import annotations
 
@@ -35,9 +36,10 @@ def adapters_in(models: dict[str, Any]) -> tuple[str, ...]:
 
 
 class HttpLoadedAdapters:
-    def __init__(self, timeout: float = 2.0, port: int = HTTP_PORT):
+    def __init__(self, timeout: float = 2.0, port: int = HTTP_PORT, api_key: str = ""):
         self.timeout = timeout
         self.port = port
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def _one(self, client, pod: PodView) -> tuple[str, tuple[str, ...] | str]:
         if not pod.ip:
@@ -52,7 +54,7 @@ class HttpLoadedAdapters:
     async def observe(self, pods: Sequence[PodView]) -> Observed:
         import httpx
 
-        async with httpx.AsyncClient(timeout=self.timeout) as client:
+        async with httpx.AsyncClient(timeout=self.timeout, headers=self.headers) as client:
             results = await asyncio.gather(*(self._one(client, p) for p in pods))
         return Observed({n: r for n, r in results if isinstance(r, tuple)},
                         {n: r for n, r in results if isinstance(r, str)})

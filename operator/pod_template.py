@@ -5,6 +5,7 @@ import math
 from typing import Any
 
 from kubeinfer.operator.config import OperatorConfig
+from kubeinfer.operator.credentials import serving_env
 from kubeinfer.operator.names import (ADAPTERS_ANNOTATION, ADAPTERS_DIR, GRPC_PORT, HTTP_PORT, MODEL_DIR,
                                       PLACEMENT_DIR, PLACEMENT_FILE, pod_labels, selector_labels)
 from kubeinfer.operator.sources import FetchContext, Staging, stage_adapters, stage_model
@@ -48,6 +49,15 @@ def drain_timeout(spec: InferenceModelSpec, default: int) -> float:
             except ValueError:
                 return default
     return default
+
+
+def api_key_env(config: OperatorConfig) -> list[dict[str, Any]]:
+    """The engine requires this key on /v1 (the gateway presents it); /health and /metrics stay open for probes
+    and scrapers. The Secret must exist in the model's namespace: without it the pod does not start."""
+    if not config.engine_api_key_secret:
+        return []
+    return [{"name": "KUBEINFER_API_KEY", "valueFrom": {"secretKeyRef": {
+        "name": config.engine_api_key_secret, "key": config.engine_api_key_secret_key}}}]
 
 
 def resources(spec: InferenceModelSpec) -> dict[str, Any]:
@@ -95,7 +105,8 @@ def staging(spec: InferenceModelSpec, image: str, config: OperatorConfig) -> Sta
 def pod_template(spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:
     image = spec.engine.image or config.engine_image
     staged = staging(spec, image, config)
-    env = [*spec.engine.env, {"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_OFFLINE", "value": "1"}]
+    env = [*serving_env(spec.engine.env), {"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_OFFLINE", "value": "1"},
+           *api_key_env(config)]
     drain = drain_timeout(spec, config.drain_timeout_seconds)
     container = {
         "name": "engine", "image": image, "command": ["kubeinfer"], "args": engine_args(spec), "env": env,

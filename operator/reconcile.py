@@ -19,15 +19,17 @@ from typing import Any
 from kubeinfer.operator.autoscale import Autoscaler, HttpQueueDepths, QueueDepthSource
 from kubeinfer.operator.builders import desired_objects
 from kubeinfer.operator.config import OperatorConfig
-from kubeinfer.operator.drift import owned_drift
+from kubeinfer.operator.drift import controller_of, owned_drift
 from kubeinfer.operator.errors import FORBIDDEN, INVALID, Failure, backoff_seconds, classify
 from kubeinfer.operator.kube import ApiError, KubeClient, api_path
 from kubeinfer.operator.loaded import HttpLoadedAdapters, LoadedAdapterSource, Observed
 from kubeinfer.operator.names import (ACTIVE, ADAPTERS_ANNOTATION, API_VERSION, DELETION_COST_ANNOTATION, PLURAL,
                                       POOL_GROUP, POOL_PLURAL, POOL_VERSION, ROLE_LABEL, selector_labels)
 from kubeinfer.operator.placement import Placement, place_adapters
+from kubeinfer.operator.policy import POLICY_VIOLATION, violations
 from kubeinfer.operator.pods import PodView, pod_view
 from kubeinfer.operator.roles import RolePlan, assign_roles
+from kubeinfer.operator.served_names import SERVED_NAME_CONFLICT, conflict_message, rivals
 from kubeinfer.operator.spec import InferenceModelSpec, SpecError, parse_spec
 from kubeinfer.operator.status import build_status, failure_status, invalid_status, now_rfc3339
 
@@ -47,7 +49,7 @@ class ModelState:
     observed: dict[str, dict[str, Any] | None] = field(default_factory=dict)  # kind -> last watched (None: deleted)
     suspects: set[str] = field(default_factory=set)  # kinds watched changing since the last pass
     desired: dict[str, dict[str, Any]] = field(default_factory=dict)  # kind -> what the last pass would apply
-    invalid_reported: int | None = None  # generation whose InvalidSpec event was recorded
+    invalid_reported: tuple[int, str] | None = None  # (generation, reason) whose refusal Event was recorded
     failure_reported: str | None = None  # the last failure logged: one line per distinct failure, not per pass
     attempts: int = 0  # consecutive retried failures (the backoff exponent)
     later: asyncio.Task[None] | None = None  # a pass scheduled for later (retry, adapter re-check)
@@ -58,12 +60,13 @@ class Reconciler:
                  metrics: QueueDepthSource | None = None, engines: LoadedAdapterSource | None = None):
         self.client = client
         self.config = config or OperatorConfig()
-        self.metrics = metrics or HttpQueueDepths()
-        self.engines = engines or HttpLoadedAdapters()
+        self.metrics = metrics or HttpQueueDepths(api_key=self.config.engine_api_key)
+        self.engines = engines or HttpLoadedAdapters(api_key=self.config.engine_api_key)
         self.autoscaler = Autoscaler()
         self.states: dict[tuple[str, str], ModelState] = defaultdict(ModelState)
         self._pool_known: tuple[bool, float] | None = None
         self._resync: asyncio.Task[None] | None = None
+        self.conflicted: set[tuple[str, str]] = set()  # models refused for a servedName an older model holds
 
     def start_resync(self, interval: float) -> None:
         self._resync = asyncio.create_task(self._resync_forever(interval))
@@ -92,10 +95,18 @@ class Reconciler:
             await asyncio.gather(*(one(ns, name) for ns, name in list(self.states)))
 
     def forget(self, namespace: str, name: str) -> None:
+        self.conflicted.discard((namespace, name))
+        self._recheck_conflicts(namespace)  # the name it held may be free now
         state = self.states.pop((namespace, name), None)
         if state is not None and state.later is not None and state.later is not asyncio.current_task():
             state.later.cancel()
         self.autoscaler.forget(f"{namespace}/{name}")
+
+    def _recheck_conflicts(self, namespace: str) -> None:
+        for ns, name in sorted(self.conflicted):
+            if ns == namespace and (ns, name) in self.states:
+                self.states[(ns, name)].applied = None
+                self._later(ns, name, 0)
 
     async def owned_changed(self, namespace: str, model: str, kind: str, obj: dict[str, Any] | None) -> None:
         """A watched owned object changed (None: deleted): a pass repairs it if it drifted."""
@@ -186,6 +197,11 @@ class Reconciler:
         except SpecError as err:
             await self._report_invalid(body, str(err), state, generation)
             return
+        if problems := violations(spec, self.config.policy, self.config.engine_image):
+            await self._report_invalid(body, "; ".join(problems), state, generation, POLICY_VIOLATION)
+            return
+        if state.applied != generation and not await self._claim_served_name(body, state, generation):
+            return
         await self._apply_owned(body, spec, state, generation)
         pods = [pod_view(p) for p in await self.client.list("v1", "pods", namespace, selector_labels(name))]
         plan = await self._apply_roles(body, spec, pods)
@@ -217,17 +233,44 @@ class Reconciler:
                 logger.info("%s/%s: %s", obj["metadata"]["namespace"], spec.name, message)
                 await self.client.event(body, "Normal", "DriftRepaired", message)
             await self.client.apply(obj)
+        if full and not self.config.network_policy:
+            await self._remove_network_policy(body)
         state.applied = generation
 
-    async def _report_invalid(self, body: dict[str, Any], message: str, state: ModelState, generation: int) -> None:
+    async def _remove_network_policy(self, body: dict[str, Any]) -> None:
+        """--no-network-policy: the policy an earlier run built goes (only ours: a user's own is left alone)."""
+        meta = body["metadata"]
+        found = await self.client.get("networking.k8s.io/v1", "networkpolicies", meta["namespace"], meta["name"])
+        if found and controller_of(found) == meta["name"]:
+            await self.client.delete("networking.k8s.io/v1", "networkpolicies", meta["namespace"], meta["name"])
+
+    async def _claim_served_name(self, body: dict[str, Any], state: ModelState, generation: int) -> bool:
+        """False (and the model refused) when an older live model in the namespace serves the same name."""
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        older, newer = rivals(body, await self.client.list(API_VERSION, PLURAL, meta["namespace"]))
+        if older:
+            self.conflicted.add(key)
+            await self._report_invalid(body, conflict_message(body, older), state, generation, SERVED_NAME_CONFLICT)
+            return False
+        self.conflicted.discard(key)
+        # Newer claimants may have built before this model took the name; refused ones may claim a name
+        # this model just gave up: both check again.
+        self.conflicted.update((meta["namespace"], name) for name in newer)
+        self._recheck_conflicts(meta["namespace"])
+        return True
+
+    async def _report_invalid(self, body: dict[str, Any], message: str, state: ModelState, generation: int,
+                              reason: str = INVALID) -> None:
+        """Refuse the spec (InvalidSpec, PolicyViolation, ServedNameConflict): status says why, nothing is built."""
         if state.applied is not None or await self.client.get("apps/v1", "deployments", body["metadata"]["namespace"],
                                                              body["metadata"]["name"]):
-            message += "; the last valid spec keeps running until this is fixed"
+            message += "; the last accepted spec keeps running until this is fixed"
         previous = (body.get("status") or {}).get("conditions") or []
-        await self._write_status(body, invalid_status(message, previous, generation, now_rfc3339()))
-        if state.invalid_reported != generation:
-            state.invalid_reported = generation
-            await self.client.event(body, "Warning", "InvalidSpec", message)
+        await self._write_status(body, invalid_status(message, previous, generation, now_rfc3339(), reason))
+        if state.invalid_reported != (generation, reason):
+            state.invalid_reported = (generation, reason)
+            await self.client.event(body, "Warning", reason, message)
 
     async def _pool_crd_exists(self) -> bool:
         now = time.monotonic()

@@ -3,8 +3,9 @@
 pvc://CLAIM/PATH   the claim, mounted read-only (subPath PATH): nothing is copied.
 hf://ORG/NAME@REV  fetched by an init container (`hf download`, the engine image) into an emptyDir.
 s3://BUCKET/PATH   fetched by an init container (`aws s3 sync`) into an emptyDir.
-file:///PATH       a directory on the node (hostPath, read-only). Meant for single-node dev clusters
-                   and nodes with pre-staged weights; Pod Security "baseline" forbids hostPath, so such
+file:///PATH       a directory on the node (hostPath, read-only), only under a prefix the operator's
+                   policy allows (policy.py; none by default). Meant for single-node dev clusters and
+                   nodes with pre-staged weights; Pod Security "baseline" forbids hostPath, so such
                    pods are refused by admission there, which the Degraded condition reports.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubeinfer.operator.credentials import fetch_env
 from kubeinfer.operator.names import ADAPTERS_DIR, MODEL_DIR
 
 CLAIM = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -110,7 +112,8 @@ def fetch_container(name: str, source: Source, dest: str, cache_volume: str, cac
         command = ["aws", "s3", "sync", f"s3://{source.location}/{source.path}".rstrip("/"), dest,
                    "--only-show-errors"]
     # The root filesystem is read-only: tools keep their caches and config under /tmp.
-    env = [*ctx.env, {"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"}]
+    env = [*fetch_env(source.scheme, ctx.env), {"name": "HOME", "value": "/tmp"},
+           {"name": "HF_HOME", "value": "/tmp/hf"}]
     return {"name": name, "image": image, "command": command, "env": env,
             "securityContext": ctx.security_context,
             "volumeMounts": [{"name": cache_volume, "mountPath": cache_root}, {"name": "tmp", "mountPath": "/tmp"}]}

@@ -11,16 +11,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubeinfer.operator.owned_args import args_problems, env_problems
 from kubeinfer.operator.sources import Source, SourceError, parse_source
 
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 ADAPTER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$")
-# Flags the operator sets itself; letting spec.engine.args repeat them would break probes or placement.
-OWNED_FLAGS = ("--host", "--port", "--grpc-port", "--served-model-name", "--lora-catalog-dir",
-               "--lora-placement-file", "--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank",
-               "--device", "--dtype", "--max-model-len")
 
 
 class SpecError(ValueError):
@@ -109,11 +106,8 @@ def _source(uri: Any, where: str, problems: list[str]) -> Source | None:
 def _engine(raw: dict[str, Any], problems: list[str]) -> EngineSpec:
     res = raw.get("resources") or {}
     args = tuple(str(a) for a in raw.get("args") or ())
-    for arg in args:
-        flag = arg.split("=", 1)[0]
-        if flag in OWNED_FLAGS:
-            problems.append(f"spec.engine.args must not set {flag}: the operator sets it from the spec "
-                            "(use spec.model, spec.engine.maxModelLen / dtype / resources or spec.adapterPool)")
+    env = tuple(raw.get("env") or ())
+    problems += args_problems(args) + env_problems(env)
     for key in ("cpu", "memory"):
         if res.get(key) is not None and not QUANTITY.match(str(res[key])):
             problems.append(f"spec.engine.resources.{key} {res[key]!r} is not a Kubernetes quantity "
@@ -123,7 +117,7 @@ def _engine(raw: dict[str, Any], problems: list[str]) -> EngineSpec:
         problems.append(f"spec.engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     max_len = raw.get("maxModelLen")
     return EngineSpec(
-        image=raw.get("image") or None, args=args, env=tuple(raw.get("env") or ()),
+        image=raw.get("image") or None, args=args, env=env,
         resources=Resources(gpus=_int(res.get("gpus", 0), "spec.engine.resources.gpus", problems),
                             gpu_resource_name=res.get("gpuResourceName") or "nvidia.com/gpu",
                             cpu=None if res.get("cpu") is None else str(res["cpu"]),

@@ -146,11 +146,12 @@ def render_conditions(conditions: Sequence[Condition], previous: Sequence[dict[s
     return out
 
 
-def invalid_status(message: str, previous: Sequence[dict[str, Any]], generation: int, now: str) -> dict[str, Any]:
-    """Status of a spec the operator refuses: nothing was built for it."""
-    conds = [Condition("Ready", False, "InvalidSpec", message),
-             Condition("Progressing", False, "InvalidSpec", "fix the spec; nothing is built until then"),
-             Condition("Degraded", True, "InvalidSpec", message)]
+def invalid_status(message: str, previous: Sequence[dict[str, Any]], generation: int, now: str,
+                   reason: str = "InvalidSpec") -> dict[str, Any]:
+    """Status of a spec the operator refuses (InvalidSpec, PolicyViolation, ServedNameConflict): nothing was built."""
+    conds = [Condition("Ready", False, reason, message),
+             Condition("Progressing", False, reason, "fix the spec; nothing is built until then"),
+             Condition("Degraded", True, reason, message)]
     return {"observedGeneration": generation, "conditions": render_conditions(conds, previous, generation, now)}
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import threading
@@ -45,6 +46,7 @@ RESOURCES = {
     "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, verbs=VERBS,
                                               subresources={"status", "scale"}),
     "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True, verbs=VERBS),
     f"{API_VERSION}/{PLURAL}": kmock.ResourceInfo(kind="InferenceModel", namespaced=True, verbs=VERBS,
                                                   subresources={"status", "scale"}),
 }
@@ -173,10 +175,12 @@ class FakeEngines:
 
 class Cluster:
     def __init__(self, with_pools: bool = True, resync_seconds: float = 30.0,
-                 metrics: QueueDepthSource | None = None, namespace: str = "default", operator: bool = True):
+                 metrics: QueueDepthSource | None = None, namespace: str = "default", operator: bool = True,
+                 config: OperatorConfig | None = None):
         self.with_pools = with_pools
         self.run_operator = operator
         self.resync_seconds = resync_seconds
+        self.config = dataclasses.replace(config or OperatorConfig(), resync_seconds=resync_seconds)
         self.metrics = metrics or FakeQueueDepths()
         self.engines = FakeEngines(namespace)
         self.namespace = namespace
@@ -194,8 +198,7 @@ class Cluster:
             return kopf.ConnectionInfo(server=url)
 
         self.api = KubeClient(connect)
-        self.reconciler = Reconciler(KubeClient(connect), OperatorConfig(resync_seconds=self.resync_seconds),
-                                     self.metrics, self.engines)
+        self.reconciler = Reconciler(KubeClient(connect), self.config, self.metrics, self.engines)
         self.engines.client = self.reconciler.client
         if not self.run_operator:
             return self

@@ -55,8 +55,8 @@ def engine(name: str) -> dict:
 @pytest.mark.parametrize("name", SPECS)
 def test_every_object_is_valid_kubernetes(name):
     objects = built(name)
-    assert set(objects) == {"Deployment", "Service", "PodDisruptionBudget", "InferencePool"}
-    for kind in ("Deployment", "Service", "PodDisruptionBudget"):
+    assert set(objects) == {"Deployment", "Service", "PodDisruptionBudget", "InferencePool", "NetworkPolicy"}
+    for kind in ("Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"):
         kubernetes_validate.validate(objects[kind], K8S, strict=True)
     jsonschema.validate(objects["InferencePool"], INFERENCE_POOL_V1)
 
@@ -64,7 +64,7 @@ def test_every_object_is_valid_kubernetes(name):
 def test_pool_is_left_out_without_its_crd():
     spec = parse_spec("llama", SPECS["cpu-pvc"])
     assert [o["kind"] for o in desired_objects(OWNER, spec, OperatorConfig(), False)] == \
-        ["Deployment", "Service", "PodDisruptionBudget"]
+        ["NetworkPolicy", "Deployment", "Service", "PodDisruptionBudget"]
 
 
 def test_engine_command_line_is_what_the_engine_parses():

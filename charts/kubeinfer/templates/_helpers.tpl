@@ -145,6 +145,10 @@ objects are created, patched and deleted; pods are only relabelled (active/stand
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# The NetworkPolicy of each model; delete only for --no-network-policy, which removes the ones it built.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
 {{- end }}
 
 {{/* The gateway only reads: the engine pods it routes to and the InferencePools that select them. */}}
@@ -167,4 +171,43 @@ objects are created, patched and deleted; pods are only relabelled (active/stand
 - apiGroups: [inference.networking.x-k8s.io]
   resources: [inferenceobjectives]
   verbs: [get, list, watch]
+{{- end }}
+
+{{/* The Secret holding the engines' API key (issue 34): the chart's own, or engineApiKey.existingSecret. */}}
+{{- define "kubeinfer.engineApiKeySecret" -}}
+{{- default (printf "%s-engine-api-key" (include "kubeinfer.fullname" .)) .Values.engineApiKey.existingSecret }}
+{{- end }}
+
+{{/* Namespaces where engine pods run, as a JSON list: the release's, the operator's and the gateway's. */}}
+{{- define "kubeinfer.engineNamespaces" -}}
+{{- $namespaces := list .Release.Namespace }}
+{{- range .Values.operator.watchNamespaces }}
+{{- $namespaces = append $namespaces . }}
+{{- end }}
+{{- if .Values.gateway.watchNamespace }}
+{{- $namespaces = append $namespaces .Values.gateway.watchNamespace }}
+{{- end }}
+{{- $namespaces | uniq | toJson }}
+{{- end }}
+
+{{/* The engines' key as an env var (KUBEINFER_ENGINE_API_KEY) for the gateway and the operator. */}}
+{{- define "kubeinfer.engineApiKeyEnv" -}}
+{{- if .Values.engineApiKey.enabled }}
+# The key engines require on /v1 (issue 34): presented on every request to an engine.
+- name: KUBEINFER_ENGINE_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kubeinfer.engineApiKeySecret" . }}
+      key: {{ .Values.engineApiKey.key }}
+{{- end }}
+{{- end }}
+
+{{/* NetworkPolicyPeers (JSON) allowed to the engine API ports: this release's gateway and operator pods. */}}
+{{- define "kubeinfer.engineApiPeers" -}}
+{{- $peers := list }}
+{{- range $component := list "gateway" "operator" }}
+{{- $labels := include "kubeinfer.selectorLabels" (dict "root" $ "component" $component) | fromYaml }}
+{{- $peers = append $peers (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" $.Release.Namespace)) "podSelector" (dict "matchLabels" $labels)) }}
+{{- end }}
+{{- concat $peers .Values.networkPolicy.extraApiPeers | toJson }}
 {{- end }}

@@ -1,0 +1,32 @@
+"""The NetworkPolicy of one model: who may reach its engine pods, and on which ports.
+
+Engines serve their API (HTTP 8000, gRPC 8001) to the gateway, which enforces tenants and limits,
+and to the operator, which reads each pod's /v1/models; Prometheus scrapes /metrics on the HTTP port
+(a NetworkPolicy cannot tell paths apart: the engine's API key guards /v1 there). Every other pod in
+the cluster is refused, standby pods included. The kubelet's probes come from the node, which
+NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kubeinfer.operator.config import OperatorConfig
+from kubeinfer.operator.names import GRPC_PORT, HTTP_PORT, selector_labels
+
+PART_OF = {"app.kubernetes.io/part-of": "kubeinfer"}
+
+
+def default_api_peers() -> list[dict[str, Any]]:
+    """Without --network-policy-api-peers: the gateway's and the operator's pods in the model's namespace."""
+    return [{"podSelector": {"matchLabels": {**PART_OF, "app.kubernetes.io/component": component}}}
+            for component in ("gateway", "operator")]
+
+
+def network_policy_spec(model: str, config: OperatorConfig) -> dict[str, Any]:
+    api_ports = [{"protocol": "TCP", "port": HTTP_PORT}, {"protocol": "TCP", "port": GRPC_PORT}]
+    ingress = [{"from": [dict(p) for p in config.api_peers] or default_api_peers(), "ports": api_ports}]
+    if config.metrics_peers:
+        ingress.append({"from": [dict(p) for p in config.metrics_peers],
+                        "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
+    # Every pod of the model, standby included; Ingress only: engines' own egress (fetchers, NCCL) is left alone.
+    return {"podSelector": {"matchLabels": selector_labels(model)}, "policyTypes": ["Ingress"], "ingress": ingress}

@@ -1,0 +1,49 @@
+"""What spec.engine.args and spec.engine.env may not touch: the flags and variables the operator sets.
+
+The engine parses its flags with argparse. An argparse parser that allows abbreviations (the default,
+and what engine images built before `allow_abbrev=False` still do) reads `--served-model=x` or `--ho`
+as `--served-model-name` and `--host`, so comparing whole flag names is not enough: any option that
+is a prefix of an operator-owned flag is refused, with or without `=VALUE`.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# Every flag pod_template.engine_args may set, and the engine's key (its env var is the operator's).
+OWNED_FLAGS = ("--host", "--port", "--grpc-port", "--served-model-name", "--lora-catalog-dir",
+               "--lora-placement-file", "--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank",
+               "--device", "--dtype", "--max-model-len", "--scheduling-policy", "--api-key")
+# The engine reads its key from these; the operator sets KUBEINFER_API_KEY from its Secret.
+OWNED_ENV = ("KUBEINFER_API_KEY", "VLLM_API_KEY")
+
+
+def option_of(arg: str) -> str | None:
+    """The option an argument names (`--ho=x` -> `--ho`), or None for a value or a positional."""
+    if not arg.startswith("--") or arg == "--":
+        return None
+    return arg.split("=", 1)[0]
+
+
+def owned_flag(option: str, owned: Iterable[str] = OWNED_FLAGS) -> str | None:
+    """The owned flag `option` spells, in full or abbreviated (a prefix argparse would expand), or None."""
+    return next((flag for flag in owned if flag.startswith(option) and len(option) > 2), None)
+
+
+def args_problems(args: Sequence[str]) -> list[str]:
+    problems = []
+    for i, arg in enumerate(args):
+        option = option_of(arg)
+        flag = owned_flag(option) if option else None
+        if flag is None:
+            continue
+        spelt = "" if option == flag else f" (as {option!r}: argparse expands unambiguous prefixes)"
+        problems.append(f"spec.engine.args[{i}] must not set {flag}{spelt}: the operator sets it from the spec "
+                        "(use spec.model, spec.engine.maxModelLen / dtype / resources or spec.adapterPool)")
+    return problems
+
+
+def env_problems(env: Sequence[dict[str, Any]]) -> list[str]:
+    return [f"spec.engine.env[{i}].name {item.get('name')!r} is the engine's API key: the operator sets it "
+            "from the key the gateway presents (--engine-api-key-secret)"
+            for i, item in enumerate(env) if isinstance(item, dict) and item.get("name") in OWNED_ENV]
