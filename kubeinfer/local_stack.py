@@ -2,7 +2,8 @@
 
 Builds (or reuses) the demo model and its LoRA adapters, starts two engine replicas with the adapters
 placed on different replicas, and the gateway in front of them on http://127.0.0.1:8080, then prints
-what to try. Ctrl-C (or SIGTERM) stops everything: the gateway first, then the engines, which drain.
+what to try. Ctrl-C, or SIGINT or SIGTERM sent to this process alone, stops everything: the gateway
+first, then the engines, which drain.
 """
 from __future__ import annotations
 
@@ -100,9 +101,22 @@ def _instructions(port: int, metrics_port: int, engine_urls: list[str], adapters
     return "\n".join(lines)
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def handle_stop_signals() -> None:
+    """SIGINT and SIGTERM stop the stack, however it was started. Why explicit: a process started in the
+    background by a non-interactive shell (`kubeinfer local-stack &`, a CI script) inherits SIGINT
+    ignored, and Python then installs no handler of its own: a lone SIGINT did nothing."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+
+
 def run(args: argparse.Namespace) -> int:
     from kubeinfer.demo_model import build_demo_model
 
+    handle_stop_signals()
     demo = build_demo_model(args.demo_dir)
     adapters = sorted(p for p in (demo / "adapters").iterdir() if (p / "adapter_config.json").is_file())
     ports = [int(p) for p in args.engine_ports.split(",")]
@@ -114,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     replicas: list[Replica] = []
 
     def stop_all(*_) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
         for process in reversed(processes):  # gateway first, then engines (they drain)
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -123,7 +139,6 @@ def run(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 process.kill()
 
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         engine_urls = []
         for port, placed in zip(ports, placements(adapters, len(ports))):

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import httpx
 import openai
+import pytest
 from server_harness import free_port
 
 from kubeinfer.demo_model import DemoRecipe, build_demo_model
@@ -126,3 +127,48 @@ def test_local_stack_scales_an_idle_replica_to_zero_and_back_on_a_held_request(t
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+def _serving(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+        return True
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+def test_local_stack_stops_on_a_signal_to_its_own_process(tmp_path, sig):
+    """Started as a non-interactive shell starts a background job (`kubeinfer local-stack &`: SIGINT
+    inherited ignored), one signal sent to its pid alone (not its process group) stops the gateway and
+    both engines. Before: the lone SIGINT was ignored and the stack kept serving."""
+    demo = build_demo_model(tmp_path / "demo", recipe=QUICK, progress=False)
+    port, metrics_port, engines = free_port(), free_port(), [free_port(), free_port()]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubeinfer.cli", "local-stack", "--demo-dir", str(demo), "--port", str(port),
+         "--metrics-port", str(metrics_port), "--engine-ports", ",".join(map(str, engines))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        printed, deadline = [], time.time() + 120
+        for line in process.stdout:
+            printed.append(line)
+            if "metrics:" in line:
+                break
+            assert time.time() < deadline, "".join(printed)
+        assert _serving(port), "".join(printed)
+        children = _children(process.pid)
+        assert len(children) == 3  # two engines, the gateway
+        process.send_signal(sig)
+        assert process.wait(timeout=60) == 0
+        assert not any(_serving(p) for p in [port, *engines])
+    finally:
+        if process.poll() is None:  # the parent is stuck: stop what it started too
+            for pid in [*_children(process.pid), process.pid]:
+                os.kill(pid, signal.SIGKILL)
+            process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as file:
+        return [int(child) for child in file.read().split()]
