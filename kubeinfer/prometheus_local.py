@@ -124,6 +124,17 @@ class LocalPrometheus:
             time.sleep(0.2)
         raise TimeoutError(f"prometheus did not become ready on {self.url} within {timeout:g} s")
 
+    def wait_until_scraping(self, targets: int, timeout: float = 30.0) -> None:
+        """Until `targets` targets have been scraped successfully (discovery hands Prometheus its targets
+        in batches, the first about 5 s after the start)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            active = httpx.get(self.url + "/api/v1/targets", timeout=5).json()["data"]["activeTargets"]
+            if sum(t["health"] == "up" for t in active) >= targets:
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"prometheus did not scrape {targets} targets within {timeout:g} s: {active}")
+
     def query(self, expr: str) -> list[dict]:
         response = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=10)
         body = response.json()
