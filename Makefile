@@ -54,8 +54,10 @@ proto: setup
 
 # The whole stack locally: demo model (trained on first use, cached in .cache/demo-model), two engine
 # replicas with one adapter each, the gateway on http://127.0.0.1:8080. Ctrl-C stops it.
+# `make run RUN_ARGS=--prometheus`: a Prometheus beside it on :9091 (needs the prometheus binary).
+RUN_ARGS ?=
 run: setup
-	$(VENV)/bin/kubeinfer local-stack
+	$(VENV)/bin/kubeinfer local-stack $(RUN_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

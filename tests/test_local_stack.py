@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -172,3 +173,40 @@ def test_local_stack_stops_on_a_signal_to_its_own_process(tmp_path, sig):
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as file:
         return [int(child) for child in file.read().split()]
+
+
+@pytest.mark.slow  # about 30 s: the stack, then Prometheus' first target batch
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed (apt-get install prometheus)")
+def test_local_stack_starts_a_prometheus_beside_it(tmp_path):
+    """`--prometheus PORT`: the printed URL is a Prometheus that scrapes the gateway and both engines with
+    the chart's job names and loads the alert rules; it stops with the stack."""
+    demo = build_demo_model(tmp_path / "demo", recipe=QUICK, progress=False)
+    port, metrics_port, engines, prom = free_port(), free_port(), [free_port(), free_port()], free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubeinfer.cli", "local-stack", "--demo-dir", str(demo), "--port", str(port),
+         "--metrics-port", str(metrics_port), "--engine-ports", ",".join(map(str, engines)), "--prometheus", str(prom)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        printed, deadline = [], time.time() + 120
+        for line in process.stdout:
+            printed.append(line)
+            if "prometheus:" in line:
+                break
+            assert time.time() < deadline and "metrics:" not in "".join(printed[:-1]), "".join(printed)
+        assert f"http://127.0.0.1:{prom}/graph" in printed[-1]
+        scraped: dict = {}
+        while time.time() < deadline and len(scraped) < 3:  # discovery hands out targets after about 5 s
+            active = httpx.get(f"http://127.0.0.1:{prom}/api/v1/targets").json()["data"]["activeTargets"]
+            scraped = {t["scrapeUrl"]: t["labels"]["job"] for t in active if t["health"] == "up"}
+            time.sleep(0.5)
+        assert sorted(scraped.values()) == ["kubeinfer-engine", "kubeinfer-engine", "kubeinfer-gateway"]
+        rules = httpx.get(f"http://127.0.0.1:{prom}/api/v1/rules").json()["data"]["groups"]
+        assert {g["name"] for g in rules} == {"kubeinfer-engine", "kubeinfer-gateway"}
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            assert process.wait(timeout=60) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert not _serving(prom)
