@@ -62,7 +62,7 @@ class ResourceWatch:
                     self._apply(event)
             except CrdMissing:
                 raise
-            except Exception as error:  # API server hiccup, expired resourceVersion: list again shortly
+            except Exception as error:  # noqa: BLE001 - API server hiccup, expired resourceVersion: list again shortly
                 message = f"watching {self.plural} failed: {type(error).__name__}: {error}".splitlines()[0]
                 if message != self._last_error:
                     logger.warning("%s; listing again", message)

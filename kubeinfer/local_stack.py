@@ -120,9 +120,9 @@ def _instructions(port: int, metrics_port: int, engine_urls: list[str], adapters
         f"  metrics:  gateway http://127.0.0.1:{metrics_port}/metrics, engines "
         + ", ".join(u + "/metrics" for u in engine_urls), ""]
     if prometheus_url:
-        lines[-1:] = [f"  prometheus: {prometheus_url}/graph  (the queries of manifests/dashboards/kubeinfer.json, "
-                      "e.g. sum(rate(vllm:generation_tokens_total[1m])); alerts at "
-                      f"{prometheus_url}/alerts)", ""]
+        lines[-1:] = [(f"  prometheus: {prometheus_url}/graph  (the queries of manifests/dashboards/kubeinfer.json, "
+                       "e.g. sum(rate(vllm:generation_tokens_total[1m])); alerts at "
+                       f"{prometheus_url}/alerts)"), ""]
     return "\n".join(lines)
 
 

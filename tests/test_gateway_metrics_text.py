@@ -61,7 +61,7 @@ class MetricsOnlyEngine:
 
     async def __aenter__(self):
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.address = "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc):

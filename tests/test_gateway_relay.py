@@ -27,9 +27,9 @@ class ScriptedEngine:
     def __init__(self, answers: dict[bytes, tuple[int, str, bytes]]) -> None:
         self.answers, self.posted = answers, []
 
-    async def __aenter__(self) -> "ScriptedEngine":
+    async def __aenter__(self) -> ScriptedEngine:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.address = "127.0.0.1:%d" % self.server.sockets[0].getsockname()[1]
+        self.address = f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
         return self
 
     async def __aexit__(self, *exc) -> None:

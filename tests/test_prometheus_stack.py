@@ -13,11 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
 from chart_helpers import CHART, KUBE_VERSION, NAMESPACE, find, run_helm
-from kubeinfer.prometheus_local import CHART_MONITORS, LocalPrometheus, Target, binary, config
 from server_harness import RunningServer, free_port
 from test_chart import helm  # noqa: F401 - the session's helm binary
+
+from kubeinfer.prometheus_local import CHART_MONITORS, LocalPrometheus, Target, binary, config
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "manifests" / "dashboards" / "kubeinfer.json"
@@ -35,7 +35,7 @@ def chart_monitors(helm, tmp_path_factory) -> dict:  # noqa: F811
                       KUBE_VERSION, values={"monitoring": {"serviceMonitor": {"enabled": True}}}, tmp_path=tmp)
     objects = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     [service_monitor], [pod_monitor] = find(objects, "ServiceMonitor"), find(objects, "PodMonitor")
-    strip = lambda e: {k: v for k, v in e.items() if k != "port"}  # noqa: E731 - ports are the targets' here
+    strip = lambda e: {k: v for k, v in e.items() if k != "port"}
     return {"gateway": strip(service_monitor["spec"]["endpoints"][0]),
             "engines": strip(pod_monitor["spec"]["podMetricsEndpoints"][0])}
 
