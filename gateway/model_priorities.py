@@ -124,9 +124,12 @@ class ClusterPriorities:
         watch = self.watches[resource] = ResourceWatch(resource, self._publisher(resource), namespace=self.namespace,
                                                        api_client=self.api_client, resync=self.interval,
                                                        stop=self._stop)
+        said = False
         while not self._stop.is_set():
             try:
                 watch.run()
             except CrdMissing as missing:  # headers alone decide; a CRD installed later is found at a resync
-                logger.info("%s; leaving it out of routing until it appears", missing)
+                if not said:
+                    logger.info("%s; leaving it out of routing until it appears", missing)
+                said = True
                 self._stop.wait(self.interval)

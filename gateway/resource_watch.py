@@ -63,6 +63,8 @@ class ResourceWatch:
             except CrdMissing:
                 raise
             except Exception as error:  # noqa: BLE001 - API server hiccup, expired resourceVersion: list again shortly
+                if self._stop.is_set():
+                    return  # stop() closed the watch under it
                 message = f"watching {self.plural} failed: {type(error).__name__}: {error}".splitlines()[0]
                 if message != self._last_error:
                     logger.warning("%s; listing again", message)
