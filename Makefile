@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all bench bench-gpu test-gpu run proto clean clients-venv
+.PHONY: setup test test-all bench bench-gpu test-gpu run proto clean clients-venv images push container-engine
 
 setup: $(STAMP)
 
@@ -63,8 +63,34 @@ proto: setup
 
 # The whole stack locally: demo model (trained on first use, cached in .cache/demo-model), two engine
 # replicas with one adapter each, the gateway on http://127.0.0.1:8080. Ctrl-C stops it.
+# `make run RUN_ARGS=--prometheus`: a Prometheus beside it on :9091 (needs the prometheus binary).
+RUN_ARGS ?=
 run: setup
-	$(VENV)/bin/kubeinfer local-stack
+	$(VENV)/bin/kubeinfer local-stack $(RUN_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CLIENTS_VENV) .pytest_cache build *.egg-info
+
+# Container images, built from docker/*.Dockerfile with docker or podman (whichever is installed; or
+# CONTAINER_ENGINE=...). Names: $(REGISTRY)/engine:$(TAG) (GPU), $(REGISTRY)/engine:$(TAG)-cpu,
+# $(REGISTRY)/gateway:$(TAG), $(REGISTRY)/operator:$(TAG), which the chart pulls with
+# `--set imageRegistry=$(REGISTRY) --set imageTag=$(TAG)`. IMAGES picks some, e.g. IMAGES="engine-cpu gateway
+# operator" for a cluster without GPUs (the GPU image is several GB).
+REGISTRY ?= ghcr.io/kubeinfer
+TAG      ?= $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*/\1/p' charts/kubeinfer/Chart.yaml)
+ALL_IMAGES := engine-cpu engine-gpu gateway operator
+IMAGES   ?= $(ALL_IMAGES)
+CONTAINER_ENGINE ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+image_name = $(REGISTRY)/$(if $(filter engine-%,$(1)),engine:$(TAG)$(if $(filter engine-cpu,$(1)),-cpu),$(1):$(TAG))
+
+container-engine:
+	@test -n "$(CONTAINER_ENGINE)" || { echo "make: neither docker nor podman is installed: install one, or name it with CONTAINER_ENGINE=..." >&2; exit 1; }
+	@test -n "$(TAG)" || { echo "make: TAG is empty (give TAG=...)" >&2; exit 1; }
+	@test -z "$(filter-out $(ALL_IMAGES),$(IMAGES))" || { echo "make: unknown image(s) $(filter-out $(ALL_IMAGES),$(IMAGES)); IMAGES takes some of: $(ALL_IMAGES)" >&2; exit 1; }
+
+images: container-engine
+	$(foreach image,$(IMAGES),$(CONTAINER_ENGINE) build -f docker/$(image).Dockerfile -t $(call image_name,$(image)) . &&) true
+	@echo "built: $(foreach image,$(IMAGES),$(call image_name,$(image)))"
+
+push: images
+	$(foreach image,$(IMAGES),$(CONTAINER_ENGINE) push $(call image_name,$(image)) &&) true

@@ -62,6 +62,7 @@ class GatewayConfig:
     fair_queue: bool | None = None  # saturated models' requests wait at the gateway; None: on with tenants
     fair_queue_max_per_tenant: int = 128
     fair_queue_timeout: float = 30.0  # then routed as before, onto a saturated pod
+    model_resync: float = 60.0  # seconds between re-lists of InferenceModels/Objectives (the watch's safety net)
 
 
 class Gateway:
@@ -96,7 +97,7 @@ class Gateway:
             scale_targets: dict = {}
             self.priorities = ClusterPriorities(self.router.discovered_priorities, self.router.objective_priorities,
                                                 namespace=config.namespace, api_client=api_client,
-                                                scale_targets=scale_targets,
+                                                interval=config.model_resync, scale_targets=scale_targets,
                                                 fallbacks=self.router.fallbacks.discovered)
             self.scale_up = ScaleUp(scale_targets, api_client)
             self.router.scalable = scale_targets

@@ -101,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests of one tenant that may wait in the fair queue; beyond, 429 with Retry-After")
     parser.add_argument("--fair-queue-timeout", type=float, default=30.0,
                         help="seconds a request waits in the fair queue before it is routed to a saturated pod anyway")
+    parser.add_argument("--model-resync", type=float, default=60.0, metavar="SECONDS",
+                        help="InferenceModels and InferenceObjectives are watched (changes count at once); they are "
+                             "also listed again this often, a safety net for events a watch missed")
     parser.add_argument("--log-level", default="info")
 
 
@@ -131,7 +134,7 @@ def config_from_args(args: argparse.Namespace):
                          tenant_limit_scope=args.tenant_limit_scope, gateway_replicas=max(1, args.gateway_replicas),
                          usage_log=args.usage_log, fallbacks=list(args.fallback), fair_queue=args.fair_queue,
                          fair_queue_max_per_tenant=max(1, args.fair_queue_max_per_tenant),
-                         fair_queue_timeout=args.fair_queue_timeout,
+                         fair_queue_timeout=args.fair_queue_timeout, model_resync=max(1.0, args.model_resync),
                          upstream=UpstreamConfig(connect_timeout=args.upstream_connect_timeout,
                                                  first_byte_timeout=args.upstream_first_byte_timeout,
                                                  idle_timeout=args.upstream_idle_timeout,

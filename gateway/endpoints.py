@@ -36,8 +36,9 @@ class EngineState:
 
 
 def parse_engine_metrics(text: str) -> EngineState:
-    """Read the gauges the picker needs; series of several models on one pod are summed."""
-    state = EngineState()
+    """Read the gauges the picker needs; series of several models on one pod are summed. The reference
+    for metrics_text.read_engine_metrics, which the scraper uses (it reads only these four names)."""
+    state, latest_lora = EngineState(), float("-inf")
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == "vllm:num_requests_waiting":
@@ -46,8 +47,8 @@ def parse_engine_metrics(text: str) -> EngineState:
                 state.running += sample.value
             elif sample.name == "vllm:kv_cache_usage_perc":
                 state.kv_usage = max(state.kv_usage, sample.value)
-            elif sample.name == "vllm:lora_requests_info":
-                labels = sample.labels
+            elif sample.name == "vllm:lora_requests_info" and sample.value >= latest_lora:
+                labels, latest_lora = sample.labels, sample.value  # its value is when it was set: the latest wins
                 state.running_adapters = _names(labels.get("running_lora_adapters", ""))
                 state.waiting_adapters = _names(labels.get("waiting_lora_adapters", ""))
                 state.max_loras = int(float(labels.get("max_lora", "0") or 0))

@@ -22,6 +22,8 @@ Tenants (tenant_gate.py): a request's tenant slot is held until its response end
 the stream; its usage is read from the response body when Envoy sends it (response_body_mode STREAMED
 or FULL_DUPLEX_STREAMED), else its token charge stays the admission estimate and its status is unknown.
 A fallback model is used only in full duplex, the one mode where the body (its `model`) can be rewritten.
+Only the routes of routes.py pass: any other `:method` `:path` is answered at the request headers with
+an ImmediateResponse (404, or 403 for adapter management) and never reaches an engine.
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from google.protobuf import struct_pb2
 from ..grpc_health import HealthCheckedServer
 from .deadline import TIMEOUT_HEADER, remaining_ms_header
 from .picker import Decision, RoutingError
+from .routes import route_of
 from .routing import Router
 
 logger = logging.getLogger(__name__)
@@ -48,8 +51,8 @@ SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-en
 SERVED_KEY = "x-gateway-destination-endpoint-served"  # in envoy.lb, on the response: where a retry landed
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 HEALTH_SERVICES = ("envoy.service.ext_proc.v3.ExternalProcessor", "liveness", "readiness")
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 429: "RateLimitError", 502: "BadGatewayError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+               429: "RateLimitError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 _PASS_THROUGH = {
     "response_headers": lambda: ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
     "response_body": lambda: ep.ProcessingResponse(response_body=ep.BodyResponse()),
@@ -158,6 +161,10 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                 phase = message.WhichOneof("request")
                 if phase == "request_headers":
                     headers, subset = header_map(message.request_headers.headers), subset_hint(message)
+                    route = route_of(headers.get(":method", ""), headers.get(":path", ""))
+                    if route.kind == "refused":  # not an inference route: answered here, never sent on
+                        yield refused(RoutingError(route.status, route.message))
+                        return
                     if message.request_headers.end_of_stream:  # no body follows (GET): route on headers alone
                         replies, decision, ticket = await self.decide(phase, headers, b"", subset)
                         for reply in replies:

@@ -1,7 +1,7 @@
 """Fallback models: where a request goes when its model cannot serve it.
 
 Two sources, the static one first: `--fallback MODEL=OTHER` (repeatable, in order) and the
-InferenceModels' `spec.routing.fallback: [OTHER, ...]` (polled by model_priorities.ClusterPriorities).
+InferenceModels' `spec.routing.fallback: [OTHER, ...]` (watched by model_priorities.ClusterPriorities).
 The router moves a request to the first fallback that can serve when its model has no ready pod, when
 every pod of it is saturated, or (proxy mode) when every pod of it failed before the first byte. The
 body's `model` is rewritten, so the engine's response names the model that served.

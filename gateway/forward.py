@@ -39,6 +39,8 @@ from .upstream import (
 logger = logging.getLogger(__name__)
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
               "proxy-authorization", "proxy-authenticate"}
+# Set by the gateway's own HTTP server on every response: the engine's copies would make each appear twice.
+SERVER_SET = {"date", "server"}
 CLIENT_CLOSED = 499  # nginx's convention; nobody receives it, the client is gone
 
 
@@ -63,6 +65,18 @@ class Refusal:
 
     def response(self) -> Response:
         return Response(self.body, status_code=self.status, headers=self.headers)
+
+
+def relayed_headers(headers: httpx.Headers) -> dict[str, str]:
+    """An engine's response headers as the client gets them: without hop-by-hop ones (those the standard
+    names and those its `Connection` header names) and without the ones the gateway's server sets."""
+    named = {h.strip().lower() for h in headers.get("connection", "").split(",") if h.strip()}
+    dropped = HOP_BY_HOP | SERVER_SET | named
+    out: dict[str, str] = {}
+    for key, value in headers.multi_items():
+        if key.lower() not in dropped:
+            out[key] = f"{out[key]}, {value}" if key in out else value  # repeated headers folded into one
+    return out
 
 
 def _model_missing(response: httpx.Response, body: bytes) -> bool:
@@ -134,7 +148,7 @@ class Forwarder:
             if budget is not None:  # what the gateway did not spend, for the engine to honour
                 headers[TIMEOUT_HEADER] = budget
             client, release = self.clients.acquire()
-            upstream = client.build_request("POST", f"{endpoint.url}/v1/{path}", content=body, headers=headers,
+            upstream = client.build_request("POST", f"{endpoint.url}{path}", content=body, headers=headers,
                                             params=request.query_params)
             try:
                 response = await self._send(client, upstream, request)
@@ -155,12 +169,12 @@ class Forwarder:
                 logger.warning("endpoint %s failed before answering: %s", endpoint.address, describe(error))
                 continue
             if response.status_code in RETRY_ELSEWHERE and attempt + 1 < self.config.max_attempts:
-                refused = await self._read_refusal(response, endpoint, sent, routing_request)
+                refusal, retry = await self._read_refusal(response, endpoint, sent, routing_request)
                 release()
-                if refused is not None:
-                    refusal = refused
+                if retry:
                     metrics.retries.labels(retry_reason(status=response.status_code)).inc()
                     continue
+                return refusal.response()  # final (a 404 every pod would give): the engine's answer, read whole
             return self._relay(response, endpoint, sent, model, start, release, routing_request.ticket)
         if refusal is not None:  # every endpoint refused: the last engine's own answer, Retry-After and all
             metrics.errors.labels(model, str(refusal.status)).inc()
@@ -204,8 +218,9 @@ class Forwarder:
             raise FirstByteTimeout(f"no response within {self.config.first_byte_timeout:g} s") from None
 
     async def _read_refusal(self, response: httpx.Response, endpoint: Endpoint, sent: float,
-                            request: RoutingRequest) -> Refusal | None:
-        """Reads a refusal whole; None when it is final (a 404 that is not about the model)."""
+                            request: RoutingRequest) -> tuple[Refusal, bool]:
+        """Reads a refusal whole; with whether another pod may take the request (not for a 404 that is
+        not about the model: an unknown route, which every pod would answer the same)."""
         try:
             body = await response.aread()
         except httpx.HTTPError:
@@ -213,12 +228,12 @@ class Forwarder:
         finally:
             await response.aclose()
             endpoint.record_finish(sent)
+        refusal = Refusal(response.status_code, relayed_headers(response.headers), body)
         if response.status_code == 404:
             if not _model_missing(response, body):
-                return None
+                return refusal, False
             endpoint.drop_model(request.model)  # placement said so, the pod disagrees: believe the pod
-        headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
-        return Refusal(response.status_code, headers, body)
+        return refusal, True
 
     def _relay(self, response: httpx.Response, endpoint: Endpoint, sent: float, model: str,
                start: float, release, ticket=None) -> Response:
@@ -241,7 +256,7 @@ class Forwarder:
             if ticket is not None:
                 ticket.finish(response.status_code if relay.completed else 502 if relay.error else CLIENT_CLOSED)
 
-        out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
+        out_headers = relayed_headers(response.headers)
         out_headers["x-gateway-destination-endpoint"] = endpoint.address
         return UpstreamStream(relay, response.status_code, out_headers, finish)
 

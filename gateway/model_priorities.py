@@ -1,13 +1,16 @@
-"""Routing priorities from the cluster, polled from the API server on a thread; the router reads the
-latest maps. Below zero a request is sheddable.
+"""Routing priorities from the cluster, watched through the API server (resource_watch.py: a list,
+then a watch, re-listed every `resync` seconds as a safety net); the router reads the latest maps.
+Below zero a request is sheddable.
 
   * our InferenceModels: a model (and its adapters) gets its `spec.routing.priority`;
   * the Inference Extension's InferenceObjectives (`inference.networking.x-k8s.io/v1alpha2`): a request
     naming one in the `x-gateway-inference-objective` header gets its `spec.priority`.
-The same InferenceModel listing gives each model's fallbacks (`spec.routing.fallback`) and names what
-to scale up when a request finds a model at zero
-(`scale_targets_of`, for scale_up.ScaleUp).
-A resource whose CRD is not installed is left out, and headers alone decide for it."""
+The same InferenceModels give each model's fallbacks (`spec.routing.fallback`) and name what to scale
+up when a request finds a model at zero (`scale_targets_of`, for scale_up.ScaleUp). A model created
+or edited counts within a watch event's delay (milliseconds), so its first request is held or routed.
+A resource whose CRD is not installed is left out (headers alone decide for it) and looked for again
+every `resync` seconds.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from .fallback import fallbacks_of
+from .resource_watch import CrdMissing, ResourceWatch
 
 logger = logging.getLogger(__name__)
 INFERENCE_MODELS = ("serving.kubeinfer.io", "v1alpha1", "inferencemodels")
@@ -78,10 +82,11 @@ def objective_priorities_of(objectives: list[dict]) -> dict[str, int]:
 
 class ClusterPriorities:
     def __init__(self, models: dict[str, int], objectives: dict[str, int], *, namespace: str | None, api_client,
-                 interval: float = 10.0, scale_targets: dict[str, ScaleTarget] | None = None,
+                 interval: float = 60.0, scale_targets: dict[str, ScaleTarget] | None = None,
                  fallbacks: dict[str, list[str]] | None = None) -> None:
-        """Keeps `models` (served name -> priority), `objectives` (objective name -> priority) and
-        `scale_targets` (served name -> InferenceModel) current."""
+        """Keeps `models` (served name -> priority), `objectives` (objective name -> priority),
+        `scale_targets` (served name -> InferenceModel) and `fallbacks` current. `interval`: seconds
+        between the re-lists that back the watch up."""
         self.namespace, self.api_client, self.interval = namespace, api_client, interval
         self.sources = {INFERENCE_MODELS: [(priorities_of, models)],
                         INFERENCE_OBJECTIVES: [(objective_priorities_of, objectives)]}
@@ -89,42 +94,42 @@ class ClusterPriorities:
             self.sources[INFERENCE_MODELS].append((scale_targets_of, scale_targets))
         if fallbacks is not None:  # served name -> spec.routing.fallback
             self.sources[INFERENCE_MODELS].append((fallbacks_of, fallbacks))
+        self.watches: dict[tuple[str, str, str], ResourceWatch] = {}
         self._stop = threading.Event()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        threading.Thread(target=self._run, name="model-priorities", daemon=True).start()
+        for resource in self.sources:
+            threading.Thread(target=self._run, args=(resource,), name=f"watch-{resource[2]}", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
+        for watch in list(self.watches.values()):
+            watch.stop()
 
-    def _publish(self, target: dict, priorities: dict) -> None:
-        def apply() -> None:
-            target.clear()
-            target.update(priorities)
-        self.loop.call_soon_threadsafe(apply)
+    def _publisher(self, resource: tuple[str, str, str]):
+        readers = self.sources[resource]
 
-    def _run(self) -> None:
-        from kubernetes import client
-        from kubernetes.client.exceptions import ApiException
+        def publish(objects: list[dict]) -> None:
+            parsed = [(target, parse(objects)) for parse, target in readers]  # parsed here, off the loop
 
-        api = client.CustomObjectsApi(self.api_client)
-        while not self._stop.is_set() and self.sources:
-            for resource, readers in list(self.sources.items()):
-                group, version, plural = resource
-                try:
-                    if self.namespace:
-                        listing = api.list_namespaced_custom_object(group, version, self.namespace, plural)
-                    else:
-                        listing = api.list_cluster_custom_object(group, version, plural)
-                    for parse, target in readers:
-                        self._publish(target, parse(listing.get("items", [])))
-                except ApiException as error:
-                    if error.status == 404:  # the CRD is not installed: headers alone decide
-                        logger.info("no %s CRD (%s/%s); leaving it out of routing priorities", plural, group, version)
-                        del self.sources[resource]
-                    else:
-                        logger.warning("listing %s failed: %s", plural, error)
-                except Exception as error:
-                    logger.warning("listing %s failed: %s", plural, error)
-            self._stop.wait(self.interval)
+            def apply() -> None:
+                for target, values in parsed:
+                    target.clear()
+                    target.update(values)
+            self.loop.call_soon_threadsafe(apply)
+        return publish
+
+    def _run(self, resource: tuple[str, str, str]) -> None:
+        watch = self.watches[resource] = ResourceWatch(resource, self._publisher(resource), namespace=self.namespace,
+                                                       api_client=self.api_client, resync=self.interval,
+                                                       stop=self._stop)
+        said = False
+        while not self._stop.is_set():
+            try:
+                watch.run()
+            except CrdMissing as missing:  # headers alone decide; a CRD installed later is found at a resync
+                if not said:
+                    logger.info("%s; leaving it out of routing until it appears", missing)
+                said = True
+                self._stop.wait(self.interval)

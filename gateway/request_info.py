@@ -24,7 +24,14 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 
 def prompt_text(body: dict) -> str:
-    """The text prefix affinity hashes: a completion's prompt, or a chat's messages in order."""
+    """The text prefix affinity hashes: a completion's prompt, a chat's messages in order, or a
+    response's instructions and input (a string, or items shaped like messages)."""
+    if "input" in body and "messages" not in body:  # the Responses API
+        given = body.get("input")
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        instructions = body.get("instructions")
+        head = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+        return prompt_text({"messages": head + (items if isinstance(items, list) else [])})
     if "messages" in body:
         parts = []
         for message in body.get("messages") or []:
@@ -68,7 +75,7 @@ def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities:
             priority = int(header)
         except ValueError:
             raise RoutingError(400, f"{PRIORITY_HEADER} must be an integer, got {header!r}") from None
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
     return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0, priority=priority,
                           max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
                           deadline=deadline_of(headers))

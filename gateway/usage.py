@@ -3,7 +3,8 @@ and as one JSON line per request in `--usage-log FILE` (for chargeback).
 
 The engines report `usage` ({prompt_tokens, completion_tokens, prompt_tokens_details.cached_tokens}) in
 every non-streamed response, and in the last event of a stream when the client asked for
-`stream_options.include_usage`. UsageScanner reads it from the response bytes as they pass, keeping
+`stream_options.include_usage`; a response of the Responses API reports {input_tokens, output_tokens,
+input_tokens_details.cached_tokens}, streamed in its `response.completed` event. UsageScanner reads it from the response bytes as they pass, keeping
 only a bounded buffer. A stream without it reports no usage: its tokens are not counted (the token
 limit keeps the admission estimate), its request still is.
 
@@ -61,6 +62,8 @@ class UsageScanner:
         except (ValueError, UnicodeDecodeError):
             return
         if isinstance(document, dict):
+            if isinstance(document.get("response"), dict):  # a Responses API stream event
+                document = document["response"]
             if isinstance(document.get("usage"), dict):
                 self.usage = document["usage"]
             if isinstance(document.get("model"), str):
@@ -82,9 +85,14 @@ def token_counts(usage: dict | None) -> tuple[int, int, int] | None:
 
     def number(value) -> int:
         return value if isinstance(value, int) and value >= 0 else 0
-    details = usage.get("prompt_tokens_details") or {}
-    return (number(usage.get("prompt_tokens")), number(details.get("cached_tokens") if isinstance(details, dict)
-                                                       else 0), number(usage.get("completion_tokens")))
+    if "input_tokens" in usage:  # the Responses API's names
+        details = usage.get("input_tokens_details") or {}
+        prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+    else:
+        details = usage.get("prompt_tokens_details") or {}
+        prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (number(prompt), number(details.get("cached_tokens") if isinstance(details, dict) else 0),
+            number(completion))
 
 
 class UsageRecorder:

@@ -2,16 +2,19 @@
 
 Builds (or reuses) the demo model and its LoRA adapters, starts two engine replicas with the adapters
 placed on different replicas, and the gateway in front of them on http://127.0.0.1:8080, then prints
-what to try. Ctrl-C (or SIGTERM) stops everything: the gateway first, then the engines, which drain.
+what to try. Ctrl-C, or SIGINT or SIGTERM sent to this process alone, stops everything: the gateway
+first, then the engines, which drain.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,6 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scale-to-zero", type=float, default=None, metavar="SECONDS",
                         help="stop an engine replica idle for SECONDS and start it again when the gateway holds a "
                              "request for it (watch kubeinfer_gateway_requests_held on the gateway's metrics)")
+    parser.add_argument("--prometheus", nargs="?", type=int, const=9091, default=None, metavar="PORT",
+                        help="also start a Prometheus (the `prometheus` binary, e.g. Debian's package) on PORT "
+                             "(default 9091) scraping the gateway and the engines with the chart's scrape "
+                             "configuration and loading the alert rules; prints where to graph the dashboard's queries")
     parser.add_argument("--speculative", nargs="?", const="draft", choices=("draft", "ngram"), default=None,
                         help="engines decode speculatively (--speculative-config): with the demo's draft model "
                              "(the default), or n-gram")
@@ -75,7 +82,22 @@ def _wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
     raise SystemExit(f"local-stack: {url} did not become ready within {timeout:.0f} s")
 
 
-def _instructions(port: int, metrics_port: int, engine_urls: list[str], adapters: list[str]) -> str:
+def start_prometheus(port: int, metrics_port: int, engine_urls: list[str], directory: Path):
+    """A LocalPrometheus scraping this stack every 5 s, or None (with the reason printed) without the binary."""
+    from kubeinfer.prometheus_local import LocalPrometheus, Target, binary, config
+
+    if binary() is None:
+        print("local-stack: --prometheus: no `prometheus` binary on PATH (Debian/Ubuntu: apt-get install prometheus); "
+              "going on without it", file=sys.stderr, flush=True)
+        return None
+    engines = [Target(url.removeprefix("http://"), "local", f"engine-{i}",
+                      {"serving.kubeinfer.io/inference-model": SERVED_NAME}) for i, url in enumerate(engine_urls)]
+    gateway = [Target(f"127.0.0.1:{metrics_port}", "local", "gateway")]
+    return LocalPrometheus(config(gateway, engines, interval="5s"), directory, port).start()
+
+
+def _instructions(port: int, metrics_port: int, engine_urls: list[str], adapters: list[str],
+                  prometheus_url: str | None = None) -> str:
     url = f"http://127.0.0.1:{port}"
     lines = [
         "", f"kubeinfer is serving on {url}  (Ctrl-C stops everything)", "",
@@ -97,12 +119,29 @@ def _instructions(port: int, metrics_port: int, engine_urls: list[str], adapters
         "    EOF", "",
         f"  metrics:  gateway http://127.0.0.1:{metrics_port}/metrics, engines "
         + ", ".join(u + "/metrics" for u in engine_urls), ""]
+    if prometheus_url:
+        lines[-1:] = [(f"  prometheus: {prometheus_url}/graph  (the queries of manifests/dashboards/kubeinfer.json, "
+                       "e.g. sum(rate(vllm:generation_tokens_total[1m])); alerts at "
+                       f"{prometheus_url}/alerts)"), ""]
     return "\n".join(lines)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def handle_stop_signals() -> None:
+    """SIGINT and SIGTERM stop the stack, however it was started. Why explicit: a process started in the
+    background by a non-interactive shell (`kubeinfer local-stack &`, a CI script) inherits SIGINT
+    ignored, and Python then installs no handler of its own: a lone SIGINT did nothing."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
 
 
 def run(args: argparse.Namespace) -> int:
     from kubeinfer.demo_model import build_demo_model
 
+    handle_stop_signals()
     demo = build_demo_model(args.demo_dir)
     adapters = sorted(p for p in (demo / "adapters").iterdir() if (p / "adapter_config.json").is_file())
     ports = [int(p) for p in args.engine_ports.split(",")]
@@ -112,8 +151,13 @@ def run(args: argparse.Namespace) -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     processes: list[subprocess.Popen] = []
     replicas: list[Replica] = []
+    stoppers: list = []  # what else to stop first (a Prometheus)
 
     def stop_all(*_) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        for stop in stoppers:
+            stop()
         for process in reversed(processes):  # gateway first, then engines (they drain)
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -123,7 +167,6 @@ def run(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 process.kill()
 
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         engine_urls = []
         for port, placed in zip(ports, placements(adapters, len(ports))):
@@ -146,7 +189,15 @@ def run(args: argparse.Namespace) -> int:
                                            "--endpoints", ",".join(engine_urls), "--log-level", "warning",
                                            "--forward-priority"], env=env))
         _wait_ready(f"http://127.0.0.1:{args.port}", processes[-1], 60)
-        print(_instructions(args.port, args.metrics_port, engine_urls, [a.name for a in adapters]), flush=True)
+        prometheus = None
+        if args.prometheus is not None:
+            data = Path(tempfile.mkdtemp(prefix="kubeinfer-prometheus-"))
+            stoppers.append(lambda: shutil.rmtree(data, ignore_errors=True))
+            prometheus = start_prometheus(args.prometheus, args.metrics_port, engine_urls, data)
+            if prometheus is not None:
+                stoppers.insert(0, prometheus.stop)
+        print(_instructions(args.port, args.metrics_port, engine_urls, [a.name for a in adapters],
+                            prometheus.url if prometheus else None), flush=True)
         scaler = (LocalScaler(replicas, f"http://127.0.0.1:{args.metrics_port}/metrics", args.scale_to_zero)
                   if args.scale_to_zero is not None else None)
         while processes[-1].poll() is None and all(r.running for r in replicas

@@ -113,44 +113,6 @@ async def test_discovery_follows_pods_of_an_inference_pool():
                 discovery.stop()
 
 
-def test_cluster_priorities_skip_a_resource_whose_crd_is_missing(monkeypatch):
-    """No InferenceObjective CRD in this cluster: InferenceModels still count, objectives are left out."""
-    import asyncio
-    import threading
-
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
-
-    from kubeinfer.gateway.model_priorities import ClusterPriorities
-
-    calls = []
-
-    class FakeApi:
-        def __init__(self, api_client) -> None:
-            pass
-
-        def list_namespaced_custom_object(self, group, version, namespace, plural):
-            calls.append(plural)
-            if plural == "inferenceobjectives":
-                raise ApiException(status=404)
-            return {"items": [{"metadata": {"name": "llama"}, "spec": {"routing": {"priority": -1}}}]}
-
-    monkeypatch.setattr(client, "CustomObjectsApi", FakeApi)
-    models, objectives = {}, {"stale": 1}
-    poller = ClusterPriorities(models, objectives, namespace="ns", api_client=None, interval=0.01)
-    poller.loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=poller._run)
-    thread.start()
-    while calls.count("inferencemodels") < 3:
-        poller.loop.run_until_complete(asyncio.sleep(0.01))
-    poller.stop()
-    thread.join()
-    poller.loop.run_until_complete(asyncio.sleep(0))  # apply what the thread published
-    poller.loop.close()
-    assert models == {"llama": -1} and objectives == {"stale": 1}
-    assert calls.count("inferenceobjectives") == 1  # asked once, then left out
-
-
 def test_objective_priorities_of_inference_objectives():
     from kubeinfer.gateway.model_priorities import objective_priorities_of
 

@@ -101,7 +101,8 @@ def _messages(body: dict):
 
     duplex = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
     first = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")])))
+        headers=[base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+                 base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")])))
     first.protocol_config.request_body_mode = duplex
     return [first, ep.ProcessingRequest(request_body=ep.HttpBody(body=json.dumps(body).encode(), end_of_stream=True))]
 

@@ -260,8 +260,8 @@ async def test_models_through_the_gateway_are_the_engines_cards():
             assert (sql.parent, sql.root, sql.max_model_len) == ("base", "/models/sql", 512)
             with pytest.raises(openai.NotFoundError):
                 await client.models.retrieve("nope")
-            async with httpx.AsyncClient() as http:  # unknown methods answer in OpenAI's shape too
+            async with httpx.AsyncClient() as http:  # unknown methods: 404 in OpenAI's shape (issue 33), as OpenAI does
                 wrong = await http.delete(f"http://127.0.0.1:{gateway.ports['proxy']}/v1/models/sql")
-            assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+            assert wrong.status_code == 404 and wrong.json()["error"]["code"] == 404
         finally:
             await gateway.stop()

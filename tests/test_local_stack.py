@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from dataclasses import replace
 
 import httpx
 import openai
+import pytest
 from server_harness import free_port
 
 from kubeinfer.demo_model import DemoRecipe, build_demo_model
@@ -126,3 +128,85 @@ def test_local_stack_scales_an_idle_replica_to_zero_and_back_on_a_held_request(t
         finally:
             if process.poll() is None:
                 process.kill()
+
+
+def _serving(port: int) -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+        return True
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])
+def test_local_stack_stops_on_a_signal_to_its_own_process(tmp_path, sig):
+    """Started as a non-interactive shell starts a background job (`kubeinfer local-stack &`: SIGINT
+    inherited ignored), one signal sent to its pid alone (not its process group) stops the gateway and
+    both engines. Before: the lone SIGINT was ignored and the stack kept serving."""
+    demo = build_demo_model(tmp_path / "demo", recipe=QUICK, progress=False)
+    port, metrics_port, engines = free_port(), free_port(), [free_port(), free_port()]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubeinfer.cli", "local-stack", "--demo-dir", str(demo), "--port", str(port),
+         "--metrics-port", str(metrics_port), "--engine-ports", ",".join(map(str, engines))],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        printed, deadline = [], time.time() + 120
+        for line in process.stdout:
+            printed.append(line)
+            if "metrics:" in line:
+                break
+            assert time.time() < deadline, "".join(printed)
+        assert _serving(port), "".join(printed)
+        children = _children(process.pid)
+        assert len(children) == 3  # two engines, the gateway
+        process.send_signal(sig)
+        assert process.wait(timeout=60) == 0
+        assert not any(_serving(p) for p in [port, *engines])
+    finally:
+        if process.poll() is None:  # the parent is stuck: stop what it started too
+            for pid in [*_children(process.pid), process.pid]:
+                os.kill(pid, signal.SIGKILL)
+            process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as file:
+        return [int(child) for child in file.read().split()]
+
+
+@pytest.mark.slow  # about 30 s: the stack, then Prometheus' first target batch
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="prometheus is not installed (apt-get install prometheus)")
+def test_local_stack_starts_a_prometheus_beside_it(tmp_path):
+    """`--prometheus PORT`: the printed URL is a Prometheus that scrapes the gateway and both engines with
+    the chart's job names and loads the alert rules; it stops with the stack."""
+    demo = build_demo_model(tmp_path / "demo", recipe=QUICK, progress=False)
+    port, metrics_port, engines, prom = free_port(), free_port(), [free_port(), free_port()], free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kubeinfer.cli", "local-stack", "--demo-dir", str(demo), "--port", str(port),
+         "--metrics-port", str(metrics_port), "--engine-ports", ",".join(map(str, engines)), "--prometheus", str(prom)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        printed, deadline = [], time.time() + 120
+        for line in process.stdout:
+            printed.append(line)
+            if "prometheus:" in line:
+                break
+            assert time.time() < deadline and "metrics:" not in "".join(printed[:-1]), "".join(printed)
+        assert f"http://127.0.0.1:{prom}/graph" in printed[-1]
+        scraped: dict = {}
+        while time.time() < deadline and len(scraped) < 3:  # discovery hands out targets after about 5 s
+            active = httpx.get(f"http://127.0.0.1:{prom}/api/v1/targets").json()["data"]["activeTargets"]
+            scraped = {t["scrapeUrl"]: t["labels"]["job"] for t in active if t["health"] == "up"}
+            time.sleep(0.5)
+        assert sorted(scraped.values()) == ["kubeinfer-engine", "kubeinfer-engine", "kubeinfer-gateway"]
+        rules = httpx.get(f"http://127.0.0.1:{prom}/api/v1/rules").json()["data"]["groups"]
+        assert {g["name"] for g in rules} == {"kubeinfer-engine", "kubeinfer-gateway"}
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            assert process.wait(timeout=60) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert not _serving(prom)

@@ -25,8 +25,9 @@ EXAMPLES = sorted((MANIFESTS / "examples").glob("*.yaml"))
 
 @pytest.fixture(scope="module")
 def exported() -> dict[str, str]:
-    """Every series name the engine (DESIGN.md's contract) and the gateway (its registry) export."""
-    return {**promql.engine_names(), **promql.gateway_names()}
+    """Every series name the engine (DESIGN.md's contract) and the gateway (its registry) export, and
+    Prometheus' own `up` of each scrape target."""
+    return {**promql.engine_names(), **promql.gateway_names(), "up": "gauge"}
 
 
 # -- example InferenceModels ---------------------------------------------------------------------------
@@ -262,4 +263,4 @@ def test_alerts_cover_the_failure_modes(rules):
     by_metric = {name for rule in rules for name in promql.metric_names(rule["expr"])}
     assert {"vllm:time_to_first_token_seconds_bucket", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "vllm:num_preemptions_total", "inference_pool_ready_pods",
-            "inference_model_request_error_total"} <= by_metric
+            "inference_model_request_error_total", "up"} <= by_metric

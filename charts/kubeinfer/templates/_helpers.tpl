@@ -38,12 +38,19 @@ app.kubernetes.io/component: {{ .component }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
-{{/* "repository:tag" or "repository@digest"; the tag defaults to the chart's appVersion. */}}
+{{/* "registry/repository:tag" or "registry/repository@digest". The registry (imageRegistry) prefixes a
+repository that is a bare name (no "/"); a repository with a "/" is a full image name and is used as it
+is. The tag: the image's own, else imageTag, else the chart's appVersion. */}}
 {{- define "kubeinfer.image" -}}
+{{- $registry := trimSuffix "/" (.root.Values.imageRegistry | default "") }}
+{{- $repository := .image.repository }}
+{{- if and $registry (not (contains "/" $repository)) }}
+{{- $repository = printf "%s/%s" $registry $repository }}
+{{- end }}
 {{- if .image.digest }}
-{{- printf "%s@%s" .image.repository .image.digest }}
+{{- printf "%s@%s" $repository .image.digest }}
 {{- else }}
-{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- printf "%s:%s" $repository (.image.tag | default .root.Values.imageTag | default .root.Chart.AppVersion) }}
 {{- end }}
 {{- end }}
 
