@@ -13,6 +13,7 @@ from typing import TypeVar
 
 from ...core.async_engine import AsyncEngine
 from ..metrics import EngineMetrics
+from ..request_limits import max_prompt_chars
 
 T = TypeVar("T")
 
@@ -28,12 +29,15 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     metrics: EngineMetrics | None = None
     tool_call_parser: str | None = None  # set by --enable-auto-tool-choice --tool-call-parser: tool_choice "auto"
-    # One thread for tokenizers and chat templates: off the event loop, and never two encodes at once on
-    # the same tokenizer (fast tokenizers are not safe to share between threads that change settings).
-    tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+    max_prompt_chars: int | None = None  # --max-prompt-chars; None: request_limits derives it from the context
+    # A few threads for tokenizers and chat templates, off the event loop: a long prompt holds one of them,
+    # not every request behind it. They share the tokenizer: encoding only reads it (nothing here changes
+    # its truncation or padding, the one thing a fast tokenizer cannot do while another thread encodes).
+    tokenizer_pool_size: int = 4
 
     def __post_init__(self) -> None:
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(max(1, self.tokenizer_pool_size),
+                                                                    thread_name_prefix="tokenizer")
         self.metrics = self.metrics or EngineMetrics(self.async_engine, self.served_model_name)
         lora = self.engine.lora
         taken = [*lora.registered, *lora.retiring] if lora else []
@@ -59,5 +63,9 @@ class ServerState:
         return self.async_engine.engine
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
-        """Run `fn` (tokenization, a chat template) on the tokenizer thread and await its result."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn)
+        """Run `fn` (tokenization, a chat template) on a tokenizer thread and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn)
+
+    @property
+    def prompt_char_limit(self) -> int:
+        return max_prompt_chars(self.engine.max_model_len, self.max_prompt_chars)
