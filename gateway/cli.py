@@ -6,7 +6,9 @@ import asyncio
 import logging
 import signal
 
+from ..http_guard import add_http_limit_arguments, guard_from_args
 from .discovery import parse_selector
+from .engine_auth import engine_key_from_env
 from .fallback import parse_fallback
 from .picker import DEFAULT_WEIGHTS, POLICIES, PickerConfig
 from .tenant_limits import SCOPES
@@ -101,6 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests of one tenant that may wait in the fair queue; beyond, 429 with Retry-After")
     parser.add_argument("--fair-queue-timeout", type=float, default=30.0,
                         help="seconds a request waits in the fair queue before it is routed to a saturated pod anyway")
+    parser.add_argument("--engine-api-key", default=engine_key_from_env(),
+                        help="key presented to engines as 'Authorization: Bearer KEY' on everything sent to them, in "
+                             "place of the client's (env KUBEINFER_ENGINE_API_KEY; the engines' --api-key)")
+    parser.add_argument("--trust-priority-headers", action="store_true",
+                        help="take x-gateway-inference-priority / x-gateway-inference-objective from requests (a "
+                             "trusted proxy in front sets them); off: clients cannot set their own priority")
+    add_http_limit_arguments(parser, max_concurrent_requests=8192)
     parser.add_argument("--log-level", default="info")
 
 
@@ -131,7 +140,9 @@ def config_from_args(args: argparse.Namespace):
                          tenant_limit_scope=args.tenant_limit_scope, gateway_replicas=max(1, args.gateway_replicas),
                          usage_log=args.usage_log, fallbacks=list(args.fallback), fair_queue=args.fair_queue,
                          fair_queue_max_per_tenant=max(1, args.fair_queue_max_per_tenant),
-                         fair_queue_timeout=args.fair_queue_timeout,
+                         fair_queue_timeout=args.fair_queue_timeout, engine_api_key=args.engine_api_key,
+                         trust_priority_headers=args.trust_priority_headers, guard=guard_from_args(args),
+                         header_read_timeout=args.header_read_timeout,
                          upstream=UpstreamConfig(connect_timeout=args.upstream_connect_timeout,
                                                  first_byte_timeout=args.upstream_first_byte_timeout,
                                                  idle_timeout=args.upstream_idle_timeout,

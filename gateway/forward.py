@@ -23,9 +23,11 @@ from fastapi.responses import Response, StreamingResponse
 
 from .deadline import TIMEOUT_HEADER, remaining_ms_header
 from .endpoints import Endpoint
+from .engine_auth import for_engine
 from .extproc import error_body
 from .picker import RoutingError, RoutingRequest
 from .routing import Router
+from .usage_strip import UsageEventStripper
 from .upstream import (
     RETRY_ELSEWHERE,
     ClientShards,
@@ -113,7 +115,8 @@ class Forwarder:
     async def _attempts(self, path: str, request: Request, raw: bytes, routing_request: RoutingRequest,
                         decision) -> Response:
         body = self.router.body_for_engine(raw, routing_request)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = for_engine({k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP},
+                             self.config.engine_api_key)
         start, metrics, model = time.perf_counter(), self.router.metrics, routing_request.model
         endpoint, sent = decision.endpoint, decision.sent
         errors: list[str] = []
@@ -222,7 +225,8 @@ class Forwarder:
 
     def _relay(self, response: httpx.Response, endpoint: Endpoint, sent: float, model: str,
                start: float, release, ticket=None) -> Response:
-        relay = Relay(response, self.config.idle_timeout, observe=ticket.feed if ticket is not None else None)
+        relay = Relay(response, self.config.idle_timeout, observe=ticket.feed if ticket is not None else None,
+                      strip_usage=ticket is not None and ticket.request.add_usage)
         metrics = self.router.metrics
         if ticket is not None:
             ticket.response_began(response.status_code)
@@ -250,9 +254,10 @@ class Relay:
     """The upstream body, chunk by chunk, with a bound on the gap between chunks. It records how it
     ended: `completed`, `error` (the engine failed or went silent), or neither (the client left)."""
 
-    def __init__(self, upstream: httpx.Response, idle_timeout: float, observe=None) -> None:
+    def __init__(self, upstream: httpx.Response, idle_timeout: float, observe=None, strip_usage: bool = False) -> None:
         self.upstream, self.idle_timeout = upstream, idle_timeout
         self.observe = observe  # sees each chunk as it passes (usage accounting)
+        self.stripper = UsageEventStripper() if strip_usage else None  # the usage the gateway asked for
         self.completed, self.error = False, None
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
@@ -264,6 +269,8 @@ class Relay:
                     chunk = await anext(iterator)
             except StopAsyncIteration:
                 self.completed = True
+                if self.stripper is not None and (tail := self.stripper.flush()):
+                    yield tail
                 return
             except (httpx.HTTPError, TimeoutError) as error:
                 self.error = error if not isinstance(error, TimeoutError) else TimeoutError(
@@ -275,7 +282,10 @@ class Relay:
                 return
             if self.observe is not None:
                 self.observe(chunk)
-            yield chunk
+            if self.stripper is not None and self.sse:
+                chunk = self.stripper.feed(chunk)
+            if chunk:
+                yield chunk
 
 
 class UpstreamStream(StreamingResponse):

@@ -19,9 +19,11 @@ class LoadReportUnsupported(Exception):
 
 
 class LoadConnection:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, authorization: str | None = None) -> None:
         self.host, self.port = host, port
-        self.request = f"GET /load HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: application/json\r\n\r\n".encode()
+        auth = f"Authorization: {authorization}\r\n" if authorization else ""  # the engines' key (engine_auth.py)
+        self.request = (f"GET /load HTTP/1.1\r\nHost: {host}:{port}\r\nAccept: application/json\r\n{auth}"
+                        "\r\n").encode()
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
 
@@ -40,6 +42,8 @@ class LoadConnection:
             raise
         if status == 503:
             raise RuntimeError("/load answered 503: the engine is not ready")
+        if status == 401:  # not a missing report: a missing or wrong key, which the operator must fix
+            raise RuntimeError("/load answered 401: the engine wants the key of --engine-api-key")
         try:
             report = json.loads(body)
             return EngineState(waiting=report["waiting"], running=report["running"], kv_usage=report["kv_usage"],
