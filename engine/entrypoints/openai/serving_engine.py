@@ -3,8 +3,10 @@ body onto SamplingParams, prepare every prompt before any is submitted (all or n
 them and answer whole or as an SSE stream. A client that hangs up cancels its requests.
 
 Admission counts every sequence a body would add (prompts x n) against the waiting queue before any
-work, and again when they are handed to the engine. Tokenization runs on the server's tokenizer
-thread, never on the event loop, so a long prompt stalls neither other streams nor /health.
+work, and again when they are handed to the engine; before that, the prompt text and the per-token
+lists are bounded (request_limits.py). Tokenization runs on the server's tokenizer threads, never on
+the event loop, so a long prompt stalls neither other streams nor /health. Any error after admission
+aborts what was admitted.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ def check_capacity(state: ServerState, num_sequences: int) -> None:
 async def prepare_all(state: ServerState, body: SamplingFields, prompts: list | Callable[[], list], params, prefix: str,
                       lora_id: int = 0):
     """Validate every prompt of the request before any of them is submitted, then admit them all or none.
-    `prompts` may be a function that makes them (a chat template): it runs on the tokenizer thread too."""
+    `prompts` may be a function that makes them (a chat template): it runs on a tokenizer thread too."""
     count = len(prompts) if isinstance(prompts, list) else 1
     if count > MAX_PROMPTS_PER_REQUEST:
         raise APIError(400, f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {count}", "prompt")
