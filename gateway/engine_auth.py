@@ -10,7 +10,7 @@ mutation Envoy applies before it dials the engine. Without a key the client's he
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 ENGINE_KEY_ENV = "KUBEINFER_ENGINE_API_KEY"
 
@@ -24,11 +24,11 @@ def engine_authorization(key: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"} if key else {}
 
 
-def for_engine(headers: Mapping[str, str], key: str | None) -> dict[str, str]:
-    """Headers to forward: the client's Authorization replaced by the engine key, when there is one."""
-    if not key:
-        return dict(headers)
-    return {**{k: v for k, v in headers.items() if k.lower() != "authorization"}, **engine_authorization(key)}
+def for_engine(headers: Mapping[str, str], key: str | None, drop: Collection[str] = ()) -> dict[str, str]:
+    """Headers to forward, less those named in `drop` (lower case): the client's Authorization replaced by
+    the engine key, when there is one."""
+    drop = {*drop, "authorization"} if key else set(drop)
+    return {**{k: v for k, v in headers.items() if k.lower() not in drop}, **engine_authorization(key)}
 
 
 def without_paths(card: dict) -> dict:

@@ -27,7 +27,6 @@ from .engine_auth import for_engine
 from .extproc import error_body
 from .picker import RoutingError, RoutingRequest
 from .routing import Router
-from .usage_strip import UsageEventStripper
 from .upstream import (
     RETRY_ELSEWHERE,
     ClientShards,
@@ -37,6 +36,7 @@ from .upstream import (
     failure_status,
     retry_reason,
 )
+from .usage_strip import UsageEventStripper
 
 logger = logging.getLogger(__name__)
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -115,8 +115,7 @@ class Forwarder:
     async def _attempts(self, path: str, request: Request, raw: bytes, routing_request: RoutingRequest,
                         decision) -> Response:
         body = self.router.body_for_engine(raw, routing_request)
-        headers = for_engine({k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP},
-                             self.config.engine_api_key)
+        headers = for_engine(request.headers, self.config.engine_api_key, drop=HOP_BY_HOP)
         start, metrics, model = time.perf_counter(), self.router.metrics, routing_request.model
         endpoint, sent = decision.endpoint, decision.sent
         errors: list[str] = []
@@ -257,9 +256,9 @@ class Relay:
     def __init__(self, upstream: httpx.Response, idle_timeout: float, observe=None, strip_usage: bool = False) -> None:
         self.upstream, self.idle_timeout = upstream, idle_timeout
         self.observe = observe  # sees each chunk as it passes (usage accounting)
-        self.stripper = UsageEventStripper() if strip_usage else None  # the usage the gateway asked for
         self.completed, self.error = False, None
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        self.stripper = UsageEventStripper() if strip_usage and self.sse else None  # usage the gateway asked for
 
     async def chunks(self):
         iterator = self.upstream.aiter_raw().__aiter__()
@@ -282,10 +281,7 @@ class Relay:
                 return
             if self.observe is not None:
                 self.observe(chunk)
-            if self.stripper is not None and self.sse:
-                chunk = self.stripper.feed(chunk)
-            if chunk:
-                yield chunk
+            yield chunk if self.stripper is None else self.stripper.feed(chunk)
 
 
 class UpstreamStream(StreamingResponse):

@@ -17,6 +17,9 @@ from .picker import Decision, Picker, RoutingError, RoutingRequest
 from .request_info import engine_priority, parse_request
 
 
+PARSE_ON_LOOP_BYTES = 64 << 10
+
+
 class Router:
     def __init__(self, picker: Picker, metrics: GatewayMetrics | None = None,
                  model_priorities: Mapping[str, int] | None = None, forward_priority: bool = False) -> None:
@@ -40,7 +43,8 @@ class Router:
         request for a known model with no ready engine is held until one is ready (503 with Retry-After
         when the hold is full or times out); cancelling the caller ends the hold. The request's ticket,
         when routing fails, is settled here; otherwise the caller settles it when the response ends."""
-        request = self._parse(raw_body, headers)
+        request = (self._parse(raw_body, headers) if len(raw_body) <= PARSE_ON_LOOP_BYTES  # a large one would
+                   else await asyncio.to_thread(self._parse, raw_body, headers))  # stall every other request
         if self.tenants is not None:
             try:
                 request.ticket = self.tenants.admit(headers, request)

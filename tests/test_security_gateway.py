@@ -225,3 +225,14 @@ async def test_half_sent_requests_are_closed_and_excess_ones_refused():
             for s in heads + bodies:
                 s.close()
             await gateway.stop()
+
+
+def test_the_usage_event_is_stripped_however_the_stream_is_cut():
+    from kubeinfer.gateway.usage_strip import UsageEventStripper
+
+    kept = b'data: {"choices": [{"text": "usage"}], "usage": null}\n\ndata: {"choices": [{"text": "k"}]}\n\n'
+    stream = kept + b'data: {"choices": [], "usage": %s}\n\ndata: [DONE]\n\n' % json.dumps(USAGE).encode()
+    for size in (1, 7, 64, len(stream)):
+        stripper = UsageEventStripper()
+        out = b"".join(stripper.feed(stream[i:i + size]) for i in range(0, len(stream), size)) + stripper.flush()
+        assert out == kept + b"data: [DONE]\n\n", size
