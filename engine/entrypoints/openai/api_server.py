@@ -41,7 +41,6 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
     app = FastAPI(title="kubeinfer engine", version=__version__,
                   description="OpenAI-compatible API of one kubeinfer engine pod")
     app.router.route_class = OffLoopJSONRoute
-    app.add_middleware(RequestGuard, config=guard or GuardConfig())
     app.state.server = state
 
     @app.exception_handler(APIError)
@@ -123,4 +122,7 @@ def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
 
     add_lora_routes(app, state)
     add_load_route(app, state)
+    # Added last, so outermost: a body over the limit is refused (and its connection closed) before anything
+    # else, the key check included, looks at the request.
+    app.add_middleware(RequestGuard, config=guard or GuardConfig())
     return app
