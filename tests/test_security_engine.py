@@ -241,3 +241,24 @@ def test_requests_beyond_the_concurrency_limit_get_503_but_probes_pass(llama_dir
             for s in holding:
                 s.close()
         assert limited.wait_for(lambda: complete(limited, max_tokens=1).status_code == 200, 10)
+
+
+def test_the_stop_matcher_holds_back_exactly_what_the_plain_scan_does():
+    """safe_length looks only where a stop could begin (stops indexed by first character at admission);
+    it must hold back what comparing every tail with every stop holds back."""
+    import random
+
+    from kubeinfer.engine.core.detokenizer import StopStringMatcher
+    from kubeinfer.engine.sampling_params import SamplingParams
+
+    def reference(text: str, stops: list[str]) -> int:
+        for hold in range(min(max(map(len, stops)) - 1, len(text)), 0, -1):
+            if any(s.startswith(text[-hold:]) for s in stops):
+                return len(text) - hold
+        return len(text)
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice("abcd") for _ in range(rng.randint(0, 12)))
+        assert StopStringMatcher(SamplingParams(stop=stops)).safe_length(text) == reference(text, stops), (stops, text)

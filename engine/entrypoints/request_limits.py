@@ -18,8 +18,8 @@ from ..sampling_params import SamplingParams
 from .request_budget import MAX_TIMEOUT_MS, TIMEOUT_HEADER
 
 PROMPT_CHARS_PER_TOKEN = 10  # generous: English averages about 4 characters a token, code and CJK fewer
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 256
+MAX_STOP_STRINGS = 32  # each costs a search at every token: the product of the two bounds the cost
+MAX_STOP_STRING_CHARS = 128
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
