@@ -236,3 +236,19 @@ def test_the_usage_event_is_stripped_however_the_stream_is_cut():
         stripper = UsageEventStripper()
         out = b"".join(stripper.feed(stream[i:i + size]) for i in range(0, len(stream), size)) + stripper.flush()
         assert out == kept + b"data: [DONE]\n\n", size
+
+
+def test_the_keys_come_from_the_environment_the_chart_sets(monkeypatch):
+    """The Secret reaches the engines as KUBEINFER_API_KEY and the gateway as KUBEINFER_ENGINE_API_KEY."""
+    from kubeinfer.cli import build_parser
+    from kubeinfer.gateway.cli import config_from_args
+
+    monkeypatch.setenv("KUBEINFER_API_KEY", "engine-side")
+    monkeypatch.setenv("KUBEINFER_ENGINE_API_KEY", "gateway-side")
+    serve = build_parser(["serve", "m"]).parse_args(["serve", "m"])
+    gateway = build_parser(["gateway"]).parse_args(["gateway", "--endpoints", "http://e:8000"])
+    assert serve.api_key == "engine-side" and gateway.engine_api_key == "gateway-side"
+    config = config_from_args(gateway)
+    assert config.engine_api_key == "gateway-side" and not config.trust_priority_headers
+    assert (config.guard.max_body_bytes, config.guard.max_concurrent_requests) == (16 << 20, 8192)
+    assert (serve.max_request_body_bytes, serve.header_read_timeout, serve.body_read_timeout) == (16 << 20, 10.0, 60.0)
