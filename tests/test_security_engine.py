@@ -113,6 +113,28 @@ def test_a_large_json_body_is_parsed_off_the_event_loop(server, monkeypatch):
         big.join(30)
 
 
+def test_a_large_body_is_validated_off_the_event_loop(server, monkeypatch):
+    """Validating millions of token ids takes seconds of CPU: it must not run where the loop runs."""
+    import asyncio
+
+    from kubeinfer.engine.entrypoints.openai.protocol import CompletionRequest
+    validated_on_loop: list[bool] = []
+    real = CompletionRequest.model_validate.__func__
+
+    def model_validate(cls, obj, *args, **kwargs):
+        validated_on_loop.append(asyncio._get_running_loop() is not None)
+        return real(cls, obj, *args, **kwargs)
+    monkeypatch.setattr(CompletionRequest, "model_validate", classmethod(model_validate))
+    response = complete(server, prompt=[1] * 100_000, max_tokens=1)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"  # longer than the context
+    assert validated_on_loop == [False]
+    invalid = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": [' + b"1," * 50_000,
+                         headers={"content-type": "application/json"})
+    assert invalid.status_code == 400 and "not valid JSON" in invalid.json()["error"]["message"]
+    wrong = complete(server, prompt=[1] * 50_000 + ["x"], max_tokens=1)
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"].startswith("prompt")
+
+
 # -- finding 4: body size limits, by Content-Length and by count, with memory bounded -------------------
 def test_a_body_announced_over_the_limit_is_refused_before_it_is_sent(server):
     answer = announce_huge_body(server.port, 300 << 20)
