@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..http_guard import DEFAULT_HEADER_READ_TIMEOUT, GuardConfig, RequestGuard
+from ..http_server import server_config
 from .discovery import KubernetesDiscovery, static_endpoints
 from .endpoints import EndpointPool
 from .extproc import start_extproc_server
@@ -63,6 +65,10 @@ class GatewayConfig:
     fair_queue_max_per_tenant: int = 128
     fair_queue_timeout: float = 30.0  # then routed as before, onto a saturated pod
     model_resync: float = 60.0  # seconds between re-lists of InferenceModels/Objectives (the watch's safety net)
+    engine_api_key: str | None = None  # presented to engines on everything sent to them (engine_auth.py)
+    trust_priority_headers: bool = False  # priority/objective headers come from a trusted hop, not clients
+    guard: GuardConfig = field(default_factory=lambda: GuardConfig(max_concurrent_requests=8192))  # proxy limits
+    header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT  # proxy: seconds for a request head
 
 
 class Gateway:
@@ -73,6 +79,7 @@ class Gateway:
         self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities,
                              forward_priority=config.forward_priority)
         self.router.fallbacks = Fallbacks(config.fallbacks)
+        self.router.trust_priority_headers = config.trust_priority_headers
         self.usage = None
         if config.tenants_file or config.usage_log:
             self.usage = UsageRecorder(self.router.metrics, config.usage_log)
@@ -85,7 +92,8 @@ class Gateway:
             self.router.fair_queue = FairQueue(self.picker, max_per_tenant=config.fair_queue_max_per_tenant,
                                                timeout=config.fair_queue_timeout, metrics=self.router.metrics,
                                                preempt=config.forward_priority)
-        self.scraper = Scraper(self.pool, config.scrape_interval, config.scrape_timeout)
+        self.scraper = Scraper(self.pool, config.scrape_interval, config.scrape_timeout,
+                               engine_api_key=config.engine_api_key)
         self.discovery = self.priorities = self.scale_up = None
         if config.endpoints:
             self.pool.set_members(static_endpoints(config.endpoints))
@@ -124,12 +132,16 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self.scraper.run()))
         cfg = self.config
         if cfg.ext_proc_port is not None:
-            self.extproc = await start_extproc_server(self.router, cfg.host, cfg.ext_proc_port)
+            self.extproc = await start_extproc_server(self.router, cfg.host, cfg.ext_proc_port,
+                                                      engine_api_key=cfg.engine_api_key,
+                                                      max_body_bytes=cfg.guard.max_body_bytes)
             self.ports["ext_proc"] = self.extproc.port
         if cfg.port is not None:
-            proxy = build_proxy_app(self.router, upstream=cfg.upstream)
+            upstream = replace(cfg.upstream, engine_api_key=cfg.engine_api_key or cfg.upstream.engine_api_key)
+            proxy = build_proxy_app(self.router, upstream=upstream)
+            proxy.add_middleware(RequestGuard, config=cfg.guard)  # body size and time, requests in flight
             self._clients.append(proxy.state.client)
-            await self._serve_http("proxy", proxy, cfg.port)
+            await self._serve_http("proxy", proxy, cfg.port, cfg.header_read_timeout)
         if cfg.metrics_port is not None:
             await self._serve_http("metrics", self._metrics_app(), cfg.metrics_port)
 
@@ -141,9 +153,10 @@ class Gateway:
             return Response(generate_latest(self.router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
         return app
 
-    async def _serve_http(self, name: str, app, port: int) -> None:
-        server = uvicorn.Server(uvicorn.Config(app, host=self.config.host, port=port, log_level="warning",
-                                               lifespan="off"))
+    async def _serve_http(self, name: str, app, port: int,
+                          header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT) -> None:
+        server = uvicorn.Server(server_config(app, header_read_timeout, host=self.config.host, port=port,
+                                              log_level="warning", lifespan="off"))
         server.install_signal_handlers = lambda: None  # the CLI owns signals
         self._tasks.append(asyncio.create_task(server.serve()))
         while not server.started:

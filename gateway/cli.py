@@ -6,7 +6,9 @@ import asyncio
 import logging
 import signal
 
+from ..http_guard import add_http_limit_arguments, guard_from_args
 from .discovery import parse_selector
+from .engine_auth import engine_key_from_env
 from .fallback import parse_fallback
 from .picker import DEFAULT_WEIGHTS, POLICIES, PickerConfig
 from .tenant_limits import SCOPES
@@ -104,6 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-resync", type=float, default=60.0, metavar="SECONDS",
                         help="InferenceModels and InferenceObjectives are watched (changes count at once); they are "
                              "also listed again this often, a safety net for events a watch missed")
+    parser.add_argument("--engine-api-key", default=engine_key_from_env(),
+                        help="key presented to engines as 'Authorization: Bearer KEY' on everything sent to them, in "
+                             "place of the client's (env KUBEINFER_ENGINE_API_KEY; the engines' --api-key)")
+    parser.add_argument("--trust-priority-headers", action="store_true",
+                        help="take x-gateway-inference-priority / x-gateway-inference-objective from requests (a "
+                             "trusted proxy in front sets them); off: clients cannot set their own priority")
+    add_http_limit_arguments(parser, max_concurrent_requests=8192)
     parser.add_argument("--log-level", default="info")
 
 
@@ -135,6 +144,9 @@ def config_from_args(args: argparse.Namespace):
                          usage_log=args.usage_log, fallbacks=list(args.fallback), fair_queue=args.fair_queue,
                          fair_queue_max_per_tenant=max(1, args.fair_queue_max_per_tenant),
                          fair_queue_timeout=args.fair_queue_timeout, model_resync=max(1.0, args.model_resync),
+                         engine_api_key=args.engine_api_key,
+                         trust_priority_headers=args.trust_priority_headers, guard=guard_from_args(args),
+                         header_read_timeout=args.header_read_timeout,
                          upstream=UpstreamConfig(connect_timeout=args.upstream_connect_timeout,
                                                  first_byte_timeout=args.upstream_first_byte_timeout,
                                                  idle_timeout=args.upstream_idle_timeout,

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from .picker import RoutingError
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
+MAX_TIMEOUT_MS = 24 * 3600 * 1000  # a day, as the engines allow
 
 
 def deadline_of(headers: Mapping[str, str], now: float | None = None) -> float | None:
@@ -22,12 +23,12 @@ def deadline_of(headers: Mapping[str, str], now: float | None = None) -> float |
     value = headers.get(TIMEOUT_HEADER)
     if value is None:
         return None
-    try:
-        milliseconds = int(value)
-    except ValueError:
-        milliseconds = 0
-    if milliseconds <= 0:
-        raise RoutingError(400, f"{TIMEOUT_HEADER} must be a positive integer of milliseconds, got {value!r}")
+    text = value.strip()
+    # Digits only, and few of them: int() of 400 digits works, but as seconds it overflows a float (a 500).
+    milliseconds = int(text) if text.isascii() and text.isdigit() and len(text) <= 12 else 0
+    if not 0 < milliseconds <= MAX_TIMEOUT_MS:
+        raise RoutingError(400, f"{TIMEOUT_HEADER} must be a positive integer of milliseconds, at most "
+                                f"{MAX_TIMEOUT_MS}, got {value[:32]!r}")
     return (time.monotonic() if now is None else now) + milliseconds / 1000.0
 
 

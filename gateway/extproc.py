@@ -24,6 +24,10 @@ or FULL_DUPLEX_STREAMED), else its token charge stays the admission estimate and
 A fallback model is used only in full duplex, the one mode where the body (its `model`) can be rewritten.
 Only the routes of routes.py pass: any other `:method` `:path` is answered at the request headers with
 an ImmediateResponse (404, or 403 for adapter management) and never reaches an engine.
+Limits (issue #34): the request body is buffered up to `max_body_bytes` (413 beyond, at the chunk that
+passes it); the engines' key (`--engine-api-key`) is set on the routed request as `Authorization`, in place
+of the client's; a stream in full duplex both ways gets `include_usage` asked for and its usage event
+removed on the way back, as in the proxy.
 """
 from __future__ import annotations
 
@@ -39,10 +43,13 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from ..grpc_health import HealthCheckedServer
+from ..http_guard import DEFAULT_MAX_BODY_BYTES
 from .deadline import TIMEOUT_HEADER, remaining_ms_header
+from .engine_auth import engine_authorization
 from .picker import Decision, RoutingError
 from .routes import route_of
 from .routing import Router
+from .usage_strip import UsageEventStripper
 
 logger = logging.getLogger(__name__)
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -52,6 +59,7 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"  # in envoy.lb, on the resp
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 HEALTH_SERVICES = ("envoy.service.ext_proc.v3.ExternalProcessor", "liveness", "readiness")
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+               413: "RequestTooLargeError",
                429: "RateLimitError", 502: "BadGatewayError", 503: "ServiceUnavailableError"}
 _PASS_THROUGH = {
     "response_headers": lambda: ep.ProcessingResponse(response_headers=ep.HeadersResponse()),
@@ -126,11 +134,14 @@ def refused(error: RoutingError) -> ep.ProcessingResponse:
 
 
 class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, router: Router, engine_api_key: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.router, self.max_body_bytes = router, max_body_bytes
+        self.engine_headers = tuple(engine_authorization(engine_api_key).items())
 
     async def decide(self, phase: str, headers: dict[str, str], body: bytes, subset: frozenset[str] | None,
-                     full_duplex: bool = False) -> tuple[list[ep.ProcessingResponse], Decision | None, object]:
+                     full_duplex: bool = False, strips_usage: bool = False
+                     ) -> tuple[list[ep.ProcessingResponse], Decision | None, object]:
         """The replies, the decision, and the tenant ticket to settle when the response ends. Only full
         duplex can rewrite the body, so only it may send a request to a fallback model."""
         try:
@@ -139,10 +150,13 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
             return [refused(error)], None, None
         budget = remaining_ms_header(request.deadline)
         extra = ((TIMEOUT_HEADER, budget),) if budget is not None else ()  # what is left, for the engine
+        extra += self.engine_headers
+        # Only a body sent back whole (full duplex) can ask for usage, and only a response relayed by us can lose it.
+        request.add_usage = full_duplex and strips_usage and request.add_usage and request.ticket is not None
         if not full_duplex:
             return [routed(phase, decision.destination, extra=extra)], decision, request.ticket
         # The headers' answer waited for the body; the body itself goes back whole, after it.
-        body = self.router.body_for_engine(body, request)
+        body = self.router.body_for_engine(body, request, add_usage=request.add_usage)
         return [routed("request_headers", decision.destination, content_length=len(body), extra=extra),
                 streamed_body("request_body", body, end_of_stream=True)], decision, request.ticket
 
@@ -153,6 +167,7 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         decision: Decision | None = None
         ticket = None  # the tenant admission: settled when the response ends, or when the stream closes
         response_began = request_full_duplex = response_full_duplex = False
+        stripper = None  # removes the usage event the gateway asked for (full duplex both ways)
         try:
             async for message in request_iterator:
                 if message.HasField("protocol_config"):  # sent with the first message only
@@ -172,10 +187,16 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     elif not request_full_duplex:  # full duplex: the answer waits for the body
                         yield ep.ProcessingResponse(request_headers=ep.HeadersResponse())
                 elif phase == "request_body":
+                    if len(body) + len(message.request_body.body) > self.max_body_bytes:
+                        yield refused(RoutingError(413, f"request body too large: over this gateway's limit of "
+                                                        f"{self.max_body_bytes} bytes"))
+                        return
                     body += message.request_body.body
                     if message.request_body.end_of_stream:
                         replies, decision, ticket = await self.decide(phase, headers, bytes(body), subset,
-                                                                      request_full_duplex)
+                                                                      request_full_duplex, response_full_duplex)
+                        if ticket is not None and ticket.request.add_usage:
+                            stripper = UsageEventStripper()
                         for reply in replies:
                             yield reply
                     elif not request_full_duplex:  # streamed: chunks pass; the decision comes with the last one
@@ -190,7 +211,9 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                         ticket.feed(message.response_body.body)
                     if phase == "response_body" and response_full_duplex:
                         chunk = message.response_body
-                        yield streamed_body(phase, chunk.body, chunk.end_of_stream)
+                        data = chunk.body if stripper is None else stripper.feed(chunk.body) + (
+                            stripper.flush() if chunk.end_of_stream else b"")
+                        yield streamed_body(phase, data, chunk.end_of_stream)
                     else:
                         yield _PASS_THROUGH[phase]()
                     ended = ((phase == "response_body" and message.response_body.end_of_stream)
@@ -215,8 +238,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
         return replace(decision, endpoint=endpoint, sent=endpoint.record_dispatch())
 
 
-async def start_extproc_server(router: Router, host: str, port: int) -> HealthCheckedServer:
-    """ext_proc and gRPC health on host:port (port 0 picks a free one: see .port)."""
+async def start_extproc_server(router: Router, host: str, port: int, **options) -> HealthCheckedServer:
+    """ext_proc and gRPC health on host:port (port 0 picks a free one: see .port); `options`: ExternalProcessor's."""
     return await HealthCheckedServer.start(
-        lambda server: ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server),
+        lambda server: ep_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router, **options), server),
         HEALTH_SERVICES, host, port)

@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from .deadline import TIMEOUT_HEADER, remaining_ms_header
 from .endpoints import Endpoint
+from .engine_auth import for_engine
 from .extproc import error_body
 from .picker import RoutingError, RoutingRequest
 from .routing import Router
@@ -35,6 +36,7 @@ from .upstream import (
     failure_status,
     retry_reason,
 )
+from .usage_strip import UsageEventStripper
 
 logger = logging.getLogger(__name__)
 HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
@@ -127,7 +129,7 @@ class Forwarder:
     async def _attempts(self, path: str, request: Request, raw: bytes, routing_request: RoutingRequest,
                         decision) -> Response:
         body = self.router.body_for_engine(raw, routing_request)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers = for_engine(request.headers, self.config.engine_api_key, drop=HOP_BY_HOP)
         start, metrics, model = time.perf_counter(), self.router.metrics, routing_request.model
         endpoint, sent = decision.endpoint, decision.sent
         errors: list[str] = []
@@ -237,7 +239,8 @@ class Forwarder:
 
     def _relay(self, response: httpx.Response, endpoint: Endpoint, sent: float, model: str,
                start: float, release, ticket=None) -> Response:
-        relay = Relay(response, self.config.idle_timeout, observe=ticket.feed if ticket is not None else None)
+        relay = Relay(response, self.config.idle_timeout, observe=ticket.feed if ticket is not None else None,
+                      strip_usage=ticket is not None and ticket.request.add_usage)
         metrics = self.router.metrics
         if ticket is not None:
             ticket.response_began(response.status_code)
@@ -265,11 +268,12 @@ class Relay:
     """The upstream body, chunk by chunk, with a bound on the gap between chunks. It records how it
     ended: `completed`, `error` (the engine failed or went silent), or neither (the client left)."""
 
-    def __init__(self, upstream: httpx.Response, idle_timeout: float, observe=None) -> None:
+    def __init__(self, upstream: httpx.Response, idle_timeout: float, observe=None, strip_usage: bool = False) -> None:
         self.upstream, self.idle_timeout = upstream, idle_timeout
         self.observe = observe  # sees each chunk as it passes (usage accounting)
         self.completed, self.error = False, None
         self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        self.stripper = UsageEventStripper() if strip_usage and self.sse else None  # usage the gateway asked for
 
     async def chunks(self):
         iterator = self.upstream.aiter_raw().__aiter__()
@@ -279,6 +283,8 @@ class Relay:
                     chunk = await anext(iterator)
             except StopAsyncIteration:
                 self.completed = True
+                if self.stripper is not None and (tail := self.stripper.flush()):
+                    yield tail
                 return
             except (httpx.HTTPError, TimeoutError) as error:
                 self.error = error if not isinstance(error, TimeoutError) else TimeoutError(
@@ -290,7 +296,7 @@ class Relay:
                 return
             if self.observe is not None:
                 self.observe(chunk)
-            yield chunk
+            yield chunk if self.stripper is None else self.stripper.feed(chunk)
 
 
 class UpstreamStream(StreamingResponse):

@@ -22,10 +22,12 @@ class LoadReportUnsupported(Exception):
 
 
 class KeptAliveConnection:
-    """GETs on one connection, re-opened when the server closed it while idle."""
+    """GETs on one connection, re-opened when the server closed it while idle; `authorization` (the
+    engines' key, engine_auth.py) goes with every request."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, authorization: str | None = None) -> None:
         self.host, self.port = host, port
+        self._auth = f"Authorization: {authorization}\r\n" if authorization else ""
         self._requests: dict[str, bytes] = {}
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -48,7 +50,7 @@ class KeptAliveConnection:
         request = self._requests.get(path)
         if request is None:
             request = self._requests[path] = (f"GET {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                                              "Accept: */*\r\n\r\n").encode()
+                                              f"Accept: */*\r\n{self._auth}\r\n").encode()
         return request
 
     async def _exchange(self, path: str) -> tuple[int, bytes]:
@@ -99,6 +101,8 @@ class LoadConnection(KeptAliveConnection):
         status, body = await self.get("/load")
         if status == 503:
             raise RuntimeError("/load answered 503: the engine is not ready")
+        if status == 401:  # not a missing report: a missing or wrong key, which the operator must fix
+            raise RuntimeError("/load answered 401: the engine wants the key of --engine-api-key")
         try:
             report = json.loads(body)
             return EngineState(waiting=report["waiting"], running=report["running"], kv_usage=report["kv_usage"],

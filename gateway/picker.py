@@ -61,6 +61,8 @@ class RoutingRequest:
     requested_model: str = ""  # the model the client named, when a fallback serves it instead
     ticket: object | None = None  # the tenant admission (tenant_gate.Ticket), settled when the request ends
     deadline: float | None = None  # monotonic end of the client's time budget (x-request-timeout-ms)
+    estimated_tokens: int | None = None  # token_estimate.py: what admission charges the tenant
+    add_usage: bool = False  # a stream whose usage the gateway asks for, and strips (engine_body.py)
 
     def affinity_key(self) -> int:
         if self.affinity is None:

@@ -3,24 +3,31 @@
 A request is sheddable when its priority is below zero. The priority comes from, first to last: the
 `x-gateway-inference-priority` header; the InferenceObjective the `x-gateway-inference-objective` header
 names (the Inference Extension's convention); the model's configured priority (the InferenceModel's
-`spec.routing.priority`); else 0.
+`spec.routing.priority`); else 0. The two headers count only from a trusted hop (`--trust-priority-headers`:
+a proxy in front that sets them itself); otherwise a client could make its own requests urgent. Every
+priority is held to PRIORITY_RANGE.
 
 The engines order their queues by the same priority, in vLLM's convention (lower runs first) where
 the Inference Extension's is the opposite (higher is more important). `engine_priority` is the one
-place the two meet; `with_engine_priority` writes it into the body the engine receives. Engines honour
-it under `--scheduling-policy priority` (the operator's pods and the local stack run so); the gateway
-writes it only with `--forward-priority` (the chart and the local stack set it).
+place the two meet; engine_body.py writes it into the body the engine receives. Engines honour it
+under `--scheduling-policy priority` (the operator's pods and the local stack run so); the gateway
+writes it, 0 included, with `--forward-priority` (the chart and the local stack set it), and otherwise
+removes any priority a client wrote.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 
 from .deadline import deadline_of
+from .engine_body import wants_usage_added
 from .picker import RoutingError, RoutingRequest
+from .token_estimate import estimate_request_tokens
 
 PRIORITY_HEADER = "x-gateway-inference-priority"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+PRIORITY_RANGE = (-1_000_000, 1_000_000)  # the engines' scheduler compares them; no client needs more
 
 
 def prompt_text(body: dict) -> str:
@@ -50,8 +57,13 @@ def prompt_text(body: dict) -> str:
     return prompt if isinstance(prompt, str) else ""
 
 
+def clamp_priority(priority: int) -> int:
+    return max(PRIORITY_RANGE[0], min(PRIORITY_RANGE[1], priority))
+
+
 def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities: Mapping[str, int] | None = None,
-                  objective_priorities: Mapping[str, int] | None = None) -> RoutingRequest:
+                  objective_priorities: Mapping[str, int] | None = None,
+                  trust_headers: bool = False) -> RoutingRequest:
     """Raises RoutingError(400) for a body the engines would reject anyway, before any routing.
     A request without a body (GET /v1/models, /health) may go to any endpoint."""
     if not raw_body:
@@ -66,19 +78,20 @@ def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities:
     if not isinstance(model, str) or not model:
         raise RoutingError(400, "model: a model name is required")
     priority = (model_priorities or {}).get(model, 0)
-    objective = headers.get(OBJECTIVE_HEADER)
+    objective = headers.get(OBJECTIVE_HEADER) if trust_headers else None
     if objective is not None:  # an objective this gateway does not know has the default priority
         priority = (objective_priorities or {}).get(objective, 0)
-    header = headers.get(PRIORITY_HEADER)
+    header = headers.get(PRIORITY_HEADER) if trust_headers else None
     if header is not None:
-        try:
-            priority = int(header)
-        except ValueError:
-            raise RoutingError(400, f"{PRIORITY_HEADER} must be an integer, got {header!r}") from None
+        if not re.fullmatch(r"\s*-?[0-9]{1,12}\s*", header):
+            raise RoutingError(400, f"{PRIORITY_HEADER} must be an integer, got {header[:32]!r}")
+        priority = int(header)
+    priority = clamp_priority(priority)
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
     return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0, priority=priority,
                           max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
-                          deadline=deadline_of(headers))
+                          deadline=deadline_of(headers), estimated_tokens=estimate_request_tokens(body),
+                          add_usage=wants_usage_added(body))
 
 
 def engine_priority(gateway_priority: int) -> int:
@@ -87,11 +100,3 @@ def engine_priority(gateway_priority: int) -> int:
     return -gateway_priority
 
 
-def with_engine_priority(raw_body: bytes, gateway_priority: int) -> bytes:
-    """The body to forward: with the engine's `priority` when the gateway's is not 0 (the platform's
-    priority wins over one a client wrote), else unchanged, byte for byte."""
-    if not gateway_priority or not raw_body:
-        return raw_body
-    body = json.loads(raw_body)  # parse_request has already checked it is a JSON object
-    body["priority"] = engine_priority(gateway_priority)
-    return json.dumps(body).encode()

@@ -3,18 +3,21 @@ back, hold, wait in the fair queue when saturated, pick, count."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import replace
 
 from .deadline import TIMEOUT_HEADER, remaining_seconds
+from .engine_body import engine_body
 from .fallback import Fallbacks
 from .hold import HoldQueue, HoldRefused
 from .metrics import UNKNOWN_MODEL, GatewayMetrics
 from .picker import Decision, Picker, RoutingError, RoutingRequest
-from .request_info import parse_request, with_engine_priority
+from .request_info import engine_priority, parse_request
+
+
+PARSE_ON_LOOP_BYTES = 64 << 10
 
 
 class Router:
@@ -31,6 +34,7 @@ class Router:
         self.tenants = None  # tenant_gate.TenantGate: identifies, limits and accounts each request
         self.fallbacks = Fallbacks()
         self.fair_queue = None  # fair_queue.FairQueue: saturated models' requests wait at the gateway
+        self.trust_priority_headers = False  # --trust-priority-headers: a hop in front sets them, not clients
 
     async def route_or_hold(self, raw_body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None = None,
                             rewrite_body: bool = True) -> tuple[RoutingRequest, Decision]:
@@ -39,7 +43,8 @@ class Router:
         request for a known model with no ready engine is held until one is ready (503 with Retry-After
         when the hold is full or times out); cancelling the caller ends the hold. The request's ticket,
         when routing fails, is settled here; otherwise the caller settles it when the response ends."""
-        request = self._parse(raw_body, headers)
+        request = (self._parse(raw_body, headers) if len(raw_body) <= PARSE_ON_LOOP_BYTES  # a large one would
+                   else await asyncio.to_thread(self._parse, raw_body, headers))  # stall every other request
         if self.tenants is not None:
             try:
                 request.ticket = self.tenants.admit(headers, request)
@@ -131,7 +136,7 @@ class Router:
     def _parse(self, raw_body: bytes, headers: Mapping[str, str]) -> RoutingRequest:
         try:
             return parse_request(raw_body, headers, ChainMap(self.model_priorities, self.discovered_priorities),
-                                 self.objective_priorities)
+                                 self.objective_priorities, self.trust_priority_headers)
         except RoutingError as error:
             self.metrics.errors.labels(UNKNOWN_MODEL, str(error.status)).inc()
             raise
@@ -143,7 +148,7 @@ class Router:
         try:
             request = request or parse_request(raw_body, headers,
                                                ChainMap(self.model_priorities, self.discovered_priorities),
-                                               self.objective_priorities)
+                                               self.objective_priorities, self.trust_priority_headers)
             request.subset = subset
             start = time.perf_counter()
             decision = self.picker.pick(request)
@@ -177,12 +182,12 @@ class Router:
         """`model` when an endpoint serves or is assigned it, else UNKNOWN_MODEL: clients choose names."""
         return model if model and self.picker.knows(model) else UNKNOWN_MODEL
 
-    def body_for_engine(self, raw_body: bytes, request: RoutingRequest) -> bytes:
-        """What the chosen engine receives: the client's body, with the engine's priority when forwarded,
-        and the fallback's name as `model` when a fallback serves it."""
-        body = with_engine_priority(raw_body, request.priority) if self.forward_priority else raw_body
-        if request.requested_model and request.requested_model != request.model:
-            document = json.loads(body)
-            document["model"] = request.model
-            body = json.dumps(document).encode()
-        return body
+    def body_for_engine(self, raw_body: bytes, request: RoutingRequest, add_usage: bool = True) -> bytes:
+        """What the chosen engine receives (engine_body.py): the engine's priority when forwarded (else no
+        client-written one), the fallback's name as `model` when a fallback serves it, and a stream's usage
+        asked for when the client did not and usage is accounted (the caller strips it from the response:
+        `add_usage` says it can)."""
+        fallback = request.requested_model and request.requested_model != request.model
+        return engine_body(raw_body, priority=engine_priority(request.priority) if self.forward_priority else None,
+                           model=request.model if fallback else None,
+                           add_usage=add_usage and request.add_usage and request.ticket is not None)

@@ -26,6 +26,7 @@ import time
 import httpx
 
 from .endpoints import Endpoint, EndpointPool, EngineState
+from .engine_auth import engine_authorization, without_paths
 from .load_poller import LoadConnection, LoadReportUnsupported
 from .metrics_text import read_engine_metrics
 from .upstream import describe, make_client
@@ -40,8 +41,10 @@ OFF_LOOP_BYTES = 64 << 10
 
 class Scraper:
     def __init__(self, pool: EndpointPool, interval: float = 0.25, timeout: float = 1.0,
-                 client: httpx.AsyncClient | None = None, models_interval: float = 1.0) -> None:
+                 client: httpx.AsyncClient | None = None, models_interval: float = 1.0,
+                 engine_api_key: str | None = None) -> None:
         self.pool = pool
+        self.auth = engine_authorization(engine_api_key)  # /load and /v1/models take the engines' key
         self.interval = interval
         self.models_interval = models_interval
         self.timeout = timeout
@@ -84,7 +87,8 @@ class Scraper:
         connection = self._load.get(endpoint.address)
         if connection is None:
             host, _, port = endpoint.address.rpartition(":")
-            connection = self._load[endpoint.address] = LoadConnection(host.strip("[]"), int(port))
+            connection = self._load[endpoint.address] = LoadConnection(host.strip("[]"), int(port),
+                                                                           self.auth.get("authorization"))
         async with asyncio.timeout(self.timeout):
             if endpoint.address not in self._no_load_report:
                 try:
@@ -108,9 +112,9 @@ class Scraper:
 
     async def read_models(self, endpoint: Endpoint) -> tuple[frozenset[str], frozenset[str], dict[str, dict]]:
         """(loaded model ids, base model ids, cards by id) from the pod's /v1/models."""
-        response = await self.client_for(endpoint.address).get(endpoint.url + "/v1/models")
+        response = await self.client_for(endpoint.address).get(endpoint.url + "/v1/models", headers=self.auth)
         response.raise_for_status()
-        cards = {c["id"]: c for c in response.json().get("data", [])}
+        cards = {c["id"]: without_paths(c) for c in response.json().get("data", [])}
         return frozenset(cards), frozenset(i for i, c in cards.items() if not c.get("parent")), cards
 
     def _models_due(self, endpoint: Endpoint, state, now: float) -> bool:

@@ -77,7 +77,8 @@ class TenantGate:
         tenant = self.directory.identify(headers)
         try:
             # a request without a model (GET /v1/models through ext_proc) generates nothing
-            tokens = estimate_tokens(request.prompt, request.max_tokens) if request.model else 0
+            tokens = 0 if not request.model else request.estimated_tokens if request.estimated_tokens is not None \
+                else estimate_tokens(request.prompt, request.max_tokens)
             charge = self.limits.admit(tenant, tokens)
         except RoutingError as error:
             self.usage.record(tenant=tenant.name, model=self.model_label(request.model), status=error.status,

@@ -3,8 +3,9 @@
 Requests: `requestsPerSecond` refills a bucket that holds one second's worth (at least 1): short
 bursts up to the rate pass, a sustained rate above it is refused.
 Tokens: `tokensPerMinute` refills a bucket holding a minute's worth. A request is charged at admission
-with an estimate (prompt characters / 4 + `max_tokens`, DEFAULT_COMPLETION_ESTIMATE when the client
-sets none), and the charge is corrected to the engine's reported `usage` when the response ends; the
+with an estimate (token_estimate.py: its prompts plus prompts x n x `max_tokens`), and the charge is
+corrected to the engine's reported `usage` when the response ends (streams included: the gateway asks
+for their usage, engine_body.py); the
 bucket may go below zero then, which delays the tenant's next requests by its debt. Without a usage
 report the estimate stands. A request larger than the whole bucket is admitted when the bucket is full
 (else it could never run) and leaves the bucket in debt.
@@ -22,8 +23,8 @@ from dataclasses import dataclass, field
 
 from .picker import RoutingError
 from .tenants import Tenant
+from .token_estimate import DEFAULT_COMPLETION_ESTIMATE
 
-DEFAULT_COMPLETION_ESTIMATE = 256  # tokens charged for a request without max_tokens, until usage corrects it
 SCOPES = ("replica", "divided")
 
 

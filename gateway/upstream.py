@@ -38,6 +38,7 @@ class UpstreamConfig:
     first_byte_timeout: float = 600.0  # engines queue requests: a long wait under load is normal
     idle_timeout: float = 300.0  # longest gap between two chunks of a response
     max_attempts: int = 3  # the pick and two other pods
+    engine_api_key: str | None = None  # presented to engines in place of the client's Authorization
 
 
 _TLS = None

@@ -3,10 +3,13 @@ and as one JSON line per request in `--usage-log FILE` (for chargeback).
 
 The engines report `usage` ({prompt_tokens, completion_tokens, prompt_tokens_details.cached_tokens}) in
 every non-streamed response, and in the last event of a stream when the client asked for
-`stream_options.include_usage`; a response of the Responses API reports {input_tokens, output_tokens,
-input_tokens_details.cached_tokens}, streamed in its `response.completed` event. UsageScanner reads it from the response bytes as they pass, keeping
-only a bounded buffer. A stream without it reports no usage: its tokens are not counted (the token
-limit keeps the admission estimate), its request still is.
+`stream_options.include_usage`, which the gateway asks for on every stream it forwards (engine_body.py);
+a response of the Responses API reports {input_tokens, output_tokens, input_tokens_details.cached_tokens},
+streamed in its `response.completed` event. UsageScanner reads it from the response bytes as they pass,
+keeping only a bounded buffer: of a large JSON body only its tail, where the engines write `usage`; of a
+stream, one event at a time, an overlong event skipped. A response without usage (another engine, an
+ext_proc stream whose body could not be rewritten) still counts its request, and the token limit keeps
+the admission estimate.
 
 The `tenant` label takes only names from the tenants file, so clients cannot grow the series.
 """
@@ -18,8 +21,9 @@ import threading
 import time
 
 logger = logging.getLogger(__name__)
-MAX_JSON_BODY = 4 << 20  # a non-streamed body larger than this is not parsed for usage
-MAX_SSE_LINE = 1 << 20
+MAX_JSON_BODY = 4 << 20  # a non-streamed body larger than this is read for usage from its tail only
+JSON_TAIL = 64 << 10  # usage is the last member the engines write: it sits in the tail
+MAX_SSE_LINE = 1 << 20  # a longer event (a huge chunk of text) is skipped, not the events after it
 
 
 class UsageScanner:
@@ -30,11 +34,16 @@ class UsageScanner:
         self.model: str | None = None
         self._buffer = bytearray()
         self._sse: bool | None = None  # decided by the first bytes: `data:` lines, or one JSON document
-        self._overflow = False
+        self._overflow = False  # JSON: only the tail is kept; SSE: the current line is being skipped
 
     def feed(self, chunk: bytes) -> None:
-        if self._overflow or not chunk:
+        if not chunk:
             return
+        if self._sse and self._overflow:  # skipping an overlong line: resume after its end
+            end = chunk.find(b"\n")
+            if end < 0:
+                return
+            chunk, self._overflow = chunk[end + 1:], False
         self._buffer += chunk
         if self._sse is None:
             head = self._buffer.lstrip()
@@ -48,9 +57,10 @@ class UsageScanner:
                 self._line(line.strip())
             if len(self._buffer) > MAX_SSE_LINE:
                 self._overflow = True
-        elif len(self._buffer) > MAX_JSON_BODY:
+                self._buffer.clear()
+        elif self._overflow or len(self._buffer) > MAX_JSON_BODY:
             self._overflow = True
-            self._buffer.clear()
+            del self._buffer[:-JSON_TAIL]
 
     def _line(self, line: bytes) -> None:
         if line.startswith(b"data:") and b'"usage"' in line:
@@ -72,10 +82,25 @@ class UsageScanner:
     def finish(self) -> dict | None:
         if self._sse is False and not self._overflow:
             self._document(bytes(self._buffer))
+        elif self._sse is False:
+            self._usage_in_tail(bytes(self._buffer))
         elif self._sse and not self._overflow:
             self._line(bytes(self._buffer).strip())
         self._buffer.clear()
         return self.usage
+
+    def _usage_in_tail(self, tail: bytes) -> None:
+        """The `usage` object of a body too large to parse whole, read from its last bytes."""
+        at = tail.rfind(b'"usage"')
+        start = tail.find(b"{", at) if at >= 0 else -1
+        if start < 0:
+            return
+        try:
+            usage, _ = json.JSONDecoder().raw_decode(tail[start:].decode("utf-8", "replace"))
+        except ValueError:
+            return
+        if isinstance(usage, dict):
+            self.usage = usage
 
 
 def token_counts(usage: dict | None) -> tuple[int, int, int] | None:

@@ -13,6 +13,7 @@ from kubeinfer.engine.entrypoints.openai.api_server import ServerState, build_ap
 from kubeinfer.engine.core.async_engine import AsyncEngine
 from kubeinfer.engine.config import EngineConfig
 from kubeinfer.engine.core.llm_engine import LLMEngine
+from kubeinfer.http_server import server_config
 
 
 def free_port() -> int:
@@ -23,18 +24,20 @@ def free_port() -> int:
 
 class RunningServer:
     def __init__(self, model_dir: str, name: str = "tiny", api_key: str | None = None,
-                 max_waiting_requests: int | None = 64, lora_modules=(), lora_dirs=(), tool_call_parser=None, reasoning_parser=None,
-                 port: int | None = None, **engine_kwargs) -> None:
+                 max_waiting_requests: int | None = 64, lora_modules=(), lora_dirs=(), tool_call_parser=None,
+                 reasoning_parser=None, port: int | None = None, guard=None, header_read_timeout: float = 10.0,
+                 max_prompt_chars=None, tokenizer_pool_size: int = 4, **engine_kwargs) -> None:
         engine = LLMEngine(EngineConfig(model=model_dir, **engine_kwargs))
         for lora in lora_modules:  # LoRARequests, registered before serving as --lora-modules does
             engine.add_lora(lora)
         self.async_engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests)
         self.state = ServerState(self.async_engine, name, str(model_dir), api_key=api_key, lora_dirs=list(lora_dirs),
-                                 tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+                                 tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser,
+                                 max_prompt_chars=max_prompt_chars, tokenizer_pool_size=tokenizer_pool_size)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(self.state), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
+        self.server = uvicorn.Server(server_config(build_app(self.state, guard), header_read_timeout,
+                                                   host="127.0.0.1", port=self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "RunningServer":

@@ -146,6 +146,7 @@ async def test_sheddable_requests_get_429_when_the_pool_is_saturated(lora_base_d
     """One pod that runs one sequence at a time: a few long requests fill its queue past the threshold."""
     with RunningServer(lora_base_dir, name="base", max_num_seqs=1) as busy:
         gateway = await start_gateway([busy.url], queue_threshold=2)
+        gateway.router.trust_priority_headers = True  # the priority header as a trusted hop in front sets it
         try:
             async with httpx.AsyncClient() as http:
                 long_jobs = [asyncio.create_task(complete(http, gateway, "base", [9, 9, i], max_tokens=300))

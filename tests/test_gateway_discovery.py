@@ -157,7 +157,8 @@ async def test_gateway_in_kubernetes_mode_routes_to_discovered_pods(lora_base_di
                                      "kind": "InferenceObjective", "metadata": {"name": "interactive", "namespace": NS},
                                      "spec": {"priority": 5, "poolRef": {"name": "llama"}}})
             gateway = Gateway(GatewayConfig(host="127.0.0.1", port=0, ext_proc_port=None, metrics_port=None,
-                                            namespace=NS, inference_pool="llama", scrape_interval=0.1),
+                                            namespace=NS, inference_pool="llama", scrape_interval=0.1,
+                                            trust_priority_headers=True),
                               api_client=k8s_client.ApiClient(k8s_client.Configuration(host=url)))
             gateway.discovery.watch_timeout = 1
             gateway.priorities.interval = 0.2

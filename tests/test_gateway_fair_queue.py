@@ -234,7 +234,7 @@ async def test_the_router_counts_each_tenants_running_requests_until_their_respo
 
 async def test_proxy_still_sheds_sheddable_requests_at_once(tmp_path):
     async with Engine(waiting=10) as engine:
-        gateway = await start_gateway([engine], tenants_file=write_tenants(tmp_path))
+        gateway = await start_gateway([engine], tenants_file=write_tenants(tmp_path), trust_priority_headers=True)
         try:
             response = await asyncio.wait_for(post(gateway, "key-a", headers={"x-gateway-inference-priority": "-1"}),
                                               2)

@@ -159,25 +159,28 @@ def test_bad_config_is_refused():
 
 
 def test_parse_request():
+    """Priority and objective headers as a trusted hop in front sets them (--trust-priority-headers)."""
+    from functools import partial
+    trusted = partial(parse_request, trust_headers=True)
     request = parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}', {})
     assert (request.model, request.prompt, request.sheddable) == ("m", "<user>hi", False)
-    assert parse_request(b'{"model": "m", "prompt": "x"}', {"x-gateway-inference-priority": "-1"}).sheddable
+    assert trusted(b'{"model": "m", "prompt": "x"}', {"x-gateway-inference-priority": "-1"}).sheddable
     assert parse_request(b'{"model": "m", "prompt": "x"}', {}, {"m": -2}).sheddable
-    assert not parse_request(b'{"model": "m", "prompt": "x"}', {"x-gateway-inference-priority": "3"}, {"m": -2}).sheddable
+    assert not trusted(b'{"model": "m", "prompt": "x"}', {"x-gateway-inference-priority": "3"}, {"m": -2}).sheddable
     assert parse_request(b"", {}).model == ""  # GET: any endpoint
     # The Inference Extension's InferenceObjective, named by header, outranks the model's priority.
     body, objectives = b'{"model": "m", "prompt": "x"}', {"batch": -5, "chat": 10}
-    assert parse_request(body, {"x-gateway-inference-objective": "batch"}, {}, objectives).sheddable
-    assert not parse_request(body, {"x-gateway-inference-objective": "chat"}, {"m": -2}, objectives).sheddable
-    assert not parse_request(body, {"x-gateway-inference-objective": "unknown"}, {"m": -2}, objectives).sheddable
-    assert parse_request(body, {"x-gateway-inference-objective": "chat", "x-gateway-inference-priority": "-1"},
-                         {}, objectives).sheddable  # an explicit priority header wins over all
+    assert trusted(body, {"x-gateway-inference-objective": "batch"}, {}, objectives).sheddable
+    assert not trusted(body, {"x-gateway-inference-objective": "chat"}, {"m": -2}, objectives).sheddable
+    assert not trusted(body, {"x-gateway-inference-objective": "unknown"}, {"m": -2}, objectives).sheddable
+    assert trusted(body, {"x-gateway-inference-objective": "chat", "x-gateway-inference-priority": "-1"},
+                   {}, objectives).sheddable  # an explicit priority header wins over all
     for body, message in [(b"{nope", "not valid JSON"), (b"[1]", "JSON object"), (b'{"prompt": "x"}', "model")]:
         with pytest.raises(RoutingError, match=message) as error:
             parse_request(body, {})
         assert error.value.status == 400
     with pytest.raises(RoutingError, match="integer"):
-        parse_request(b'{"model": "m"}', {"x-gateway-inference-priority": "high"})
+        trusted(b'{"model": "m"}', {"x-gateway-inference-priority": "high"})
 
 
 def test_parse_engine_metrics():
@@ -195,16 +198,17 @@ def test_parse_engine_metrics():
 
 def test_the_gateway_priority_reaches_the_engine_inverted():
     """The Inference Extension's priority (higher first) becomes the engine's (vLLM's: lower first) in one
-    place; a body without one is forwarded byte for byte."""
+    place; a body that needs no change is forwarded byte for byte."""
     import json
 
-    from kubeinfer.gateway.request_info import engine_priority, with_engine_priority
+    from kubeinfer.gateway.engine_body import engine_body
+    from kubeinfer.gateway.request_info import engine_priority
 
     assert engine_priority(10) == -10 and engine_priority(-1) == 1
-    raw = b'{"model": "m",  "prompt": "hi", "priority": 3}'
-    assert with_engine_priority(raw, 0) is raw
-    assert json.loads(with_engine_priority(raw, 10)) == {"model": "m", "prompt": "hi", "priority": -10}
-    request = parse_request(b'{"model": "m"}', {"x-gateway-inference-priority": "7"})
+    raw = b'{"model": "m",  "prompt": "hi", "priority": 0}'
+    assert engine_body(raw, priority=0) is raw
+    assert json.loads(engine_body(raw, priority=-10)) == {"model": "m", "prompt": "hi", "priority": -10}
+    request = parse_request(b'{"model": "m"}', {"x-gateway-inference-priority": "7"}, trust_headers=True)
     assert request.priority == 7 and not request.sheddable
 
 
@@ -214,7 +218,7 @@ def test_the_priority_is_written_for_the_engine_only_when_forwarded():
     from kubeinfer.gateway.routing import Router
 
     raw = b'{"model": "m", "prompt": "hi"}'
-    request = parse_request(raw, {"x-gateway-inference-priority": "4"})
+    request = parse_request(raw, {"x-gateway-inference-priority": "4"}, trust_headers=True)
     assert Router(Picker(EndpointPool())).body_for_engine(raw, request) is raw  # engines may run fcfs
     forwarded = Router(Picker(EndpointPool()), forward_priority=True).body_for_engine(raw, request)
     assert json.loads(forwarded)["priority"] == -4

@@ -273,9 +273,11 @@ async def test_proxy_refuses_unknown_keys_and_each_limit_in_openais_shape(tmp_pa
             assert over.status_code == 429 and over.headers["retry-after"] == "1"
             assert over.json()["error"] == {"message": "tenant 'team-a' is over its requestsPerSecond limit of 2",
                                             "type": "RateLimitError", "param": None, "code": 429}
-            assert (await post(gateway, "key-b", max_tokens=40, stream=True)).status_code == 200  # 43 of 60 kept
+            # 43 charged, corrected to the 10 used: a stream too, the gateway asks for its usage
+            assert (await post(gateway, "key-b", max_tokens=40, stream=True)).status_code == 200
+            assert (await post(gateway, "key-b", max_tokens=40)).status_code == 200  # 43 of 50, then 40 left
             tokens = await post(gateway, "key-b", max_tokens=40)
-            assert tokens.status_code == 429 and tokens.headers["retry-after"] == "26"  # 43 - 17 at one a second
+            assert tokens.status_code == 429 and tokens.headers["retry-after"] == "3"  # 43 - 40 at one a second
             assert "over its tokensPerMinute limit of 60" in tokens.json()["error"]["message"]
         finally:
             await gateway.stop()
@@ -289,10 +291,13 @@ async def test_proxy_corrects_the_token_charge_to_the_reported_usage(tmp_path):
             # the first, 40 after the second: without the correction the second would be refused
             assert (await post(gateway, "key-b", max_tokens=30)).status_code == 200
             assert (await post(gateway, "key-b", max_tokens=30)).status_code == 200
-            # a stream without include_usage keeps its estimate: 40 - 33 = 7 are left, too few for 33
+            # a stream without include_usage is corrected too: the gateway asks the engine for its usage and
+            # removes it from what the client gets; 30 are left, not the 7 its estimate would leave
             streamed = await post(gateway, "key-b", max_tokens=30, stream=True)
-            assert streamed.status_code == 200
-            assert (await post(gateway, "key-b", max_tokens=30)).status_code == 429
+            assert streamed.status_code == 200 and b'"usage"' not in streamed.content
+            assert streamed.content.endswith(b"data: [DONE]\n\n") and streamed.content.count(b"data:") == 3
+            assert engine.bodies[-1]["stream_options"] == {"include_usage": True}
+            assert (await post(gateway, "key-b", max_tokens=20)).status_code == 200
         finally:
             await gateway.stop()
 

@@ -81,6 +81,11 @@ class StopStringMatcher:
         self.stops = params.stop or []
         self.include = params.include_stop_str_in_output
         self.max_len = max((len(s) for s in self.stops), default=0)
+        # Built once per request: the stops by first character, so that most positions of the text are
+        # ruled out by one lookup at each token instead of a comparison with every stop.
+        self.by_first: dict[str, list[str]] = {}
+        for stop in self.stops:
+            self.by_first.setdefault(stop[0], []).append(stop)
 
     def find(self, text: str, num_new_chars: int) -> tuple[str, int] | None:
         """(stop string, index where the output text ends) if a stop string completed in the new text."""
@@ -101,10 +106,12 @@ class StopStringMatcher:
         """Length of the prefix of text that can be streamed without revealing a partial stop string."""
         if not self.stops or self.include:
             return len(text)
-        for hold in range(min(self.max_len - 1, len(text)), 0, -1):
-            tail = text[-hold:]
-            if any(s.startswith(tail) for s in self.stops):
-                return len(text) - hold
+        for start in range(max(0, len(text) - self.max_len + 1), len(text)):  # the longest held tail first
+            candidates = self.by_first.get(text[start])
+            if candidates:
+                tail = text[start:]
+                if any(s.startswith(tail) for s in candidates):
+                    return start
         return len(text)
 
 

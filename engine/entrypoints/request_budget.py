@@ -14,13 +14,15 @@ from ..core.outputs import CompletionOutput, RequestOutput
 
 TIMEOUT_HEADER = "x-request-timeout-ms"  # the client's (or the gateway's remaining) time budget
 TIMEOUT_FINISH_REASON = "timeout"  # a completion its budget ended; usage counts what it generated
+MAX_TIMEOUT_MS = 24 * 3600 * 1000  # a day: longer budgets mean nothing to a serving engine
 
 
 def budget_deadline(headers, loop_time: float) -> float | None:
     """The loop time at which a request's `x-request-timeout-ms` budget ends; None without a valid one
-    (an invalid value is ignored: it is read after the request was admitted)."""
+    (the front ends refuse an invalid one before admission: request_limits.check_timeout_header; here
+    one is ignored, and a huge one is held to MAX_TIMEOUT_MS, so nothing raises after admission)."""
     try:
-        milliseconds = int(headers.get(TIMEOUT_HEADER, ""))
+        milliseconds = min(int(headers.get(TIMEOUT_HEADER, "")), MAX_TIMEOUT_MS)
     except ValueError:
         return None
     return loop_time + milliseconds / 1000.0 if milliseconds > 0 else None

@@ -19,6 +19,9 @@ import signal
 
 import uvicorn
 
+from kubeinfer.http_guard import add_http_limit_arguments, guard_from_args
+from kubeinfer.http_server import server_config
+
 logger = logging.getLogger("kubeinfer.serve")
 
 
@@ -32,7 +35,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: the directory)")
     parser.add_argument("--api-key", default=os.environ.get("KUBEINFER_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on /v1 (env KUBEINFER_API_KEY)")
+                        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version "
+                             "(env KUBEINFER_API_KEY; the gateway presents it with --engine-api-key)")
     parser.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC API on this port")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
@@ -93,6 +97,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
                         help="put a reasoning model's thinking (between its think tags) in message.reasoning, "
                              "the rest in content")
+    parser.add_argument("--max-prompt-chars", type=int, default=None,
+                        help="characters of prompt text (chat: of all messages) a request may send; longer is a 400 "
+                             "before tokenizing (default: 10 per token of --max-model-len)")
+    parser.add_argument("--tokenizer-pool-size", type=int, default=4,
+                        help="threads that tokenize prompts and render chat templates, off the event loop")
+    add_http_limit_arguments(parser, max_concurrent_requests=1024)
     parser.add_argument("--log-level", default="info")
 
 
@@ -130,7 +140,8 @@ def build_state(args: argparse.Namespace):
     return ServerState(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests),
                        args.served_model_name or args.model, args.model, api_key=args.api_key,
                        lora_dirs=list(args.allowed_lora_dirs), tool_call_parser=args.tool_call_parser,
-                       reasoning_parser=args.reasoning_parser)
+                       reasoning_parser=args.reasoning_parser, max_prompt_chars=args.max_prompt_chars,
+                       tokenizer_pool_size=args.tokenizer_pool_size)
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
@@ -168,9 +179,10 @@ async def serve(args: argparse.Namespace) -> int:
 
     state = build_state(args)
     state.async_engine.start()
-    app = build_app(state)
-    server = _DrainFirstServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                              timeout_graceful_shutdown=int(args.drain_timeout) + 5))
+    app = build_app(state, guard_from_args(args))
+    server = _DrainFirstServer(server_config(app, args.header_read_timeout, host=args.host, port=args.port,
+                                             log_level=args.log_level,
+                                             timeout_graceful_shutdown=int(args.drain_timeout) + 5))
     grpc_server = None
     if args.grpc_port is not None:
         from .grpc.server import start_grpc_server

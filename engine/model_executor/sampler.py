@@ -211,6 +211,16 @@ def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def _per_request_tensors(params, name: str, build, vocab: int, device) -> tuple:
+    """Tensors made from a request's lists once, on its first step, not at every token: kept on the params
+    object (each request's own copy), keyed by what they depend on."""
+    key = f"_{name}_tensors"
+    cached = params.__dict__.get(key)
+    if cached is None or cached[0] != (vocab, device):
+        cached = params.__dict__[key] = ((vocab, device), build())
+    return cached[1]
+
+
 def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """OpenAI's logit_bias: each listed token's logit moves by its bias (greedy requests included)."""
     vocab, device = logits.shape[1], logits.device
@@ -218,18 +228,24 @@ def _apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         bias = seq.params.logit_bias
         if not bias:
             continue
-        ids = [t for t in bias if t < vocab]  # the engine refuses others; never index out of bounds on a GPU
-        logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype, device=device)
+
+        def build(bias=bias):  # the engine refuses ids outside the vocabulary; never index out of bounds on a GPU
+            ids = [t for t in bias if t < vocab]
+            return (torch.tensor(ids, dtype=torch.long, device=device),
+                    torch.tensor([bias[t] for t in ids], dtype=torch.float32, device=device))
+        ids, values = _per_request_tensors(seq.params, "logit_bias", build, vocab, device)
+        logits[i, ids] += values.to(logits.dtype)
 
 
 def _keep_only_allowed_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """vLLM's allowed_token_ids: every other token's logit becomes -inf."""
-    device = logits.device
+    vocab, device = logits.shape[1], logits.device
     for i, seq in enumerate(seqs):
         allowed = seq.params.allowed_token_ids
         if not allowed:
             continue
-        ids = torch.tensor([t for t in allowed if t < logits.shape[1]], dtype=torch.long, device=device)
+        ids = _per_request_tensors(seq.params, "allowed_token_ids", lambda allowed=allowed: torch.tensor(
+            sorted({t for t in allowed if t < vocab}), dtype=torch.long, device=device), vocab, device)
         kept = logits[i, ids]
         logits[i] = float("-inf")
         logits[i, ids] = kept

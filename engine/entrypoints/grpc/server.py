@@ -21,6 +21,7 @@ from kubeinfer.grpc_health import HealthCheckedServer
 from ...core.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ...sampling_params import SamplingParams
 from ..request_budget import budget_deadline, merged
+from ..request_limits import check_prompt_chars, check_sampling_lists, check_timeout_header
 from .proto import engine_pb2, engine_pb2_grpc
 
 SERVICE_NAME = "kubeinfer.engine.v1.Engine"
@@ -76,8 +77,13 @@ class EngineService(engine_pb2_grpc.EngineServicer):
         prompt = request.text if which == "text" else {"prompt_token_ids": list(request.token_ids.ids)}
         engine = self.state.async_engine
         request_id = f"grpc-{next(self._ids)}-{secrets.token_hex(6)}"
+        metadata = dict(context.invocation_metadata())
         try:
+            check_timeout_header(metadata)  # before admission: nothing may raise about it after
             params = sampling_params(request.sampling)
+            check_sampling_lists(params, self.state.engine.spec.vocab_size)
+            if which == "text":
+                check_prompt_chars([request.text], self.state.prompt_char_limit)
             engine.check_capacity(params.n)
             prepared = await self.state.off_loop(
                 lambda: engine.prepare(request_id, prompt, params, priority=request.priority, lora_id=lora_id))
@@ -90,9 +96,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
 
         sent_tokens = sent_text = 0
-        deadline = call_deadline(dict(context.invocation_metadata()), context.time_remaining(),
-                                 asyncio.get_running_loop().time())
         try:
+            deadline = call_deadline(metadata, context.time_remaining(), asyncio.get_running_loop().time())
             async for _, output in merged(engine, [(prepared, slot)], deadline):
                 completion = output.outputs[0]
                 response = engine_pb2.GenerateResponse(request_id=output.request_id,
@@ -112,6 +117,8 @@ class EngineService(engine_pb2_grpc.EngineServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
         except RequestFailedError as error:
             await context.abort(grpc.StatusCode.INTERNAL, str(error))
+        finally:  # whatever ended the call (an error, a cancel), the admitted request ends with it
+            engine.abort(prepared.request_id)
 
     async def ListModels(self, request, context):
         await self._check_access(context)

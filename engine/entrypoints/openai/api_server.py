@@ -16,9 +16,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubeinfer import __version__
+from kubeinfer.http_guard import GuardConfig, RequestGuard
 
 from ..load_report import add_load_route
+from ..request_budget import TIMEOUT_HEADER
+from ..request_limits import check_timeout_header
 from .errors import APIError, error_response
+from .json_body import OffLoopJSONRoute
 from .lora_routes import add_lora_routes
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses_protocol import ResponsesRequest
@@ -30,9 +34,16 @@ from .serving_responses import create_response
 __all__ = ["ServerState", "build_app"]
 
 
-def build_app(state: ServerState) -> FastAPI:
+# Open without the API key: probes, scrapers and `kubeinfer` version checks. Everything else (the API,
+# /load, the OpenAPI schema and docs) takes the key when one is set.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+def build_app(state: ServerState, guard: GuardConfig | None = None) -> FastAPI:
+    """The app, behind RequestGuard (body size and time, requests in flight: `guard`, default limits)."""
     app = FastAPI(title="kubeinfer engine", version=__version__,
                   description="OpenAI-compatible API of one kubeinfer engine pod")
+    app.router.route_class = OffLoopJSONRoute
     app.state.server = state
 
     @app.exception_handler(APIError)
@@ -56,8 +67,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if request.url.path.startswith("/v1") and not state.authorized(request.headers.get("authorization", "")):
+        if request.url.path not in OPEN_PATHS and not state.authorized(request.headers.get("authorization", "")):
             return error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
+        if request.method == "POST":  # the time budget is refused before admission, never after it
+            try:
+                check_timeout_header(request.headers)
+            except ValueError as error:
+                return error_response(400, str(error), TIMEOUT_HEADER)
         return await call_next(request)
 
     @app.get("/health")
@@ -113,4 +129,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     add_lora_routes(app, state)
     add_load_route(app, state)
+    # Added last, so outermost: a body over the limit is refused (and its connection closed) before anything
+    # else, the key check included, looks at the request.
+    app.add_middleware(RequestGuard, config=guard or GuardConfig())
     return app

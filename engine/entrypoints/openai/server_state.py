@@ -14,6 +14,7 @@ from typing import TypeVar
 
 from ...core.async_engine import AsyncEngine
 from ..metrics import EngineMetrics
+from ..request_limits import max_prompt_chars
 from .reasoning_parsers import REASONING_PARSERS, ReasoningParser
 from .tool_parsers import parser_for_template
 
@@ -35,12 +36,15 @@ class ServerState:
     # tool_choice "auto": --tool-call-parser, else the format the model's chat template writes (None: none)
     tool_call_parser: str | None = None
     reasoning_parser: str | ReasoningParser | None = None  # --reasoning-parser NAME
-    # One thread for tokenizers and chat templates: off the event loop, and never two encodes at once on
-    # the same tokenizer (fast tokenizers are not safe to share between threads that change settings).
-    tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer"))
+    max_prompt_chars: int | None = None  # --max-prompt-chars; None: request_limits derives it from the context
+    # A few threads for tokenizers and chat templates, off the event loop: a long prompt holds one of them,
+    # not every request behind it. They share the tokenizer: encoding only reads it (nothing here changes
+    # its truncation or padding, the one thing a fast tokenizer cannot do while another thread encodes).
+    tokenizer_pool_size: int = 4
 
     def __post_init__(self) -> None:
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(max(1, self.tokenizer_pool_size),
+                                                                    thread_name_prefix="tokenizer")
         self.metrics = self.metrics or EngineMetrics(self.async_engine, self.served_model_name)
         lora = self.engine.lora
         taken = [*lora.registered, *lora.retiring] if lora else []
@@ -72,5 +76,9 @@ class ServerState:
         return self.async_engine.engine
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
-        """Run `fn` (tokenization, a chat template) on the tokenizer thread and await its result."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn)
+        """Run `fn` (tokenization, a chat template) on a tokenizer thread and await its result."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn)
+
+    @property
+    def prompt_char_limit(self) -> int:
+        return max_prompt_chars(self.engine.max_model_len, self.max_prompt_chars)

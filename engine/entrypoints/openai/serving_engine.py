@@ -3,8 +3,10 @@ body onto SamplingParams, prepare every prompt before any is submitted (all or n
 them and answer whole or as an SSE stream. A client that hangs up cancels its requests.
 
 Admission counts every sequence a body would add (prompts x n) against the waiting queue before any
-work, and again when they are handed to the engine. Tokenization runs on the server's tokenizer
-thread, never on the event loop, so a long prompt stalls neither other streams nor /health.
+work, and again when they are handed to the engine; before that, the prompt text and the per-token
+lists are bounded (request_limits.py). Tokenization runs on the server's tokenizer threads, never on
+the event loop, so a long prompt stalls neither other streams nor /health. Any error after admission
+aborts what was admitted.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from fastapi.responses import Response, StreamingResponse
 from ...core.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ...core.outputs import RequestOutput
 from ..request_budget import budget_deadline, merged
+from ..request_limits import chat_text, check_prompt_chars, check_sampling_lists
 from .errors import RETRY_AFTER_SECONDS, APIError, engine_unavailable, param_of
 from .protocol import SamplingFields
 from .server_state import ServerState
@@ -35,11 +38,27 @@ def check_serving(state: ServerState, body: SamplingFields) -> int:
     return lora_id
 
 
-def to_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None):
+def to_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None, vocab_size: int | None = None):
+    """SamplingParams of the body, its per-token lists bounded (request_limits) when `vocab_size` is given."""
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        params = body.sampling_params(max_tokens, logprobs)
+        if vocab_size is not None:
+            check_sampling_lists(params, vocab_size)
+        return params
     except ValueError as error:
         raise APIError(400, str(error), param_of(str(error))) from error
+
+
+def check_prompt_size(state: ServerState, body: SamplingFields) -> None:
+    """The character bound on the prompt text, before any of it is tokenized or rendered."""
+    messages = getattr(body, "messages", None)
+    texts = [chat_text(messages)] if messages is not None else [p for p in getattr(body, "prompts", list)()
+                                                                  if isinstance(p, str)]
+    field = "messages" if messages is not None else "prompt"
+    try:
+        check_prompt_chars(texts, state.prompt_char_limit, field)
+    except ValueError as error:
+        raise APIError(400, str(error), field) from error
 
 
 # More prompts than this in one body is a client bug or an attack, not a batch: OpenAI caps its own
@@ -59,10 +78,15 @@ def check_capacity(state: ServerState, num_sequences: int) -> None:
 async def prepare_all(state: ServerState, body: SamplingFields, prompts: list | Callable[[], list], params, prefix: str,
                       lora_id: int = 0):
     """Validate every prompt of the request before any of them is submitted, then admit them all or none.
-    `prompts` may be a function that makes them (a chat template): it runs on the tokenizer thread too."""
+    `prompts` may be a function that makes them (a chat template): it runs on a tokenizer thread too."""
     count = len(prompts) if isinstance(prompts, list) else 1
     if count > MAX_PROMPTS_PER_REQUEST:
         raise APIError(400, f"prompt: at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {count}", "prompt")
+    check_prompt_size(state, body)
+    try:
+        check_sampling_lists(params, state.engine.spec.vocab_size)
+    except ValueError as error:
+        raise APIError(400, str(error), param_of(str(error))) from error
     check_capacity(state, count * params.n)
     engine = state.async_engine
     base_id = f"{prefix}-{secrets.token_hex(12)}"
@@ -88,6 +112,16 @@ async def prepare_all(state: ServerState, body: SamplingFields, prompts: list | 
 
 
 async def respond(state: ServerState, http_request: Request, body: SamplingFields, prepared, fmt):
+    """The answer to admitted requests; any error on the way aborts them (they must not run unread)."""
+    try:
+        return await _respond(state, http_request, body, prepared, fmt)
+    except BaseException:
+        for request, _ in prepared[1]:
+            state.async_engine.abort(request.request_id)
+        raise
+
+
+async def _respond(state: ServerState, http_request: Request, body: SamplingFields, prepared, fmt):
     request_id, requests = prepared
     deadline = budget_deadline(http_request.headers, asyncio.get_running_loop().time())
     if body.stream:
