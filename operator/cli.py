@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between periodic passes over every model (status, autoscaling)")
     parser.add_argument("--health-port", type=int, default=8080,
                         help="serve kopf's liveness probe on http://0.0.0.0:PORT/healthz (0: off)")
-    policy = parser.add_argument_group("policy: what InferenceModels may ask of the node (docs/security-operator.md)")
+    policy = parser.add_argument_group("policy: what InferenceModels may ask of the node (docs/security.md)")
     policy.add_argument("--allow-host-path", action="append", default=[], metavar="PREFIX",
                         help="allow file:// models and adapters under this node directory (repeat for more); "
                              "default: none, file:// is refused. Never under /etc, /var/lib/kubelet, /proc ...")
