@@ -18,6 +18,7 @@ from .layers import cpu_blas
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
 from .model_loader import ModelFiles, load_model
+from .models.registry import ARCHITECTURES
 from .sampler import SampleResult, grammar_bitmask, sample
 from .step_timer import StepTimer
 
@@ -53,6 +54,10 @@ class ModelRunner:
 
     def __init__(self, files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  block_size: int, attention_backend: str = "torch", lora_pool: LoRAPool | None = None) -> None:
+        if lora_pool is not None and not ARCHITECTURES[files.architecture].lora:
+            with_lora = ", ".join(a.name for a in ARCHITECTURES.values() if a.lora)
+            raise ValueError(f"LoRA adapters are not supported on {files.architecture} yet (`kubeinfer models` lists "
+                             f"the features of each architecture); LoRA runs on {with_lora}")
         self.device = device
         self.lora_pool = lora_pool
         self.dtype = dtype
