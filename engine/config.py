@@ -87,6 +87,8 @@ class ModelSpec:
         self.o_bias = architecture != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False))
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.qk_norm = architecture == "Qwen3ForCausalLM"
+        # q/k/v and gate/up already fused in the checkpoint (Phi-3): loaded, and adapted by LoRA, as they are
+        self.fused_checkpoint = architecture in FUSED_CHECKPOINT_ARCHITECTURES
         # Each layer's window (None: full attention); `sliding_window` is the window when all layers share one.
         self.layer_windows = _layer_windows(config, architecture)
         shared = set(self.layer_windows)
@@ -128,6 +130,9 @@ def rope_settings(config) -> tuple[float, dict]:
         merged["rope_type"] = merged.pop("type")
     return float(theta), merged
 
+
+# Architectures whose checkpoints hold qkv_proj and gate_up_proj themselves (PEFT adapters target those too).
+FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)
 
 # Checkpoint names that load into a slice of one of our fused parameters: (ours, theirs, slice index).
 FUSED_WEIGHTS = (

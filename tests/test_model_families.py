@@ -134,9 +134,15 @@ def test_longrope_matches_transformers(original, max_model_len, tmp_path):
 
 
 # -- the registry ---------------------------------------------------------------------------------------------
-def test_lora_on_a_family_without_it_is_refused_clearly(family_dirs):
-    with pytest.raises(ValueError, match="LoRA adapters are not supported on Phi3ForCausalLM"):
-        LLM(family_dirs["phi3"], enable_lora=True)
+def test_lora_on_an_architecture_without_it_is_refused_clearly(family_dirs, monkeypatch):
+    import dataclasses
+
+    from kubeinfer.engine.model_executor.models import registry
+
+    entry = registry.ARCHITECTURES["Olmo2ForCausalLM"]
+    monkeypatch.setitem(registry.ARCHITECTURES, entry.name, dataclasses.replace(entry, lora=False))
+    with pytest.raises(ValueError, match="LoRA adapters are not supported on Olmo2ForCausalLM"):
+        LLM(family_dirs["olmo2"], enable_lora=True)
 
 
 def test_unknown_architecture_lists_what_is_served():

@@ -223,9 +223,7 @@ def build_random_model(
 
 
 def build_random_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: int = 8, alpha: float = 16.0,
-                         target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj"),
-                         scale: float = 0.02, seed: int = 0) -> Path:
+                         target_modules: tuple[str, ...] | None = None, scale: float = 0.02, seed: int = 0) -> Path:
     """Save a random LoRA adapter for the model in `model_dir`, in PEFT's format (adapter_config.json +
     adapter_model.safetensors, PEFT's tensor names), without needing PEFT installed."""
     import json
@@ -238,7 +236,8 @@ def build_random_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: in
     config = AutoConfig.from_pretrained(model_dir)
     spec = ModelSpec(config, config.architectures[0])
     shapes = module_shapes(spec)
-    parents = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in shapes}
+    target_modules = tuple(shapes) if target_modules is None else target_modules  # default: every projection
+    parents = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp" for m in shapes}
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(spec.num_layers):

@@ -24,13 +24,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MistralForCausalLM", "llama", "CausalLM", "Mistral", lora=True, sliding_window="all layers"),
     Architecture("Qwen2ForCausalLM", "llama", "CausalLM", "Qwen2", lora=True, sliding_window="all layers"),
     Architecture("Qwen3ForCausalLM", "llama", "CausalLM", "Qwen3", lora=True, sliding_window="all layers"),
-    Architecture("Gemma2ForCausalLM", "gemma", "Gemma2ForCausalLM", "Gemma 2", lora=False, sliding_window="per layer"),
-    Architecture("Gemma3ForCausalLM", "gemma", "Gemma3ForCausalLM", "Gemma 3 (text)", lora=False,
+    Architecture("Gemma2ForCausalLM", "gemma", "Gemma2ForCausalLM", "Gemma 2", lora=True, sliding_window="per layer"),
+    Architecture("Gemma3ForCausalLM", "gemma", "Gemma3ForCausalLM", "Gemma 3 (text)", lora=True,
                  sliding_window="per layer"),
-    Architecture("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", "Phi-3, Phi-4-mini", lora=False,
+    Architecture("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", "Phi-3, Phi-4-mini", lora=True,
                  sliding_window="all layers"),
-    Architecture("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", "OLMo 2", lora=False, sliding_window="no"),
-    Architecture("GraniteForCausalLM", "granite", "GraniteForCausalLM", "Granite", lora=False, sliding_window="no"),
+    Architecture("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", "OLMo 2", lora=True, sliding_window="no"),
+    Architecture("GraniteForCausalLM", "granite", "GraniteForCausalLM", "Granite", lora=True, sliding_window="no"),
 )}
 
 
