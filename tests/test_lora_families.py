@@ -44,10 +44,11 @@ def test_mixed_adapters_match_peft(family, tmp_path):
 
 def test_phi3_refuses_adapters_for_split_projections(tmp_path):
     """An adapter trained on q_proj/k_proj (a Llama's) does not fit Phi-3's fused modules: a clear error."""
-    from kubeinfer.engine.lora.adapter import LoRALoadError, load_adapter
-    from kubeinfer.engine.config import ModelSpec
-    from kubeinfer.testing.random_model import build_random_adapter, build_random_model
     from transformers import AutoConfig
+
+    from kubeinfer.engine.config import ModelSpec
+    from kubeinfer.engine.lora.adapter import LoRALoadError, load_adapter
+    from kubeinfer.testing.random_model import build_random_adapter, build_random_model
 
     base = build_random_model(tmp_path / "phi", "phi3", tokenizer=False)
     llama = build_random_model(tmp_path / "llama", "llama", tokenizer=False)

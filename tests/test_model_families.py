@@ -160,8 +160,9 @@ def test_every_architecture_imports_and_is_listed(capsys):
     from kubeinfer.engine.model_executor.models.llama import CausalLM
     from kubeinfer.engine.model_executor.models.registry import ARCHITECTURES, model_class
 
-    for name in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
-                 "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    for name in ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM",
+                 "Olmo2ForCausalLM", "GraniteForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                 "Qwen3ForCausalLM"):
         assert issubclass(model_class(name), CausalLM)
     assert main(["models", "--format", "json"]) == 0
     import json
@@ -178,3 +179,23 @@ def test_readme_carries_the_registry_table():
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert markdown_table() in readme, "README's model table is stale: paste `kubeinfer models --format markdown`"
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text(family_dirs, references, tmp_path):
+    """A Gemma3ForConditionalGeneration holding the Gemma 3 test model as its language model (a tiny vision
+    tower beside it, left unread) gives the language model's outputs, as transformers' multimodal class does."""
+    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = AutoModelForCausalLM.from_pretrained(family_dirs["gemma3"], dtype=torch.float32)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=16)
+    config = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=500, boi_token_index=501, eoi_token_index=502)
+    multimodal = Gemma3ForConditionalGeneration(config).eval()
+    multimodal.model.language_model.load_state_dict(text.model.state_dict())
+    multimodal.lm_head.weight = multimodal.model.language_model.embed_tokens.weight
+    multimodal.save_pretrained(tmp_path / "mm")
+    assert [hf_greedy(multimodal, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)] == references("gemma3")
+    llm = LLM(str(tmp_path / "mm"), block_size=4)
+    assert llm.engine.runner.model.spec.architecture == "Gemma3ForConditionalGeneration"
+    assert run(llm) == references("gemma3")

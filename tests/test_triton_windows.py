@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_triton_kernels import DEVICES
 
 # (context length, new tokens) per sequence: decodes first, then prefills and chunks longer than the window.

@@ -46,7 +46,10 @@ def inspect_model_dir(model_dir: str | os.PathLike) -> ModelFiles:
         architecture = resolve(getattr(config, "architectures", None) or [])
     except UnsupportedArchitecture as error:
         raise ModelLoadError(str(error)) from None
-    return ModelFiles(path, config, architecture.name, _weight_files(path), _eos_token_ids(path, config))
+    eos_token_ids = _eos_token_ids(path, config)
+    if architecture.text_only:  # the language model of a multimodal checkpoint: its text config describes it
+        config = config.get_text_config()
+    return ModelFiles(path, config, architecture.name, _weight_files(path), eos_token_ids)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -126,11 +129,12 @@ def _load_weights(model: CausalLM, weight_files: list[Path]) -> None:
     for file in weight_files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if "rotary_emb.inv_freq" in key:
+                ours = model.checkpoint_name(key)
+                if ours is None or "rotary_emb.inv_freq" in ours:
                     continue
-                if key == "lm_head.weight" and model.spec.tie_word_embeddings:
+                if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
                     continue
-                name, shard = (key, None) if model.checkpoint_fused else _target(key)
+                name, shard = (ours, None) if model.checkpoint_fused else _target(ours)
                 if name not in params:
                     raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
                 _copy_into(params[name], f.get_tensor(key), shard, model, name)

@@ -105,6 +105,22 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         return [rotaries["full_attention" if w is None else "sliding_attention"] for w in spec.layer_windows]
 
 
+class Gemma3TextOnly(Gemma3ForCausalLM):
+    """A `Gemma3ForConditionalGeneration` checkpoint served as text: its language model, the vision tower and
+    projector left unread. Names are either transformers 5's (model.language_model.*) or the Hub's older
+    ones (language_model.model.*, language_model.lm_head.*)."""
+
+    @staticmethod
+    def checkpoint_name(key: str) -> str | None:
+        for theirs, ours in (("model.language_model.", "model."), ("language_model.model.", "model."),
+                             ("language_model.lm_head.", "lm_head.")):
+            if key.startswith(theirs):
+                return ours + key[len(theirs):]
+        if key.startswith("lm_head."):
+            return key
+        return None  # vision_tower.*, multi_modal_projector.*
+
+
 def _settings(params: dict) -> tuple[float, dict]:
     scaling = dict(params)
     theta = float(scaling.pop("rope_theta", 10_000.0))

@@ -175,6 +175,11 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
 
+    @staticmethod
+    def checkpoint_name(key: str) -> str | None:
+        """The parameter a checkpoint tensor loads into (before q/k/v and gate/up are fused); None: skip it."""
+        return key
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x).float()
 

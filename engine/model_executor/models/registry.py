@@ -17,6 +17,7 @@ class Architecture:
     sliding_window: str  # "no", "all layers" (when the config sets one) or "per layer" (local and global layers)
     tensor_parallel: bool = False
     quantized: bool = False
+    text_only: bool = False  # a multimodal checkpoint served as its language model (its text_config)
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -27,6 +28,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Gemma2ForCausalLM", "gemma", "Gemma2ForCausalLM", "Gemma 2", lora=True, sliding_window="per layer"),
     Architecture("Gemma3ForCausalLM", "gemma", "Gemma3ForCausalLM", "Gemma 3 (text)", lora=True,
                  sliding_window="per layer"),
+    Architecture("Gemma3ForConditionalGeneration", "gemma", "Gemma3TextOnly", "Gemma 3 (text only; no images)",
+                 lora=False, sliding_window="per layer", text_only=True),
     Architecture("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", "Phi-3, Phi-4-mini", lora=True,
                  sliding_window="all layers"),
     Architecture("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", "OLMo 2", lora=True, sliding_window="no"),
