@@ -152,7 +152,7 @@ def test_unknown_architecture_lists_what_is_served():
         resolve(["GPT2LMHeadModel"])
     assert "GPT2LMHeadModel" in str(error.value)
     assert all(name in str(error.value) for name in ARCHITECTURES)
-    assert resolve(["Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"]).name == "Gemma3ForCausalLM"
+    assert resolve(["GPT2LMHeadModel", "Gemma3ForCausalLM"]).name == "Gemma3ForCausalLM"  # the first one served
 
 
 def test_every_architecture_imports_and_is_listed(capsys):
