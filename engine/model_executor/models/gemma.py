@@ -72,7 +72,9 @@ class Gemma2ForCausalLM(CausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        return x * torch.tensor(self.spec.hidden_size ** 0.5, dtype=x.dtype)
+        # sqrt(hidden) rounded to the model's dtype first, as the reference multiplies by it; a Python number,
+        # so that a CUDA graph captures no host tensor.
+        return x * float(torch.tensor(self.spec.hidden_size ** 0.5, dtype=x.dtype, device="cpu"))
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(x)
