@@ -101,20 +101,17 @@ class ModelSpec:
 
 
 def _layer_windows(config, architecture: str) -> list[int | None]:
-    """Per layer: the sliding window, or None for full attention. Families with `layer_types` (Gemma 2 and 3)
-    window only their "sliding_attention" layers; the others window every layer when the config has one."""
+    """Per layer: the sliding window, or None for full attention. With `layer_types` (Gemma 2 and 3; Qwen2 and
+    Qwen3 with use_sliding_window, from max_window_layers up) only the "sliding_attention" layers are windowed;
+    without, every layer is when the config has a window (Mistral, Phi-3)."""
     num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(config, "use_sliding_window", False):
+        window = None  # Qwen configs carry a window they do not use
     if not window:
         return [None] * num_layers
-    layer_types = getattr(config, "layer_types", None) or []
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if not getattr(config, "use_sliding_window", False):
-            return [None] * num_layers
-        if any(t != "sliding_attention" for t in layer_types):
-            raise ValueError("models mixing sliding-window and full-attention layers are not supported yet")
-        return [int(window)] * num_layers
-    if architecture.startswith("Gemma"):
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
         return [int(window) if t == "sliding_attention" else None for t in layer_types]
     return [int(window)] * num_layers
 

@@ -199,3 +199,20 @@ def test_gemma3_multimodal_checkpoint_serves_its_text(family_dirs, references, t
     llm = LLM(str(tmp_path / "mm"), block_size=4)
     assert llm.engine.runner.model.spec.architecture == "Gemma3ForConditionalGeneration"
     assert run(llm) == references("gemma3")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_mixing_windowed_and_full_layers_matches_transformers(family, tmp_path):
+    """use_sliding_window with max_window_layers=1: layer 0 attends to everything, the others to 6 tokens
+    (refused before per-layer windows existed)."""
+    from kubeinfer.testing.random_model import build_random_model
+
+    variant = dict(num_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    path = build_random_model(tmp_path / family, family, tokenizer=False, seed=9, **variant)
+    llm = LLM(str(path), block_size=4, num_kv_blocks=14, max_num_batched_tokens=16)
+    assert [layer.self_attn.window for layer in llm.engine.runner.model.model.layers] == [None, 6, 6]
+    want = hf_references(path)
+    assert run(llm) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    full = build_random_model(tmp_path / "full", family, tokenizer=False, seed=9, **{**variant, "max_window_layers": 3})
+    assert hf_references(full) != want  # the windowed layers change the outputs

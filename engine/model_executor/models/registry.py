@@ -14,7 +14,7 @@ class Architecture:
     class_name: str
     family: str
     lora: bool  # adapters load and apply (checked against PEFT)
-    sliding_window: str  # "no", "all layers" (when the config sets one) or "per layer" (local and global layers)
+    sliding_window: str  # "no", "all layers" (when the config sets one) or "per layer" (by the config's layer_types)
     tensor_parallel: bool = False
     quantized: bool = False
     text_only: bool = False  # a multimodal checkpoint served as its language model (its text_config)
@@ -23,8 +23,8 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("LlamaForCausalLM", "llama", "CausalLM", "Llama", lora=True, sliding_window="no"),
     Architecture("MistralForCausalLM", "llama", "CausalLM", "Mistral", lora=True, sliding_window="all layers"),
-    Architecture("Qwen2ForCausalLM", "llama", "CausalLM", "Qwen2", lora=True, sliding_window="all layers"),
-    Architecture("Qwen3ForCausalLM", "llama", "CausalLM", "Qwen3", lora=True, sliding_window="all layers"),
+    Architecture("Qwen2ForCausalLM", "llama", "CausalLM", "Qwen2", lora=True, sliding_window="per layer"),
+    Architecture("Qwen3ForCausalLM", "llama", "CausalLM", "Qwen3", lora=True, sliding_window="per layer"),
     Architecture("Gemma2ForCausalLM", "gemma", "Gemma2ForCausalLM", "Gemma 2", lora=True, sliding_window="per layer"),
     Architecture("Gemma3ForCausalLM", "gemma", "Gemma3ForCausalLM", "Gemma 3 (text)", lora=True,
                  sliding_window="per layer"),
