@@ -81,7 +81,8 @@ def test_engine_on_triton_matches_transformers(family, device, tmp_path):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_graphs_with_local_and_global_layers(device, tmp_path):
-    """Decode graphs replay Gemma 2's local and global layers (each with its window) and capped scores."""
+    """Decode graphs replay Gemma 2's local and global layers (each with its window and block pool) and
+    capped scores."""
     from test_cuda_graphs import _capture
     from test_model_families import MAX_TOKENS, PROMPTS, VARIANTS, hf_references, run
 
@@ -91,6 +92,7 @@ def test_decode_graphs_with_local_and_global_layers(device, tmp_path):
     path = build_random_model(tmp_path / "gemma2", "gemma2", tokenizer=False, seed=8, **VARIANTS["gemma2"])
     llm = LLM(str(path), device=device, dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=8,
               enforce_eager=True)
+    assert llm.engine.runner.window_pool  # the local layers' blocks in their own pool, with their own tables
     graphs = _capture(llm, device)
     assert run(llm, PROMPTS, MAX_TOKENS) == hf_references(path)
     assert graphs.num_replays > 0

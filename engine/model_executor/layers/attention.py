@@ -64,6 +64,15 @@ class AttentionMetadata:
                                              _windowed={})
         return self._windowed[window]
 
+    def add_group(self, window: int, slots: list[int], block_tables: torch.Tensor, block_table_lists: list[list[int]],
+                  device: torch.device) -> None:
+        """The metadata of the layers with `window` when their K/V lives in a pool of its own (core/window_blocks.py):
+        the same queries and lengths, that pool's slots and block tables."""
+        self._windowed[window] = replace(self, sliding_window=window, decode_mask=None, _chunk_masks={}, _runs={},
+                                         _windowed={}, slot_mapping=on_device(slots, torch.long, device),
+                                         block_tables=to_device(block_tables, device),
+                                         block_table_lists=block_table_lists)
+
     def first_block_of_run(self, seq: int, num_blocks: int) -> int | None:
         """The first block id when sequence `seq`'s first `num_blocks` blocks are consecutive ids (the block
         manager hands out consecutive blocks where it can), else None; None too without the host lists."""
