@@ -44,6 +44,8 @@ bench: setup
 	$(PY) benchmarks/bench_scale_from_zero.py
 	$(PY) benchmarks/bench_tenants.py
 	$(PY) benchmarks/bench_spec_decode.py
+	$(PY) benchmarks/bench_window_kv.py
+	$(PY) benchmarks/bench_security_limits.py
 
 # On a GPU machine, whose own python has CUDA torch and no registry access: install kubeinfer into it
 # first with `python3 -m pip install --no-deps --no-build-isolation -e .`

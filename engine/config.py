@@ -68,9 +68,11 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # hidden_act values the mod
 
 
 class ModelSpec:
-    """The architectural switches of one checkpoint, resolved from its HF config."""
+    """The architectural switches of one checkpoint, resolved from its HF config. Switches only one family
+    reads stay in `config`, which its model module reads itself."""
 
     def __init__(self, config, architecture: str) -> None:
+        self.config, self.architecture = config, architecture
         self.hidden_size = config.hidden_size
         self.num_layers = config.num_hidden_layers
         self.num_heads = config.num_attention_heads
@@ -85,24 +87,33 @@ class ModelSpec:
         self.o_bias = architecture != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False))
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.qk_norm = architecture == "Qwen3ForCausalLM"
-        self.sliding_window = _sliding_window(config, architecture)
+        # q/k/v and gate/up already fused in the checkpoint (Phi-3): loaded, and adapted by LoRA, as they are
+        self.fused_checkpoint = architecture in FUSED_CHECKPOINT_ARCHITECTURES
+        # Each layer's window (None: full attention); `sliding_window` is the window when all layers share one.
+        self.layer_windows = _layer_windows(config, architecture)
+        shared = set(self.layer_windows)
+        self.sliding_window = shared.pop() if len(shared) == 1 else None
         self.rope_theta, self.rope_scaling = rope_settings(config)
-        self.hidden_act = getattr(config, "hidden_act", "silu")
+        # Gemma spells it hidden_activation
+        self.hidden_act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
 
 
-def _sliding_window(config, architecture: str) -> int | None:
+def _layer_windows(config, architecture: str) -> list[int | None]:
+    """Per layer: the sliding window, or None for full attention. With `layer_types` (Gemma 2 and 3; Qwen2 and
+    Qwen3 with use_sliding_window, from max_window_layers up) only the "sliding_attention" layers are windowed;
+    without, every layer is when the config has a window (Mistral, Phi-3)."""
+    num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(config, "use_sliding_window", False):
+        window = None  # Qwen configs carry a window they do not use
     if not window:
-        return None
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if not getattr(config, "use_sliding_window", False):
-            return None
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "sliding_attention" for t in layer_types):
-            raise ValueError("models mixing sliding-window and full-attention layers are not supported yet")
-    return int(window)
+        return [None] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [int(window) if t == "sliding_attention" else None for t in layer_types]
+    return [int(window)] * num_layers
 
 
 def rope_settings(config) -> tuple[float, dict]:
@@ -116,6 +127,9 @@ def rope_settings(config) -> tuple[float, dict]:
         merged["rope_type"] = merged.pop("type")
     return float(theta), merged
 
+
+# Architectures whose checkpoints hold qkv_proj and gate_up_proj themselves (PEFT adapters target those too).
+FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)
 
 # Checkpoint names that load into a slice of one of our fused parameters: (ours, theirs, slice index).
 FUSED_WEIGHTS = (

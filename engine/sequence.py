@@ -67,6 +67,8 @@ class Sequence(OutputTokens):
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.block_hashes: list[bytes] = []  # prefix-cache keys of those blocks
+        # On models mixing sliding-window and full layers: the windowed layers' own blocks (core/window_blocks.py)
+        self.window_blocks = None
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -30,6 +30,25 @@ def _random_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models(args: argparse.Namespace) -> int:
+    from kubeinfer.engine.model_executor.models.registry import feature_table, markdown_table
+
+    if args.format == "json":
+        print(json.dumps(feature_table(), indent=2))
+    elif args.format == "markdown":
+        print(markdown_table())
+    else:
+        rows = feature_table()
+        widths = {h: max(len(h), *(len(r[h]) for r in rows)) for h in rows[0]}
+        for row in [{h: h for h in rows[0]}, *rows]:
+            print("  ".join(row[h].ljust(widths[h]) for h in widths).rstrip())
+    return 0
+
+
+def _models_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--format", choices=["table", "json", "markdown"], default="table")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from kubeinfer.engine.entrypoints.serve import main as serve_main
     return serve_main(args)
@@ -50,7 +69,8 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
 
 def _random_model_arguments(rnd: argparse.ArgumentParser) -> None:
     rnd.add_argument("out")
-    rnd.add_argument("--family", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    from kubeinfer.testing.random_model import ALL_FAMILIES
+    rnd.add_argument("--family", default="llama", choices=list(ALL_FAMILIES))
     for name in ("hidden-size", "num-layers", "num-heads", "num-kv-heads", "intermediate-size"):
         rnd.add_argument(f"--{name}", type=int, default=None)
 
@@ -78,6 +98,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[Callable, Callable]]]] = {
     "demo-model": ("train the tiny demo model and its two LoRA adapters", _module("kubeinfer.demo_model")),
     "generate": ("generate offline from a local Hugging Face model directory",
                  lambda: (_generate_arguments, _generate)),
+    "models": ("list the model architectures the engine serves, with the features each supports",
+               lambda: (_models_arguments, _models)),
     "random-model": ("write a random-init model + tokenizer (tests, benchmarks)",
                      lambda: (_random_model_arguments, _random_model)),
 }

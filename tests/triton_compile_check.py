@@ -15,7 +15,7 @@ import sys
 POINTER_TYPES = {"block_tables_ptr": "*i64", "context_lens_ptr": "*i64", "slot_ptr": "*i64", "query_start_ptr": "*i32",
                  "tokens_ptr": "*i32", "seg_start_ptr": "*i32", "seg_slot_ptr": "*i64", "seg_rank_ptr": "*i32",
                  "s_ptr": "*fp32", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-SCALAR_TYPES = {"scale_log2": "fp32", "eps": "fp32"}
+SCALAR_TYPES = {"scale_log2": "fp32", "eps": "fp32", "softcap": "fp32"}
 
 
 def variants():
@@ -25,7 +25,8 @@ def variants():
     from kubeinfer.engine.lora import triton_ops as tlo
     from kubeinfer.engine.model_executor.layers import triton_norm as tn
 
-    attn = dict(GROUP=4, GROUP_PAD=4, BLOCK_N=64, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, UPCAST=False)
+    attn = dict(GROUP=4, GROUP_PAD=4, BLOCK_N=64, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, UPCAST=False,
+                SOFTCAP=False)
     return [
         (ta._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, BLOCK_SIZE=16)),
         (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=4)),  # decode
@@ -33,6 +34,8 @@ def variants():
         (ta._paged_attention_kernel, dict(attn, GROUP=7, GROUP_PAD=8, BLOCK_M=64, BLOCK_Q=8)),
         (ta._paged_attention_kernel, dict(attn, GROUP=1, GROUP_PAD=1, BLOCK_M=16, BLOCK_Q=16, HEAD_DIM=80)),
         (ta._paged_attention_kernel, dict(attn, BLOCK_M=64, BLOCK_Q=16, UPCAST=True)),
+        (ta._paged_attention_kernel, dict(attn, BLOCK_M=64, BLOCK_Q=32, GROUP=2, GROUP_PAD=2, HEAD_DIM=256,
+                                          DIM_PAD=256, SOFTCAP=True)),  # Gemma 2: capped scores, 256-wide heads
         (tlo._shrink_kernel, dict(BLOCK_T=16, BLOCK_R=16, BLOCK_K=64, UPCAST=False)),
         (tlo._expand_kernel, dict(BLOCK_T=16, BLOCK_O=64, BLOCK_R=16, UPCAST=False)),
         (tn._rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True)),

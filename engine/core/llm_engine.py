@@ -27,10 +27,9 @@ from ..sequence import ScheduledBatch, Sequence
 from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.speculator import Speculator
 from .async_scheduling import StepPipeline
-from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from .errors import StepFailedError
-from .model_setup import build_runner, draft_files
+from .model_setup import build_block_manager, build_runner, draft_files
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Completion, Request, check_prompt_length, prompt_tokens
@@ -69,7 +68,7 @@ class LLMEngine:
                  if speculative and speculative.model else None)
         self.runner, self.num_kv_blocks, draft_runner = build_runner(config, files, self.spec, self.device, self.dtype,
                                                                      self.max_model_len, pool, budget, draft)
-        self.block_manager = BlockManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = build_block_manager(config, self.spec, self.runner, self.num_kv_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
                                                    config.scheduling_policy), self.block_manager, pool)
         self.speculator = speculative and Speculator(speculative, self.max_model_len, draft_runner, self.spec.vocab_size)

@@ -2,7 +2,8 @@
 count, else what GPU memory allows after a profiled worst-case step, else the CPU budget), allocate it,
 and capture CUDA graphs for decode steps. Running out of GPU memory at any point is a one-line error
 naming the flag to change. A draft model (speculative decoding) is loaded beside the target, and its
-KV cache has as many blocks as the target's (it is paged by the same block tables)."""
+KV cache has as many blocks as the target's (it is paged by the same block tables). On a model mixing
+sliding-window and full layers, the windowed layers get a pool of their own (core/window_blocks.py)."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,10 @@ from ..lora.pool import LoRAPool
 from ..model_executor.layers.attention_selector import check_attention_backend
 from ..model_executor.model_loader import ModelFiles, inspect_model_dir
 from ..model_executor.model_runner import ModelRunner
+from .block_manager import BlockManager
 from .kv_cache_sizing import GiB, kv_cache_bytes, measure_gpu, num_kv_blocks, out_of_memory_says
+
+from .window_blocks import HybridBlockManager
 
 logger = logging.getLogger(__name__)
 
@@ -56,34 +60,65 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
                                        block_size=config.block_size, attention_backend=backend)
         return runner
 
-    per_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, dtype)
+    window = ModelRunner.window_group(spec)
+    num_windowed = sum(w is not None for w in spec.layer_windows) if window else 0
+    per_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, dtype, spec.num_layers - num_windowed)
+    per_window_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, dtype, num_windowed)
     if draft is not None:
         per_block += ModelRunner.kv_bytes_per_block(ModelSpec(draft.config, draft.architecture), config.block_size, dtype)
+    enough = config.max_num_seqs * -(-max_model_len // config.block_size)
+    window_blocks = None
     if config.num_kv_blocks:
         runner, blocks = load(), config.num_kv_blocks
-    elif device.type != "cuda":
-        enough = config.max_num_seqs * -(-max_model_len // config.block_size)
-        runner, blocks = load(), max(1, min(enough, config.kv_cache_memory_bytes // per_block))
+        window_blocks = blocks if window else None  # as many as the full layers': never the tighter pool
     else:
-        def load_and_profile() -> ModelRunner:
-            runner = load()
-            with out_of_memory_says("the profiling step", "lower --max-num-batched-tokens or --max-num-seqs"):
-                runner.profile_run(step_tokens, config.max_num_seqs)
-            return runner
+        if device.type != "cuda":
+            runner, kv_bytes = load(), config.kv_cache_memory_bytes
+        else:
+            def load_and_profile() -> ModelRunner:
+                runner = load()
+                with out_of_memory_says("the profiling step", "lower --max-num-batched-tokens or --max-num-seqs"):
+                    runner.profile_run(step_tokens, config.max_num_seqs)
+                return runner
 
-        profile, runner = measure_gpu(device, load_and_profile)
-        kv_bytes = kv_cache_bytes(profile, config.gpu_memory_utilization)
-        blocks = num_kv_blocks(kv_bytes, per_block, block_size=config.block_size, max_model_len=max_model_len)
-        logger.info("GPU memory: %.2f GiB total, %.2f GiB for weights and the profiled step, %.2f GiB other; "
-                    "KV cache %.2f GiB (gpu_memory_utilization %.2f)", profile.total / GiB, profile.torch_peak / GiB,
-                    profile.non_torch_growth / GiB, kv_bytes / GiB, config.gpu_memory_utilization)
+            profile, runner = measure_gpu(device, load_and_profile)
+            kv_bytes = kv_cache_bytes(profile, config.gpu_memory_utilization)
+            logger.info("GPU memory: %.2f GiB total, %.2f GiB for weights and the profiled step, %.2f GiB other; "
+                        "KV cache %.2f GiB (gpu_memory_utilization %.2f)", profile.total / GiB, profile.torch_peak / GiB,
+                        profile.non_torch_growth / GiB, kv_bytes / GiB, config.gpu_memory_utilization)
+        if window:
+            window_blocks = window_pool_blocks(window, config, step_tokens, enough, kv_bytes // 2 // per_window_block)
+            kv_bytes -= window_blocks * per_window_block
+        if device.type != "cuda":
+            blocks = max(1, min(enough, kv_bytes // per_block))
+        else:
+            blocks = num_kv_blocks(kv_bytes, per_block, block_size=config.block_size, max_model_len=max_model_len)
+    runner.num_window_blocks = window_blocks
     with out_of_memory_says("allocating the KV cache", "lower --gpu-memory-utilization or --num-kv-blocks"):
-        runner.allocate_kv_cache(blocks)
+        runner.allocate_kv_cache(blocks, window_blocks)
         if draft_runner is not None:
             draft_runner.allocate_kv_cache(blocks)
     with out_of_memory_says("capturing CUDA graphs", "pass --enforce-eager, or lower --max-num-seqs"):
         _capture_decode_graphs(runner, config, device)
     return runner, blocks, draft_runner
+
+
+def window_pool_blocks(window: int, config: EngineConfig, step_tokens: int, enough: int, at_most: int) -> int:
+    """The sliding-window layers' pool: what max_num_seqs sequences hold at once (each the blocks of its
+    last window and the next one, plus a step's new tokens), at most half the KV memory, but never less
+    than one sequence's full step needs (or no sequence could ever be scheduled)."""
+    bs = config.block_size
+    one = -(-(window - 1 + step_tokens) // bs) + 2
+    wanted = min(enough, config.max_num_seqs * (-(-(window - 1) // bs) + 2) + -(-step_tokens // bs))
+    return max(one, min(wanted, at_most))
+
+
+def build_block_manager(config: EngineConfig, spec: ModelSpec, runner: ModelRunner, num_blocks: int):
+    """A BlockManager; on a model whose windowed layers have their own pool, the pair (core/window_blocks.py)."""
+    if not runner.window_pool:
+        return BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    return HybridBlockManager(num_blocks, runner.num_window_blocks, config.block_size, ModelRunner.window_group(spec),
+                              config.enable_prefix_caching)
 
 
 def _capture_decode_graphs(runner: ModelRunner, config: EngineConfig, device: torch.device) -> None:

@@ -24,10 +24,12 @@ from ..config import ModelSpec
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
-# The projections an adapter may target, by their checkpoint (PEFT) names.
+# The projections an adapter may target, by their checkpoint (PEFT) names; Phi-3's checkpoints (and so its
+# adapters) have qkv_proj and gate_up_proj instead of q/k/v and gate/up (`module_shapes` says which a model has).
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_LORA_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+           "qkv_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "gate_up_proj": "mlp", "down_proj": "mlp"}
 
 # PEFT saves `base_model.model.` + the module's name in the CausalLM + `.lora_A.weight`.
 _KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight")
@@ -84,6 +86,9 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection an adapter may target."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     hidden, inter = spec.hidden_size, spec.intermediate_size
+    if spec.fused_checkpoint:
+        return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
+                "down_proj": (inter, hidden)}
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
             "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
 
@@ -115,12 +120,12 @@ def load_adapter(path: str | Path, spec: ModelSpec, max_lora_rank: int, *, lora_
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     names: dict[tuple[int, str], str] = {}
     for key, tensor in raw.items():
-        layer, module, module_name, ab = _parse_key(key, spec.num_layers)
+        layer, module, module_name, ab = _parse_key(key, spec.num_layers, shapes)
         pairs.setdefault((layer, module), {})[ab] = tensor
         names[(layer, module)] = module_name
     if not pairs:
         raise LoRALoadError(f"{path / WEIGHTS_FILE} holds no LoRA weights")
-    _check_targets(config, {module for _, module in pairs})
+    _check_targets(config, {module for _, module in pairs}, shapes)
 
     weights: dict[tuple[int, str], LoRAWeights] = {}
     for (layer, module), ab in sorted(pairs.items()):
@@ -188,28 +193,28 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise LoRALoadError(f"cannot read {file}: {exc}") from None
 
 
-def _parse_key(key: str, num_layers: int) -> tuple[int, str, str, str]:
+def _parse_key(key: str, num_layers: int, shapes: dict) -> tuple[int, str, str, str]:
     """(layer, module, module's name in the model, "A"/"B") of one saved tensor."""
     match = _KEY.fullmatch(key)
     if not match:
         raise LoRALoadError(f"unsupported adapter weight {key!r}: kubeinfer serves LoRA on the "
-                            f"{', '.join(LORA_MODULES)} projections of the decoder layers only")
+                            f"{', '.join(shapes)} projections of the decoder layers only")
     module_name, layer, parent, module, ab = match.groups()
-    if module not in _PARENT or _PARENT[module] != parent:
-        raise LoRALoadError(f"adapter weight {key!r} targets {parent}.{module}, which kubeinfer cannot serve; "
-                            f"supported target modules: {', '.join(LORA_MODULES)}")
+    if module not in shapes or _PARENT[module] != parent:
+        raise LoRALoadError(f"adapter weight {key!r} targets {parent}.{module}, which kubeinfer cannot serve on "
+                            f"this base model; supported target modules: {', '.join(shapes)}")
     if int(layer) >= num_layers:
         raise LoRALoadError(f"adapter weight {key!r} is for layer {layer}, but the base model has {num_layers} layers")
     return int(layer), module, module_name, ab
 
 
-def _check_targets(config: dict, found: set[str]) -> None:
+def _check_targets(config: dict, found: set[str], shapes: dict) -> None:
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(LORA_MODULES))
+        unknown = sorted(set(targets) - set(shapes))
         if unknown:
-            raise LoRALoadError(f"adapter targets {', '.join(unknown)}, which kubeinfer cannot serve; "
-                                f"supported target modules: {', '.join(LORA_MODULES)}")
+            raise LoRALoadError(f"adapter targets {', '.join(unknown)}, which kubeinfer cannot serve on this base "
+                                f"model; supported target modules: {', '.join(shapes)}")
         missing = sorted(found - set(targets))
         if missing:
             raise LoRALoadError(f"adapter weights include {', '.join(missing)}, which adapter_config.json's "

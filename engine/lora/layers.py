@@ -10,7 +10,8 @@ masked per token (see benchmarks/bench_lora_delta.py).
 On CUDA, when triton is installed, `apply` runs the segmented kernels of triton_lora.py instead.
 
 Our fused projections are the concatenation of PEFT's: qkv_proj = [q; k; v], gate_up_proj = [gate; up];
-each part gets its own delta, and a part the adapter does not target is skipped (it is zero).
+each part gets its own delta, and a part the adapter does not target is skipped (it is zero). Where the
+checkpoint itself is fused (Phi-3), so are its adapters: qkv_proj and gate_up_proj are one part each.
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def fused_parts(spec: ModelSpec) -> dict[str, list[tuple[str, int, int]]]:
     shapes = module_shapes(spec)
     parts: dict[str, list[str]] = {"o_proj": ["o_proj"], "down_proj": ["down_proj"]}
     for ours, theirs, _ in sorted(FUSED_WEIGHTS, key=lambda w: w[2]):
-        parts.setdefault(ours, []).append(theirs)
+        parts.setdefault(ours, []).append(theirs if not spec.fused_checkpoint else ours)
+    parts = {ours: list(dict.fromkeys(names)) for ours, names in parts.items()}  # a fused checkpoint: one part
     layout = {}
     for ours, names in parts.items():
         offset, layout[ours] = 0, []

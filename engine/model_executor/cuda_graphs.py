@@ -22,6 +22,7 @@ checked on the CPU with `replay_eagerly`, which records nothing and simply re-ru
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -29,8 +30,8 @@ from .layers.attention import AttentionMetadata
 
 MAX_CAPTURED_BATCH = 512  # beyond this a decode step is compute-bound and a graph saves nothing that matters
 # The static per-row inputs, in their rows' order (input ids, positions, KV slots, context lengths, adapter
-# slots), and what a padding row holds in each.
-ROW_DEFAULTS = (0, 0, -1, 1, 0)
+# slots, KV slots in the sliding-window layers' own pool), and what a padding row holds in each.
+ROW_DEFAULTS = (0, 0, -1, 1, 0, -1)
 
 
 def capture_sizes(max_num_seqs: int, limit: int = MAX_CAPTURED_BATCH) -> list[int]:
@@ -66,13 +67,15 @@ class DecodeGraphs:
 
     def __init__(self, forward: Callable[..., torch.Tensor], kv_caches, *, sizes: Sequence[int],
                  max_blocks_per_seq: int, vocab_size: int, device: torch.device,
-                 sliding_window: int | None, lora_pool=None) -> None:
-        """`lora_pool`: also capture graphs for decode steps with adapters (needs triton)."""
+                 sliding_window: int | None, lora_pool=None, window_group: int | None = None) -> None:
+        """`lora_pool`: also capture graphs for decode steps with adapters (needs triton). `window_group`: the
+        window of the layers whose K/V lives in a pool of its own (core/window_blocks.py), if any."""
         self.forward = forward
         self.lora_pool = lora_pool
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         self.sliding_window = sliding_window
+        self.window_group = window_group
         max_batch = self.sizes[-1]
         # The per-row inputs are the rows of one device tensor, written each step by one copy from host memory
         # kept across steps (pinned on CUDA, so the copies queue behind the previous step without a host wait).
@@ -82,9 +85,12 @@ class DecodeGraphs:
         for row, default in enumerate(ROW_DEFAULTS):
             self._rows[row].fill_(default)
             self._host_rows[row].fill_(default)
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.lora_slots = self._rows.unbind()
+        (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.lora_slots,
+         self.window_slots) = self._rows.unbind()
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.long, device=device)
         self._host_tables = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.long, pin_memory=pinned)
+        self.window_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.long, device=device)
+        self._host_window_tables = torch.zeros(max_batch * max_blocks_per_seq, dtype=torch.long, pin_memory=pinned)
         # Recorded after each step's copies: host memory is rewritten only once they are done (the engine
         # waits for each step's tokens anyway, so this wait is normally already over).
         self._copied = torch.cuda.Event() if pinned else None
@@ -122,11 +128,27 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:size], query_start_loc=[], context_lens=[],
             context_lens_tensor=self.context_lens[:size], block_tables=self.block_tables[:size], num_decodes=size,
             sliding_window=self.sliding_window, query_start_tensor=self.query_start[:size + 1], max_prefill_len=0)
+        if self.window_group is not None:
+            meta._windowed[self.window_group] = replace(meta, sliding_window=self.window_group, _windowed={},
+                                                        slot_mapping=self.window_slots[:size],
+                                                        block_tables=self.window_tables[:size])
         inputs = (self.input_ids[:size], self.positions[:size], self.kv_caches, meta, self.logits_indices[:size], lora)
 
         def step() -> None:
             self.logits[:size].copy_(self.forward(*inputs))
         return step
+
+    @staticmethod
+    def _copy_tables(block_tables: list[list[int]], host_memory: torch.Tensor, static: torch.Tensor) -> None:
+        # Only the columns this step uses: later columns of a row are never read, since no key
+        # lies beyond its context, and a padding row reads one key of whatever block its column 0 names.
+        n, width = len(block_tables), max(len(table) for table in block_tables)
+        host = host_memory[:n * width].view(n, width)
+        tables = host.numpy()
+        tables.fill(0)
+        for row, table in zip(tables, block_tables):
+            row[:len(table)] = table
+        static[:n, :width].copy_(host, non_blocking=True)
 
     def padded_size(self, num_seqs: int) -> int | None:
         """The smallest captured size that holds num_seqs sequences; None when none does."""
@@ -134,7 +156,8 @@ class DecodeGraphs:
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
             block_tables: list[list[int]], lora_slots: list[int] | None = None,
-            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+            fill: Callable[[torch.Tensor], None] | None = None, window_slots: list[int] | None = None,
+            window_tables: list[list[int]] | None = None) -> torch.Tensor:
         """One decode step of len(input_ids) sequences through its graph; returns their logits [n, vocab]
         (a view of the static buffer: read it before the next step). `lora_slots`: each sequence's
         adapter slot, when the step uses adapters (then `lora_replays` must hold its size). `fill(input_ids)`
@@ -144,20 +167,14 @@ class DecodeGraphs:
         if self._copied is not None:
             self._copied.synchronize()
         rows = self._host_rows.numpy()
-        for row, values in enumerate((input_ids, positions, slots, context_lens, lora_slots)):
+        for row, values in enumerate((input_ids, positions, slots, context_lens, lora_slots, window_slots)):
             if values is not None:  # (without adapters the lora row is not read: the plain graphs skip LoRA)
                 rows[row, :n] = values
                 rows[row, n:size] = ROW_DEFAULTS[row]  # padding: no KV write (slot -1), a one-token context
         self._rows.copy_(self._host_rows, non_blocking=True)
-        # Only the columns this step uses: later columns of a row are never read, since no key
-        # lies beyond its context, and a padding row reads one key of whatever block its column 0 names.
-        width = max(len(table) for table in block_tables)
-        host = self._host_tables[:n * width].view(n, width)
-        tables = host.numpy()
-        tables.fill(0)
-        for row, table in zip(tables, block_tables):
-            row[:len(table)] = table
-        self.block_tables[:n, :width].copy_(host, non_blocking=True)
+        self._copy_tables(block_tables, self._host_tables, self.block_tables)
+        if window_tables is not None:
+            self._copy_tables(window_tables, self._host_window_tables, self.window_tables)
         if self._copied is not None:
             self._copied.record()
         if fill is not None:

@@ -14,9 +14,10 @@ from ..config import FUSED_WEIGHTS, ModelSpec
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
 from .layers.rotary_embedding import RotaryEmbedding
-from .models.llama import CausalLM, use_triton_kernels
+from .models.llama import CausalLM
+from .models.registry import ARCHITECTURES, UnsupportedArchitecture, model_class, resolve
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 class ModelLoadError(ValueError):
@@ -41,12 +42,14 @@ def inspect_model_dir(model_dir: str | os.PathLike) -> ModelFiles:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json; expected a Hugging Face model directory")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    architectures = getattr(config, "architectures", None) or []
-    supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
-    if not supported:
-        raise ModelLoadError(f"unsupported architecture {architectures or '(none in config.json)'}; "
-                             f"kubeinfer serves {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return ModelFiles(path, config, supported[0], _weight_files(path), _eos_token_ids(path, config))
+    try:
+        architecture = resolve(getattr(config, "architectures", None) or [])
+    except UnsupportedArchitecture as error:
+        raise ModelLoadError(str(error)) from None
+    eos_token_ids = _eos_token_ids(path, config)
+    if architecture.text_only:  # the language model of a multimodal checkpoint: its text config describes it
+        config = config.get_text_config()
+    return ModelFiles(path, config, architecture.name, _weight_files(path), eos_token_ids)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -101,7 +104,7 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
                dtype: torch.dtype) -> CausalLM:
     spec = ModelSpec(files.config, files.architecture)
     with torch.device("meta"):
-        model = CausalLM(spec, backend, max_positions)
+        model = model_class(files.architecture)(spec, backend, max_positions)
     model = model.to_empty(device=device).to(dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -110,7 +113,7 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
             module.build(device)
     _load_weights(model, files.weight_files)
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
-        use_triton_kernels(model)
+        model.use_triton_kernels()
     model.openblas_small_steps = use_openblas_for_small_steps(model)  # the CPU's small-step matmuls; not the GPU
     return model.eval()
 
@@ -118,7 +121,7 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
 def _load_weights(model: CausalLM, weight_files: list[Path]) -> None:
     params = dict(model.named_parameters())
     expected = {name: 1 for name in params}
-    for ours, _, _ in FUSED_WEIGHTS:  # a fused parameter is complete when all its slices arrived
+    for ours, _, _ in () if model.checkpoint_fused else FUSED_WEIGHTS:  # complete when all its slices arrived
         for name in params:
             if f".{ours}." in name:
                 expected[name] = 3 if ours == "qkv_proj" else 2
@@ -126,11 +129,12 @@ def _load_weights(model: CausalLM, weight_files: list[Path]) -> None:
     for file in weight_files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                if "rotary_emb.inv_freq" in key:
+                ours = model.checkpoint_name(key)
+                if ours is None or "rotary_emb.inv_freq" in ours:
                     continue
-                if key == "lm_head.weight" and model.spec.tie_word_embeddings:
+                if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
                     continue
-                name, shard = _target(key)
+                name, shard = (ours, None) if model.checkpoint_fused else _target(ours)
                 if name not in params:
                     raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
                 _copy_into(params[name], f.get_tensor(key), shard, model, name)

@@ -18,6 +18,7 @@ from .layers import cpu_blas
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
 from .model_loader import ModelFiles, load_model
+from .models.registry import ARCHITECTURES
 from .sampler import SampleResult, grammar_bitmask, sample
 from .step_timer import StepTimer
 
@@ -35,6 +36,9 @@ class StepInputs:
     num_decodes: int = 0
     # Async scheduling: (input row, row of the previous step's sampled ids) for each token not known on the host
     pending: list[tuple[int, int]] = field(default_factory=list)
+    # Models with a window pool (core/window_blocks.py): the windowed layers' slots and block tables
+    window_slots: list[int] = field(default_factory=list)
+    window_tables: list[list[int]] = field(default_factory=list)
 
     def add(self, tokens: list[int], start: int, block_table: list[int], block_size: int) -> None:
         """One sequence's tokens at positions start.., their slots by its block table."""
@@ -46,6 +50,12 @@ class StepInputs:
         self.context_lens.append(end)
         self.block_tables.append(block_table)
 
+    def add_window(self, num_tokens: int, start: int, window_table: list[int], block_size: int) -> None:
+        """The same tokens' slots in the window pool (after `add`)."""
+        self.window_slots.extend(window_table[p // block_size] * block_size + p % block_size
+                                 for p in range(start, start + num_tokens))
+        self.window_tables.append(window_table)
+
 
 class ModelRunner:
     """Set up in order: __init__ loads the weights, `profile_run` (optional) measures a worst-case step,
@@ -53,6 +63,10 @@ class ModelRunner:
 
     def __init__(self, files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  block_size: int, attention_backend: str = "torch", lora_pool: LoRAPool | None = None) -> None:
+        if lora_pool is not None and not ARCHITECTURES[files.architecture].lora:
+            with_lora = ", ".join(a.name for a in ARCHITECTURES.values() if a.lora)
+            raise ValueError(f"LoRA adapters are not supported on {files.architecture} yet (`kubeinfer models` lists "
+                             f"the features of each architecture); LoRA runs on {with_lora}")
         self.device = device
         self.lora_pool = lora_pool
         self.dtype = dtype
@@ -72,22 +86,39 @@ class ModelRunner:
         self.fill_drafts: Callable | None = None
         self.timer = StepTimer(device)  # the engine switches it on; prepare / forward / sample are marked here
         self._block_table_buffer = BlockTableBuffer()
+        self._window_table_buffer = BlockTableBuffer()
+        self.window_pool = False  # whether the windowed layers have a pool of their own (allocate_kv_cache)
         # The engine sets it with deferred text: `execute` may return before the sampled ids are on the host.
         self.defer_token_copy = False
         self._previous_ids: torch.Tensor | None = None  # the step's `previous_ids` (async scheduling)
 
     @staticmethod
-    def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element
+        layers = spec.num_layers if num_layers is None else num_layers
+        return 2 * layers * block_size * spec.num_kv_heads * spec.head_dim * element
 
-    def _new_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(self.spec.num_layers)]
+    @staticmethod
+    def window_group(spec) -> int | None:
+        """The window of the layers that get a pool of their own (core/window_blocks.py): on models mixing
+        windowed and full layers with one window; None otherwise."""
+        windows = set(spec.layer_windows)
+        return next(iter(windows - {None})) if len(windows) == 2 and None in windows else None
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self._new_kv_cache(num_blocks)
+    def _new_kv_cache(self, num_blocks: int, num_window_blocks: int | None = None
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        def cache(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+            shape = (blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+            return (torch.zeros(shape, dtype=self.dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.dtype, device=self.device))
+        if num_window_blocks is None:
+            return [cache(num_blocks) for _ in range(self.spec.num_layers)]
+        return [cache(num_blocks if w is None else num_window_blocks + 1) for w in self.spec.layer_windows]
+
+    def allocate_kv_cache(self, num_blocks: int, num_window_blocks: int | None = None) -> None:
+        """`num_window_blocks`: the windowed layers' pool (plus its null block), on models with one."""
+        self.kv_caches = self._new_kv_cache(num_blocks, num_window_blocks)
+        self.window_pool = num_window_blocks is not None
 
     @torch.inference_mode()
     def profile_run(self, num_tokens: int, max_num_seqs: int) -> None:
@@ -123,7 +154,8 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.kv_caches, sizes=capture_sizes(max_num_seqs),
                               max_blocks_per_seq=-(-self.max_model_len // self.block_size),
                               vocab_size=self.spec.vocab_size, device=self.device, sliding_window=self.sliding_window,
-                              lora_pool=self.lora_pool)
+                              lora_pool=self.lora_pool,
+                              window_group=self.window_group(self.spec) if self.window_pool else None)
         with torch.inference_mode():
             graphs.capture(capture)
         self.graphs = graphs
@@ -140,6 +172,8 @@ class ModelRunner:
             if tokens[-1] == PENDING_TOKEN:  # its id is still on the device (async scheduling): filled in there
                 inputs.pending.append((len(inputs.input_ids) + len(tokens) - 1, seq.pending_row))
             inputs.add(tokens, start, seq.block_table, self.block_size)
+            if seq.window_blocks is not None:
+                inputs.add_window(len(tokens), start, seq.window_blocks.block_table, self.block_size)
             if ScheduledBatch.is_decode(seq, num_new):
                 inputs.num_decodes += 1
             if end - len(drafts) == seq.num_tokens:  # the last known token is computed: its logits give the next
@@ -188,7 +222,8 @@ class ModelRunner:
             timer.mark("prepare")  # the graph's own copies into its static inputs count as forward
             fill = (lambda ids: self._fill_pending(ids, inputs)) if inputs.pending else None
             rows = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.context_lens,
-                                   inputs.block_tables, lora_slots, fill)
+                                   inputs.block_tables, lora_slots, fill, inputs.window_slots or None,
+                                   inputs.window_tables or None)
             # Every row samples in the usual decode step (no index tensor to copy to the device then); a
             # prompt's one-token middle chunk computes but does not sample.
             logits = rows if len(inputs.logits_indices) == rows.shape[0] else rows[inputs.logits_indices]
@@ -223,6 +258,9 @@ class ModelRunner:
         block_tables = self._block_table_buffer.fill(tables)
         meta = AttentionMetadata.build(inputs.slots, inputs.query_start_loc, inputs.context_lens, block_tables,
                                        inputs.num_decodes, self.sliding_window, dev, block_table_lists=tables)
+        if inputs.window_tables:  # the windowed layers read and write their own pool
+            window_tables = self._window_table_buffer.fill(inputs.window_tables)
+            meta.add_group(self.window_group(self.spec), inputs.window_slots, window_tables, inputs.window_tables, dev)
         input_ids = on_device(inputs.input_ids, torch.long, dev)
         self._fill_pending(input_ids, inputs)
         positions = on_device(inputs.positions, torch.long, dev)

@@ -21,6 +21,9 @@ from transformers import (
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# The families added in wave 3, by their name here -> transformers' model_type.
+NEW_FAMILIES = {"gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
+ALL_FAMILIES = FAMILIES + tuple(NEW_FAMILIES)
 
 # Fixed order, so the ids are known even when no tokenizer is built: pad=0, bos=1, eos=2.
 SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>")
@@ -118,6 +121,21 @@ def _rope_parameters(rope_scaling: dict[str, Any] | None, overrides: dict[str, A
     return params
 
 
+def _family_defaults(family: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """Settings that make a tiny model of the family exercise its own switches."""
+    head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    if family in ("gemma2", "gemma3"):
+        extra: dict[str, Any] = dict(query_pre_attn_scalar=head_dim // 2)  # not head_dim: a wrong scale shows
+        if family == "gemma3":  # local and global layers with their own RoPE bases
+            theta = fields["rope_parameters"]["rope_theta"]
+            extra["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": theta},
+                                        "full_attention": {**fields["rope_parameters"], "rope_theta": 40 * theta}}
+        return extra
+    if family == "granite":  # away from 1, so that a multiplier left out shows
+        return dict(embedding_multiplier=1.5, residual_multiplier=0.7, attention_multiplier=0.4, logits_scaling=2.0)
+    return {}
+
+
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, initializer_range: float, generator: torch.Generator) -> None:
     """Make norms and biases matter: the default init sets RMSNorm weights to 1 and biases to 0,
@@ -156,8 +174,8 @@ def build_random_model(
     `initializer_range` defaults to 0.3 because 0.02 gives near-tied logits, and greedy comparisons
     between implementations then flip on rounding. Extra keyword arguments go to the config.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family not in ALL_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {ALL_FAMILIES}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -184,10 +202,11 @@ def build_random_model(
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
-    if family == "qwen3":  # Qwen3Config defaults head_dim to 128 instead of deriving it
+    if family in ("qwen3", "gemma2", "gemma3"):  # their configs default head_dim (128, 256) instead of deriving it
         fields["head_dim"] = hidden_size // num_heads
+    fields.update(_family_defaults(family, fields))
     fields.update(overrides)
-    config = AutoConfig.for_model(family, **fields)
+    config = AutoConfig.for_model(NEW_FAMILIES.get(family, family), **fields)
 
     # Seed the global RNG for the module init (it does not take a generator), then a private one.
     torch.manual_seed(seed)
@@ -204,9 +223,7 @@ def build_random_model(
 
 
 def build_random_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: int = 8, alpha: float = 16.0,
-                         target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                            "up_proj", "down_proj"),
-                         scale: float = 0.02, seed: int = 0) -> Path:
+                         target_modules: tuple[str, ...] | None = None, scale: float = 0.02, seed: int = 0) -> Path:
     """Save a random LoRA adapter for the model in `model_dir`, in PEFT's format (adapter_config.json +
     adapter_model.safetensors, PEFT's tensor names), without needing PEFT installed."""
     import json
@@ -219,7 +236,8 @@ def build_random_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: in
     config = AutoConfig.from_pretrained(model_dir)
     spec = ModelSpec(config, config.architectures[0])
     shapes = module_shapes(spec)
-    parents = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp" for m in shapes}
+    target_modules = tuple(shapes) if target_modules is None else target_modules  # default: every projection
+    parents = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj") else "mlp" for m in shapes}
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(spec.num_layers):

@@ -7,7 +7,7 @@ kernel backend plugs in; `TorchAttentionBackend` is the portable reference used 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ class AttentionMetadata:
     block_table_lists: list[list[int]] | None = field(default=None, repr=False)
     _runs: dict = field(default_factory=dict, repr=False)  # (seq, blocks) -> first block of a run, or None
     _chunk_masks: dict = field(default_factory=dict, repr=False)  # (seq, dtype) -> its queries' mask
+    _windowed: dict = field(default_factory=dict, repr=False)  # window -> this step's metadata for that window
 
     @property
     def num_seqs(self) -> int:
@@ -52,6 +53,25 @@ class AttentionMetadata:
             mask = torch.zeros(hidden.shape, dtype=dtype, device=device)
             self._chunk_masks[key] = mask.masked_fill_(hidden, float("-inf"))
         return self._chunk_masks[key]
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """This step's metadata for a layer with its own window (Gemma's local and global layers differ): the
+        same tensors, its own masks. Built by the first such layer, shared by the others."""
+        if window == self.sliding_window:
+            return self
+        if window not in self._windowed:
+            self._windowed[window] = replace(self, sliding_window=window, decode_mask=None, _chunk_masks={},
+                                             _windowed={})
+        return self._windowed[window]
+
+    def add_group(self, window: int, slots: list[int], block_tables: torch.Tensor, block_table_lists: list[list[int]],
+                  device: torch.device) -> None:
+        """The metadata of the layers with `window` when their K/V lives in a pool of its own (core/window_blocks.py):
+        the same queries and lengths, that pool's slots and block tables."""
+        self._windowed[window] = replace(self, sliding_window=window, decode_mask=None, _chunk_masks={}, _runs={},
+                                         _windowed={}, slot_mapping=on_device(slots, torch.long, device),
+                                         block_tables=to_device(block_tables, device),
+                                         block_table_lists=block_table_lists)
 
     def first_block_of_run(self, seq: int, num_blocks: int) -> int | None:
         """The first block id when sequence `seq`'s first `num_blocks` blocks are consecutive ids (the block
@@ -92,8 +112,10 @@ class AttentionBackend:
     supports_cuda_graphs = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. Returns [T, H, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                softcap: float | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
+        `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
         raise NotImplementedError
 
 
@@ -132,8 +154,10 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int)
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if softcap:  # SDPA cannot cap scores: every sequence through the eager path
+            return self._softcapped(q, k_cache, v_cache, meta, scale, softcap)
         nd = meta.num_decodes
         if nd == meta.num_seqs:  # decodes only: their output is the whole output
             return self._decode(q, k_cache, v_cache, meta, scale)
@@ -192,6 +216,27 @@ class TorchAttentionBackend(AttentionBackend):
             if out.dtype != dtype:
                 out = out.to(dtype)
         return out.squeeze(0).transpose(0, 1)
+
+
+    @staticmethod
+    def _softcapped(q, k_cache, v_cache, meta, scale, softcap):
+        """Attention with capped scores, one sequence at a time, in the order of operations transformers' eager
+        attention uses (scores * scale, capped, masked, softmax in fp32)."""
+        out = torch.empty_like(q)
+        for seq in range(meta.num_seqs):
+            start, end = meta.query_start_loc[seq], meta.query_start_loc[seq + 1]
+            context_len, num_queries = meta.context_lens[seq], end - start
+            keys = sequence_context(k_cache, meta, seq, context_len).to(q.dtype)
+            values = sequence_context(v_cache, meta, seq, context_len).to(q.dtype)
+            group = q.shape[1] // keys.shape[1]
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+            query = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            scores = torch.matmul(query, keys.transpose(2, 3)) * scale
+            scores = torch.tanh(scores / softcap) * softcap
+            scores = scores + meta.chunk_mask(seq, num_queries, scores.dtype, q.device)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out[start:end] = torch.matmul(probs, values).squeeze(0).transpose(0, 1)
+        return out
 
 
 def _decode_mask(lens: torch.Tensor, max_len: int, sliding_window: int | None) -> torch.Tensor:

@@ -40,6 +40,19 @@ def _yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float
     return inv_freq, attention_factor
 
 
+def _longrope_inv_freq(dim: int, theta: float, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3): per-frequency factors, long ones when the served context exceeds the trained one."""
+    original = s["original_max_position_embeddings"]
+    factor = s.get("factor") or s["max_position_embeddings"] / original
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(s["long_factor"] if max_positions > original else s["short_factor"], dtype=torch.float32,
+                       device="cpu")
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    return 1.0 / (ext * theta ** exponents), attention_factor
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin for every position up to max_positions; applied in the rotate-half layout
     that Hugging Face checkpoints of these families use."""
@@ -64,8 +77,11 @@ class RotaryEmbedding(torch.nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "yarn":
             inv_freq, attention_factor = _yarn_inv_freq(head_dim, theta, scaling)
+        elif rope_type == "longrope":
+            inv_freq, attention_factor = _longrope_inv_freq(head_dim, theta, scaling, self.max_positions)
         else:
-            raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn")
+            raise ValueError(f"unsupported rope scaling type {rope_type!r}; "
+                             "supported: default, linear, llama3, yarn, longrope")
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
         self.register_buffer("cos", cos.to(device), persistent=False)  # [max_positions, D / 2]

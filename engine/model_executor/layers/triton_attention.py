@@ -66,11 +66,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-        seq_offset, scale_log2, window,
+        seq_offset, scale_log2, window, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        UPCAST: tl.constexpr):
+        UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
     # A tile's BLOCK_M rows are BLOCK_Q queries x GROUP_PAD heads (the padding heads are masked off).
     seq = seq_offset + tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -113,6 +113,8 @@ def _paged_attention_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+        if SOFTCAP:  # scale_log2 is the plain scale here: cap softcap * tanh(s / softcap), then to log2 units
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * 1.4426950408889634
         visible = key_ok[None, :] & (keys[None, :] <= q_pos[:, None]) & (keys[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -130,14 +132,16 @@ def _paged_attention_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, context_lens: torch.Tensor, *, first_seq: int, num_seqs: int,
                     max_query_len: int, scale: float, sliding_window: int | None = None,
-                    out: torch.Tensor | None = None, block_m: int | None = None, block_n: int = 64) -> torch.Tensor:
+                    softcap: float | None = None, out: torch.Tensor | None = None, block_m: int | None = None,
+                    block_n: int = 64) -> torch.Tensor:
     """Attention of sequences first_seq .. first_seq + num_seqs - 1 of a flat batch.
 
     q: [T, H, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [B, max_blocks];
     query_start_loc: [B + 1] and context_lens: [B] (tokens in the cache, this step's included) on q's device.
     Writes the rows of those sequences into `out` ([T, H, D], allocated when None) and returns it.
     `block_m` rows per program (queries x heads of a group; default 64, or 16 when every sequence has
-    one query) and `block_n` keys per inner step; both powers of two >= 16.
+    one query) and `block_n` keys per inner step; both powers of two >= 16. `softcap`: scores become
+    softcap * tanh(scores / softcap) before the softmax (Gemma 2).
     """
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -159,12 +163,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads)
     _paged_attention_kernel[grid](
         q, out, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-        first_seq, scale * 1.4426950408889634, sliding_window or NO_WINDOW,  # log2(e): softmax in exp2
+        # log2(e): softmax in exp2 (applied after the cap when there is one)
+        first_seq, scale if softcap else scale * 1.4426950408889634, sliding_window or NO_WINDOW, float(softcap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=max(block_n, MIN_DOT),
         HEAD_DIM=head_dim, DIM_PAD=max(triton.next_power_of_2(head_dim), MIN_DOT), BLOCK_SIZE=k_cache.shape[1],
-        UPCAST=must_upcast(q))
+        UPCAST=must_upcast(q), SOFTCAP=bool(softcap))
     return out
 
 
@@ -182,14 +187,14 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         nd, num_seqs = meta.num_decodes, meta.num_seqs
         if meta.query_start_tensor is None:
             raise ValueError("the triton backend needs AttentionMetadata.query_start_tensor")
         args = (q, k_cache, v_cache, meta.block_tables, meta.query_start_tensor, meta.context_lens_tensor)
-        common = dict(scale=scale, sliding_window=meta.sliding_window, out=out)
+        common = dict(scale=scale, sliding_window=meta.sliding_window, softcap=softcap, out=out)
         if nd:
             paged_attention(*args, first_seq=0, num_seqs=nd, max_query_len=1, **common)
         if num_seqs > nd:

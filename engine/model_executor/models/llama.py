@@ -5,6 +5,9 @@ biases on q/k/v (Qwen2, or `attention_bias`), per-head RMSNorm on q and k before
 sliding-window attention (Mistral), an explicit head_dim, tied embeddings. Tokens of all sequences
 in a step run flattened ([T, hidden]); only attention needs to know where sequences begin and end.
 q/k/v and gate/up projections are fused into one matmul each at load time.
+
+The other families (gemma.py, phi3.py, olmo2.py, granite.py) build on these classes through their hooks:
+the attention's norm, scale, score cap and window; the decoder layer class; the embedding and logits steps.
 """
 from __future__ import annotations
 
@@ -26,19 +29,26 @@ ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding, layer_idx: int) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotary: RotaryEmbedding, layer_idx: int, *,
+                 qk_norm: bool | None = None, norm: type[nn.Module] = RMSNorm, scale: float | None = None,
+                 softcap: float | None = None) -> None:
+        """qk_norm: per-head norms on q and k before RoPE (default: the spec's, Qwen3), of class `norm`;
+        scale: of the scores (default head_dim ** -0.5); softcap: scores capped by tanh (Gemma 2)."""
         super().__init__()
+        qk_norm = spec.qk_norm if qk_norm is None else qk_norm
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
-        self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.q_norm = norm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
         self.backend = backend
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim ** -0.5 if scale is None else scale
+        self.window = spec.layer_windows[layer_idx]  # the step's metadata has the model's; this layer's may differ
+        self.softcap = softcap
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata, lora: LoRAContext | None = None):
         qkv = _project(self.qkv_proj, x, lora, self.layer_idx, "qkv_proj")
@@ -62,7 +72,13 @@ class Attention(nn.Module):
         return q, k, qkv[:, self.q_size + self.kv_size:].reshape(-1, self.num_kv_heads, self.head_dim)
 
     def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata, lora: LoRAContext | None) -> torch.Tensor:
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale).reshape(-1, self.q_size)
+        if self.window != meta.sliding_window:
+            meta = meta.for_window(self.window)
+        if self.softcap:
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.softcap)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = out.reshape(-1, self.q_size)
         return _project(self.o_proj, out, lora, self.layer_idx, "o_proj")
 
 
@@ -109,21 +125,29 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rotaries: list[RotaryEmbedding],
+                 layer_class: type[nn.Module], norm: type[nn.Module]) -> None:
+        """rotaries: each layer's (Gemma 3's local and global layers have their own)."""
         super().__init__()
         self.spec = spec
-        rotary = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, backend, rotary, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.rotary = rotary
+        self.layers = nn.ModuleList(layer_class(spec, backend, rotaries[i], i) for i in range(spec.num_layers))
+        self.norm = norm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary = rotaries[0]
+        self.rotaries = list(dict.fromkeys(rotaries))  # each once: their step tables are reset per step
 
 
 class CausalLM(nn.Module):
+    """Llama, Mistral, Qwen2, Qwen3; the base class of the other families."""
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm
+    checkpoint_fused = False  # the checkpoint holds q/k/v and gate/up apart; we fuse them at load time
+
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.spec = spec
-        self.model = DecoderModel(spec, backend, max_positions)
+        self.model = DecoderModel(spec, backend, self.make_rotaries(spec, max_positions), self.layer_class,
+                                  self.norm_class)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -133,20 +157,36 @@ class CausalLM(nn.Module):
         """Runs the step's flat tokens; returns logits [len(logits_indices), vocab] for the rows
         that sample (the last computed token of each sequence that completes its prompt or decodes).
         `lora` routes each token to its adapter's delta; None runs the base model alone."""
-        self.model.rotary.begin_step()
-        x, residual = self.model.embed_tokens(input_ids), None
+        for rotary in self.model.rotaries:
+            rotary.begin_step()
+        x, residual = self.embed(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv_cache, meta, lora)
         if logits_indices.shape[0] != x.shape[0]:  # as many rows as tokens: every row samples (increasing, distinct)
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.model.norm(x, residual)
+        return self.logits(x)
+
+    @staticmethod
+    def make_rotaries(spec: ModelSpec, max_positions: int) -> list[RotaryEmbedding]:
+        """Each layer's rotary embedding: one shared by all here."""
+        return [RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)] * spec.num_layers
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    @staticmethod
+    def checkpoint_name(key: str) -> str | None:
+        """The parameter a checkpoint tensor loads into (before q/k/v and gate/up are fused); None: skip it."""
+        return key
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(x).float()
 
-
-def use_triton_kernels(model: CausalLM) -> None:
-    """Fused Triton RMSNorm (with its residual add) and rotary embedding, for the GPU path. Qwen3's
-    per-head q/k norms stay in torch: they run on strided [T, heads, head_dim] views."""
-    for layer in model.model.layers:
-        layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
-    model.model.norm.fused = True
-    model.model.rotary.fused = True
+    def use_triton_kernels(self) -> None:
+        """Fused Triton RMSNorm (with its residual add) and rotary embedding, for the GPU path. Qwen3's
+        per-head q/k norms stay in torch: they run on strided [T, heads, head_dim] views."""
+        for layer in self.model.layers:
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
+        self.model.norm.fused = True
+        self.model.rotary.fused = True
