@@ -16,15 +16,22 @@ def _positive_int(value, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
 
 
+def _text_chars(content) -> int:
+    """Characters of a message's content: a string, or parts with text (chat's and the Responses API's)."""
+    if isinstance(content, list):
+        content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return len(content) if isinstance(content, str) else 0
+
+
 def prompt_estimates(body: dict) -> list[int]:
-    """Estimated tokens of each prompt of the body (one for a chat's messages)."""
+    """Estimated tokens of each prompt of the body (one for a chat's messages or a response's input)."""
     if "messages" in body:
-        chars = 0
-        for message in body.get("messages") or []:
-            content = message.get("content") if isinstance(message, dict) else None
-            if isinstance(content, list):
-                content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            chars += len(content) if isinstance(content, str) else 0
+        chars = sum(_text_chars(m.get("content")) for m in body.get("messages") or [] if isinstance(m, dict))
+        return [chars // CHARS_PER_TOKEN + 1]
+    if "input" in body:  # the Responses API: a string, or items (messages, function call outputs)
+        items = body["input"] if isinstance(body["input"], list) else [{"content": body["input"]}]
+        chars = _text_chars(body.get("instructions")) + sum(
+            _text_chars(item.get("content", item.get("output"))) for item in items if isinstance(item, dict))
         return [chars // CHARS_PER_TOKEN + 1]
     prompt = body.get("prompt", "")
     if isinstance(prompt, str):
@@ -40,5 +47,6 @@ def prompt_estimates(body: dict) -> list[int]:
 def estimate_request_tokens(body: dict) -> int:
     """Σ prompts + prompts × n × max_tokens."""
     prompts = prompt_estimates(body)
-    max_tokens = _positive_int(body.get("max_completion_tokens") or body.get("max_tokens"), DEFAULT_COMPLETION_ESTIMATE)
+    max_tokens = _positive_int(body.get("max_completion_tokens") or body.get("max_tokens")
+                               or body.get("max_output_tokens"), DEFAULT_COMPLETION_ESTIMATE)
     return sum(prompts) + len(prompts) * _positive_int(body.get("n"), 1) * max_tokens

@@ -142,6 +142,11 @@ def test_the_estimate_counts_every_prompt_and_every_completion():
     assert estimate_request_tokens(body) == (11 + 11 + 3) + 3 * 4 * 100
     chat = {"model": "m", "messages": [{"role": "user", "content": "x" * 80}], "n": 2, "max_completion_tokens": 5}
     assert estimate_request_tokens(chat) == 21 + 2 * 5
+    response = {"model": "m", "instructions": "y" * 40, "max_output_tokens": 900,
+                "input": [{"role": "user", "content": [{"type": "input_text", "text": "x" * 40}]},
+                          {"type": "function_call_output", "call_id": "c", "output": "z" * 40}]}
+    assert estimate_request_tokens(response) == 31 + 900
+    assert estimate_request_tokens({"model": "m", "input": "x" * 400}) == 101 + 256
 
 
 async def test_a_tenant_cannot_exceed_its_token_limit_with_n_and_prompt_lists(tmp_path):
