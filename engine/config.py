@@ -38,6 +38,9 @@ class EngineConfig:
     # Detokenizing and output delivery of step N while the device computes step N+1 (deferred text,
     # core/output_processor.py). None: on with CUDA; on a CPU nothing runs alongside the forward, so it would only delay outputs.
     async_output_processing: bool | None = None
+    # vLLM's --kv-events-config: a JSON string or dict, e.g. {"enable_kv_cache_events": true, "publisher": "zmq",
+    # "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}; parsed by core/kv_event_publisher.py
+    kv_events_config: str | dict | None = None
     # Schedule and launch step N+1 before step N's ids reach the host (core/async_scheduling.py). For a GPU;
     # off by default, as in vLLM (`--async-scheduling`). On a CPU it only delays outputs by a step.
     async_scheduling: bool = False

@@ -72,6 +72,8 @@ class AsyncEngine:
             self._thread = None
         if self._adapter_reader is not None:
             self._adapter_reader.shutdown()
+        if self.engine.kv_events is not None:  # after the loop: its last step's events go out
+            self.engine.kv_events.shutdown()
 
     @property
     def is_running(self) -> bool:

@@ -13,6 +13,7 @@ import struct
 from collections import OrderedDict
 
 from ..sequence import Sequence
+from .kv_events import KVEventRecorder
 
 ROOT_KEY = bytes(32)  # the "parent" of a prompt's first block
 
@@ -51,6 +52,8 @@ class BlockManager:
         self.hash_to_block: dict[bytes, int] = {}
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found
+        # Where registrations, evictions and resets are reported (core/kv_events.py); None: KV events are off.
+        self.events: KVEventRecorder | None = None
 
     # -- pool state ---------------------------------------------------------------------------
     @property
@@ -80,6 +83,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if self.hash_to_block.get(block.block_hash) == block_id:
                 del self.hash_to_block[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -172,13 +177,24 @@ class BlockManager:
             if h not in self.hash_to_block:  # a twin computed concurrently keeps the first registration
                 self.hash_to_block[h] = block.block_id
                 block.block_hash = h
+                if self.events is not None:
+                    self.events.stored(h, parent if i else None, seq.token_ids[i * bs:(i + 1) * bs], seq.lora_id)
             seq.block_hashes.append(h)
             seq.num_hashed_blocks += 1
 
     def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks no sequence holds. Reported as vLLM's AllBlocksCleared when nothing stays
+        cached; blocks of running sequences stay registered, so then only the forgotten keys are removed."""
+        cleared = [self.blocks[block_id].block_hash for block_id in self.free_cached]
         for block_id in list(self.free_cached):
             block = self.blocks[block_id]
             block.block_hash = None
             self.free_uncached[block_id] = None
         self.free_cached.clear()
         self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}
+        if self.events is not None:
+            if not self.hash_to_block:
+                self.events.cleared()
+            else:
+                for block_hash in cleared:
+                    self.events.removed(block_hash)

@@ -29,6 +29,7 @@ from ..spec_decode.speculator import Speculator
 from .async_scheduling import StepPipeline
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
 from .errors import StepFailedError
+from .kv_event_publisher import KVEventsConfig, KVEventStream
 from .model_setup import build_block_manager, build_runner, draft_files
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
@@ -44,6 +45,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         speculative = SpeculativeConfig.parse(config.speculative_config)  # refused before any model work
+        kv_events = KVEventsConfig.parse(config.kv_events_config)
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {config.device} asked for, but this torch ({torch.__version__}) sees no CUDA "
@@ -71,6 +73,7 @@ class LLMEngine:
         self.block_manager = build_block_manager(config, self.spec, self.runner, self.num_kv_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
                                                    config.scheduling_policy), self.block_manager, pool)
+        self.kv_events = KVEventStream(kv_events, self.block_manager, self._lora_name) if kv_events else None
         self.speculator = speculative and Speculator(speculative, self.max_model_len, draft_runner, self.spec.vocab_size)
         if self.speculator is not None:
             self.speculator.attach(self.runner)
@@ -184,6 +187,16 @@ class LLMEngine:
             raise KeyError(lora_name)
         return self.lora.unregister(request.lora_int_id, self._adapters_in_use())
 
+    def _lora_name(self, lora_id: int) -> str | None:
+        request = self.lora.registered.get(lora_id) if self.lora else None
+        return request.lora_name if request else None
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached blocks no request holds (engine thread); subscribers get AllBlocksCleared."""
+        self.block_manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
     def list_loras(self) -> list[LoRARequest]:
         return sorted(self.lora.registered.values(), key=lambda r: r.lora_int_id) if self.lora else []
 
@@ -204,7 +217,11 @@ class LLMEngine:
         error and the step goes on; if the model itself raises, the batch's requests end and
         StepFailedError carries their outputs. With async scheduling the outputs are those of the step
         launched before (core/async_scheduling.py)."""
-        return self.pipeline.step() if self.pipeline is not None else self.synchronous_step()
+        try:
+            return self.pipeline.step() if self.pipeline is not None else self.synchronous_step()
+        finally:  # the step's cache changes go out even when it failed
+            if self.kv_events is not None:
+                self.kv_events.flush()
 
     def synchronous_step(self) -> list[RequestOutput]:
         timer = self.step_timer

@@ -60,6 +60,16 @@ class HybridBlockManager:
         return self.full.enable_prefix_caching
 
     @property
+    def events(self):
+        return self.full.events
+
+    @events.setter
+    def events(self, recorder) -> None:
+        # KV events report the full-attention pool only: a subscriber routes on the longest prefix held, and
+        # the full pool's cached blocks are the prefix; window blocks of the same keys are a subset of no use
+        # without them (a hit needs both, and the full pool's eviction already ends it).
+        self.full.events = recorder
+    @property
     def num_free_blocks(self) -> int:
         return self.full.num_free_blocks
 

@@ -52,6 +52,11 @@ class LLM:
                     finished[output.request_id] = output
         return [finished[i] for i in ids]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block no request holds (vLLM's LLM.reset_prefix_cache)."""
+        self.engine.reset_prefix_cache()
+        return True
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         tokenizer = self.engine.tokenizer

@@ -122,6 +122,11 @@ class _StateCollector:
         yield counter("kubeinfer:grammar_compile_seconds", "Time spent compiling grammars.",
                       compiler.compile_seconds if compiler else 0.0)
         yield from _spec_decode_counters(engine.speculator, name)
+        if engine.kv_events is not None:  # --kv-events-config: batches sent, and dropped rather than stall a step
+            publisher = engine.kv_events.publisher
+            yield counter("kubeinfer:kv_events_published", "KV-event batches published.", publisher.published)
+            yield counter("kubeinfer:kv_events_dropped", "KV-event batches dropped (queue full or socket would block).",
+                          publisher.dropped)
         success = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in ("stop", "length", "abort"):

@@ -65,6 +65,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                         help="fcfs: arrival order; priority: a request's `priority` first (lower runs first), then "
                              "arrival. Under fcfs a request with a priority is refused")
+    parser.add_argument("--kv-events-config", default=None, metavar="JSON",
+                        help='publish KV-cache events as vLLM does, e.g. \'{"enable_kv_cache_events": true, '
+                             '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
+                             '(keys: enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, '
+                             'buffer_steps, hwm, max_queue_size); docs/kv-events.md')
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', or a draft model with the same '
@@ -127,6 +132,7 @@ def build_state(args: argparse.Namespace):
                               attention_backend=args.attention_backend,
                               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                               scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
+                              kv_events_config=args.kv_events_config,
                               async_output_processing=args.async_output_processing,
                               async_scheduling=args.async_scheduling)
         engine = LLMEngine(config)
