@@ -96,6 +96,21 @@ def test_adapter_blocks_carry_lora_id_and_name(lora_base_dir, lora_adapters, sub
     assert cached_index(sub.events()) == set(llm.engine.block_manager.hash_to_block)
 
 
+def test_windowed_models_report_the_full_attention_pool(tmp_path, subscribed):
+    from kubeinfer.testing.random_model import build_random_model
+
+    layers = ["sliding_attention", "full_attention", "sliding_attention"]
+    gemma = build_random_model(tmp_path / "gemma3", "gemma3", tokenizer=False, seed=12, num_layers=3,
+                               sliding_window=8, layer_types=layers)
+    llm, sub = subscribed(gemma, max_num_batched_tokens=16)
+    llm.generate([list(range(20, 60))], _params(4))
+    sub.drain(llm.engine.kv_events.publisher)
+    bm = llm.engine.block_manager
+    assert bm.windowed.hash_to_block  # the window pool caches too, but is not what subscribers index
+    assert cached_index(sub.events()) == set(bm.full.hash_to_block)
+    assert len([h for e in sub.events() if e["type"] == "BlockStored" for h in e["block_hashes"]]) == 10
+
+
 def test_replay_returns_the_missed_batches_from_a_bounded_buffer(llama_dir, subscribed):
     llm, sub = subscribed(llama_dir, num_kv_blocks=64, events={"buffer_steps": 4})
     for i in range(4):
