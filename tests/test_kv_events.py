@@ -187,3 +187,34 @@ def test_serve_refuses_an_unknown_key_before_loading(llama_dir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", llama_dir, "--kv-events-config", '{"enable_kv_cache_events": true, "hwm_x": 1}'])
     assert "hwm_x" in str(exit_info.value)
+
+
+def test_a_send_that_would_block_is_dropped_counted_and_leaves_a_gap():
+    import time
+
+    import zmq
+
+    from kubeinfer.engine.core.kv_event_publisher import ZmqEventPublisher
+    from kubeinfer.engine.core.kv_events import AllBlocksCleared, KVEventBatch
+
+    publisher = ZmqEventPublisher(KVEventsConfig.parse({**LOCAL, "replay_endpoint": None}))
+    real, calls = publisher._pub, []
+
+    class WouldBlock:  # the fault: the socket refuses without waiting (zmq.NOBLOCK's EAGAIN)
+        def send_multipart(self, frames, flags=0):
+            calls.append(flags)
+            if len(calls) == 1:
+                raise zmq.Again()
+            return real.send_multipart(frames, flags=flags)
+    publisher._pub = WouldBlock()
+    try:
+        for _ in range(2):
+            publisher.publish(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+        deadline = time.time() + 10
+        while publisher._next_seq < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        assert publisher.dropped == 1 and publisher.published == 1 and calls == [zmq.NOBLOCK] * 2
+        assert [seq for seq, _ in publisher._buffer] == [1]  # seq 0 is the gap a subscriber sees
+    finally:
+        publisher._pub = real
+        publisher.shutdown()
