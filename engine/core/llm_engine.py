@@ -48,7 +48,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {config.device} asked for, but this torch ({torch.__version__}) sees no CUDA "
                              "device (a CPU-only build, or no GPU visible); use --device cpu")
-        files = inspect_model_dir(config.model)
+        files = inspect_model_dir(config.model, config.quantization)
         self.model_files = files
         self.hf_config = files.config
         self.spec = ModelSpec(files.config, files.architecture)

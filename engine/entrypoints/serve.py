@@ -40,6 +40,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC API on this port")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", "-q", default=None,
+                        help="the checkpoint's quantization method (from config.json when left out); served: fp8")
     parser.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
                         help="attention kernels (default: triton on CUDA when installed, torch on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -128,7 +130,7 @@ def build_state(args: argparse.Namespace):
                               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                               scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
                               async_output_processing=args.async_output_processing,
-                              async_scheduling=args.async_scheduling)
+                              async_scheduling=args.async_scheduling, quantization=args.quantization)
         engine = LLMEngine(config)
     except ValueError as error:
         raise SystemExit(f"kubeinfer serve: {error}") from None
