@@ -3,15 +3,13 @@ serves it, and how `--quantization NAME` (vLLM's flag) is checked against it. Pl
 formats' weight handling lives in one module each (fp8.py)."""
 from __future__ import annotations
 
+from .errors import QuantizationError
+
 SERVED = ("fp8",)
 # vLLM's other method names (and the common quant_method values of Hugging Face configs): known, not served yet.
 NOT_YET_SERVED = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "mxfp4", "bitsandbytes", "gguf",
                   "fbgemm_fp8", "modelopt", "modelopt_fp4", "torchao", "hqq", "aqlm", "quark", "experts_int8",
                   "ptpc_fp8", "eetq", "higgs", "bitnet", "fp_quant", "auto-round", "vptq", "spqr", "quanto")
-
-
-class QuantizationError(ValueError):
-    """A quantization the engine cannot serve, or a flag that contradicts the checkpoint."""
 
 
 def checkpoint_quantization(config) -> dict | None:
@@ -49,5 +47,5 @@ def resolve_quantization(config, requested: str | None):
                                 "(config.json quantization_config); leave --quantization out or name that method")
     if method is None:
         return None
-    from .fp8 import Fp8Config  # torch only when a quantized checkpoint is loaded
+    from .fp8 import Fp8Config  # torch only where weights are loaded
     return Fp8Config.from_dict(qc)

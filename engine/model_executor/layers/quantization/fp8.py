@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import QuantizationError
+from .errors import QuantizationError
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "activation_scale")
 
