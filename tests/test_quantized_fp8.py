@@ -175,9 +175,23 @@ def test_bad_quantization_flag_is_a_start_up_error(checkpoints, flag, message):
         LLM(checkpoints["block"][0], max_model_len=64, num_kv_blocks=16, quantization=flag)
 
 
-def test_fp8_flag_on_a_float_checkpoint_is_not_yet_served(float_dir):
-    with pytest.raises(ValueError, match="float checkpoint.*not supported yet"):
-        LLM(str(float_dir), max_model_len=64, num_kv_blocks=16, quantization="fp8")
+def test_fp8_flag_on_a_float_checkpoint_quantizes_per_channel_at_load(float_dir, checkpoints):
+    """--quantization fp8 on the float model gives transformers' FP8 quantizer's per-channel model ([1, 64]
+    blocks here), dequantized: the same weights bit for bit, the same greedy tokens; embeddings and lm_head stay."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    reference = checkpoints["channel_as_block"][0]
+    assert engine_greedy(str(float_dir), quantization="fp8") == hf_fp8_greedy(reference)
+    hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32,
+                                              quantization_config=FineGrainedFP8Config(dequantize=True))
+    model = LLM(str(float_dir), max_model_len=64, num_kv_blocks=16, quantization="fp8").engine.runner.model
+    float_model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    layer, theirs = model.model.layers[0], hf.model.layers[0]
+    assert torch.equal(layer.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+    assert torch.equal(layer.self_attn.qkv_proj.weight[:64], theirs.self_attn.q_proj.weight)
+    assert not torch.equal(layer.mlp.down_proj.weight, float_model.model.layers[0].mlp.down_proj.weight)
+    assert torch.equal(model.lm_head.weight, float_model.lm_head.weight)
+    assert torch.equal(model.model.embed_tokens.weight, float_model.model.embed_tokens.weight)
 
 
 def test_serve_takes_vllms_quantization_flag():

@@ -41,7 +41,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", "-q", default=None,
-                        help="the checkpoint's quantization method (from config.json when left out); served: fp8")
+                        help="fp8: the checkpoint must be an fp8 one (read from config.json when left out), or a float "
+                             "checkpoint is quantized at load (per channel); other methods are refused")
     parser.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
                         help="attention kernels (default: triton on CUDA when installed, torch on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -134,6 +134,9 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             if f".{ours}." in name:
                 expected[name] = 3 if ours == "qkv_proj" else 2
     loaded: dict[str, int] = {}
+    # --quantization fp8 on a float checkpoint: the decoder's projections (not embeddings, lm_head or norms)
+    at_load = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"} \
+        if getattr(quantization, "at_load", False) else set()
     with ExitStack() as stack:  # every shard open: a weight's scale may sit in another shard
         handles = {}
         for file in weight_files:
@@ -150,7 +153,10 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             name, shard = (ours, None) if model.checkpoint_fused else _target(ours)
             if name not in params:
                 raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
-            _copy_into(params[name], _read(key, f, handles, quantization), shard, model, name)
+            tensor = _read(key, f, handles, quantization)
+            if name in at_load:
+                tensor = fp8.dequantize(*fp8.quantize_per_channel(tensor), quantization, key)
+            _copy_into(params[name], tensor, shard, model, name)
             loaded[name] = loaded.get(name, 0) + 1
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
     if model.spec.tie_word_embeddings:

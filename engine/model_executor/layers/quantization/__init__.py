@@ -31,7 +31,8 @@ def check_method_name(requested: str | None) -> None:
 
 def resolve_quantization(config, requested: str | None):
     """The checkpoint's quantization as the loader applies it (an Fp8Config), or None for float weights.
-    `requested` (--quantization) must name the checkpoint's own method."""
+    `requested` (--quantization) must name the checkpoint's own method; on a float checkpoint, fp8 quantizes
+    the weights at load."""
     check_method_name(requested)
     qc = checkpoint_quantization(config)
     method = None if qc is None else str(qc.get("quant_method", "")).lower() or None
@@ -39,13 +40,10 @@ def resolve_quantization(config, requested: str | None):
         raise QuantizationError(f"this checkpoint is quantized with {method or '(no quant_method)'!r} "
                                 f"(config.json quantization_config), which kubeinfer does not serve yet; it serves "
                                 f"{', '.join(SERVED)} (see `kubeinfer models`)")
-    if requested is not None and method is None:
-        raise QuantizationError(f"quantization: {requested!r} on a float checkpoint (quantizing at load) is not "
-                                "supported yet; serve an FP8 checkpoint, or leave --quantization out")
+    from .fp8 import Fp8Config  # torch only where weights are loaded
+    if requested is not None and method is None:  # a float checkpoint: fp8 (the one served) quantizes at load
+        return Fp8Config(block_size=None, at_load=True)
     if requested is not None and requested != method:
         raise QuantizationError(f"quantization: {requested!r} does not match the checkpoint's method {method!r} "
                                 "(config.json quantization_config); leave --quantization out or name that method")
-    if method is None:
-        return None
-    from .fp8 import Fp8Config  # torch only where weights are loaded
-    return Fp8Config.from_dict(qc)
+    return None if method is None else Fp8Config.from_dict(qc)

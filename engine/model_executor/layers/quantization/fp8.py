@@ -6,7 +6,11 @@ The true weight is fp8 * scale (a block's scale covers its rows x cols tile; the
 Served by dequantizing at load: each weight is multiplied out in float32 and stored in the model dtype, so the
 matmuls run as for a float checkpoint (no memory saving yet; a CPU has no fp8 matmul). `activation_scheme:
 dynamic` then means nothing to do: activations stay in the model dtype, as transformers' `dequantize=True` and
-vLLM's weight-only fallback run them. `static` (checkpoint input scales) is refused until it is emulated."""
+vLLM's weight-only fallback run them. `static` (checkpoint input scales) is refused until it is emulated.
+
+`--quantization fp8` on a float checkpoint quantizes the decoder's linear weights at load, per output channel
+to e4m3 (scale = amax / 448, as transformers' FP8 quantizer computes it), and dequantizes them the same way:
+the outputs are those of the FP8 model, the memory and speed those of the float one (until fp8 matmuls)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "activation
 class Fp8Config:
     method = "fp8"
     block_size: tuple[int, int] | None  # weight_block_size [rows, cols]; None: per tensor or per channel
+    at_load: bool = False  # a float checkpoint quantized at load (--quantization fp8)
 
     @classmethod
     def from_dict(cls, qc: dict) -> "Fp8Config":
@@ -34,6 +39,17 @@ class Fp8Config:
         if block is not None and (len(block) != 2 or any(not isinstance(b, int) or b < 1 for b in block)):
             raise QuantizationError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
         return cls(tuple(block) if block is not None else None)
+
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weights and their float32 per-row scale ([rows, 1]): weight ~ fp8 * scale."""
+    w = weight.to(torch.float32)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    inverse = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))  # an all-zero row keeps scale 1
+    return (w * inverse).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), 1.0 / inverse
 
 
 def is_scale_key(key: str) -> bool:
