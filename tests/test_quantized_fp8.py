@@ -248,3 +248,24 @@ def test_gemma3_multimodal_fp8_checkpoint_serves_its_text(tmp_path):
     language = fp8_quantize({k: v for k, v in weights.items() if "language_model" in k}, [32, 16])
     mm_fp8 = write_checkpoint(tmp_path / "mm", tmp_path / "mm_fp8", {**weights, **language}, fp8_config([32, 16]))
     assert engine_greedy(mm_fp8) == hf_fp8_greedy(text_fp8)
+
+
+def test_lora_on_an_fp8_checkpoint_equals_peft_on_transformers_dequantized(checkpoints, float_dir, tmp_path):
+    """The adapter stays in float over the dequantized base: PEFT over transformers' dequantized FP8 load agrees."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    from kubeinfer.engine.lora.request import LoRARequest
+    from lora_helpers import ADAPTERS, PROMPTS as LORA_PROMPTS, hf_greedy, make_peft_adapter
+
+    make_peft_adapter(float_dir, tmp_path / "adapter", seed=5, **ADAPTERS["all"])
+    model_dir = checkpoints["block"][0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              quantization_config=FineGrainedFP8Config(dequantize=True))
+    peft = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
+    expected = [hf_greedy(peft, p) for p in LORA_PROMPTS]
+    llm = LLM(model_dir, max_model_len=64, num_kv_blocks=32, enable_lora=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in LORA_PROMPTS],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
