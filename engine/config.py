@@ -14,6 +14,7 @@ class EngineConfig:
     model: str
     device: str = "cpu"
     dtype: str | None = None
+    quantization: str | None = None  # vLLM's --quantization: must name the checkpoint's quantization_config method
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None

@@ -50,7 +50,7 @@ class LLMEngine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {config.device} asked for, but this torch ({torch.__version__}) sees no CUDA "
                              "device (a CPU-only build, or no GPU visible); use --device cpu")
-        files = inspect_model_dir(config.model)
+        files = inspect_model_dir(config.model, config.quantization)
         self.model_files = files
         self.hf_config = files.config
         self.spec = ModelSpec(files.config, files.architecture)
@@ -96,8 +96,8 @@ class LLMEngine:
         # when None, `step` returns them.
         self.deliver_early: Callable[[list[RequestOutput]], None] | None = None
         self.runner.defer_token_copy = self.defer_text or self.pipeline is not None
-        logger.info("engine ready: %s (%s) on %s, %s, %d KV blocks of %d tokens", config.model, files.architecture,
-                    self.device, self.dtype, self.num_kv_blocks, config.block_size)
+        logger.info("engine ready: %s (%s) on %s, %s%s, %d KV blocks of %d tokens", config.model, files.architecture,
+                    self.device, self.dtype, _quantization_note(files.quantization), self.num_kv_blocks, config.block_size)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -298,3 +298,9 @@ class LLMEngine:
         return self.lora.names(self.scheduler.running_adapters()), self.lora.names(self.scheduler.waiting_adapters())
 
 
+def _quantization_note(quantization) -> str:
+    """What the start-up log says of quantized weights: their method, and that they are held dequantized."""
+    if quantization is None:
+        return ""
+    source = "quantized at load" if quantization.at_load else "checkpoint"
+    return f" ({quantization.method} {source}, weights dequantized to the model dtype)"

@@ -40,6 +40,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC API on this port")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", "-q", default=None,
+                        help="fp8: the checkpoint must be an fp8 one (read from config.json when left out), or a float "
+                             "checkpoint is quantized at load (per channel); other methods are refused")
     parser.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
                         help="attention kernels (default: triton on CUDA when installed, torch on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -134,7 +137,7 @@ def build_state(args: argparse.Namespace):
                               scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
                               kv_events_config=args.kv_events_config,
                               async_output_processing=args.async_output_processing,
-                              async_scheduling=args.async_scheduling)
+                              async_scheduling=args.async_scheduling, quantization=args.quantization)
         engine = LLMEngine(config)
     except ValueError as error:
         raise SystemExit(f"kubeinfer serve: {error}") from None

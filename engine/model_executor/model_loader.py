@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from safetensors import safe_open
 from ..config import FUSED_WEIGHTS, ModelSpec
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
+from .layers.quantization import QuantizationError, fp8, resolve_quantization
 from .layers.rotary_embedding import RotaryEmbedding
 from .models.llama import CausalLM
 from .models.registry import ARCHITECTURES, UnsupportedArchitecture, model_class, resolve
@@ -31,9 +33,11 @@ class ModelFiles:
     architecture: str
     weight_files: list[Path]
     eos_token_ids: list[int]
+    quantization: object = None  # the checkpoint's quantization (layers/quantization), None for float weights
 
 
-def inspect_model_dir(model_dir: str | os.PathLike) -> ModelFiles:
+def inspect_model_dir(model_dir: str | os.PathLike, quantization: str | None = None) -> ModelFiles:
+    """`quantization`: --quantization, checked against the checkpoint's quantization_config."""
     from transformers import AutoConfig
 
     path = Path(model_dir)
@@ -47,9 +51,13 @@ def inspect_model_dir(model_dir: str | os.PathLike) -> ModelFiles:
     except UnsupportedArchitecture as error:
         raise ModelLoadError(str(error)) from None
     eos_token_ids = _eos_token_ids(path, config)
+    try:
+        quant = resolve_quantization(config, quantization)
+    except QuantizationError as error:
+        raise ModelLoadError(str(error)) from None
     if architecture.text_only:  # the language model of a multimodal checkpoint: its text config describes it
         config = config.get_text_config()
-    return ModelFiles(path, config, architecture.name, _weight_files(path), eos_token_ids)
+    return ModelFiles(path, config, architecture.name, _weight_files(path), eos_token_ids, quant)
 
 
 def _weight_files(path: Path) -> list[Path]:
@@ -111,14 +119,14 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build(device)
-    _load_weights(model, files.weight_files)
+    _load_weights(model, files.weight_files, files.quantization)
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
         model.use_triton_kernels()
     model.openblas_small_steps = use_openblas_for_small_steps(model)  # the CPU's small-step matmuls; not the GPU
     return model.eval()
 
 
-def _load_weights(model: CausalLM, weight_files: list[Path]) -> None:
+def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) -> None:
     params = dict(model.named_parameters())
     expected = {name: 1 for name in params}
     for ours, _, _ in () if model.checkpoint_fused else FUSED_WEIGHTS:  # complete when all its slices arrived
@@ -126,25 +134,54 @@ def _load_weights(model: CausalLM, weight_files: list[Path]) -> None:
             if f".{ours}." in name:
                 expected[name] = 3 if ours == "qkv_proj" else 2
     loaded: dict[str, int] = {}
-    for file in weight_files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                ours = model.checkpoint_name(key)
-                if ours is None or "rotary_emb.inv_freq" in ours:
-                    continue
-                if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
-                    continue
-                name, shard = (ours, None) if model.checkpoint_fused else _target(ours)
-                if name not in params:
-                    raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
-                _copy_into(params[name], f.get_tensor(key), shard, model, name)
-                loaded[name] = loaded.get(name, 0) + 1
+    # --quantization fp8 on a float checkpoint: the decoder's projections (not embeddings, lm_head or norms)
+    at_load = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"} \
+        if getattr(quantization, "at_load", False) else set()
+    with ExitStack() as stack:  # every shard open: a weight's scale may sit in another shard
+        handles = {}
+        for file in weight_files:
+            f = stack.enter_context(safe_open(str(file), framework="pt"))
+            handles.update((key, (f, file)) for key in f.keys())
+        for key, (f, file) in handles.items():
+            if quantization is not None and fp8.is_scale_key(key):
+                continue  # read with its weight
+            ours = model.checkpoint_name(key)
+            if ours is None or "rotary_emb.inv_freq" in ours:
+                continue
+            if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
+                continue
+            name, shard = (ours, None) if model.checkpoint_fused else _target(ours)
+            if name not in params:
+                raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
+            tensor = _read(key, f, handles, quantization)
+            if name in at_load:
+                tensor = fp8.dequantize(*fp8.quantize_per_channel(tensor), quantization, key)
+            _copy_into(params[name], tensor, shard, model, name)
+            loaded[name] = loaded.get(name, 0) + 1
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
     if model.spec.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
         raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
+    """The tensor as the model uses it: an FP8 weight multiplied out by its scale (layers/quantization/fp8.py)."""
+    tensor = f.get_tensor(key)
+    if not fp8.is_fp8(tensor):
+        return tensor
+    if quantization is None:
+        raise ModelLoadError(f"weight {key!r} is stored as {tensor.dtype} but config.json has no quantization_config; "
+                             "kubeinfer cannot tell its scales")
+    scale_key = next((k for k in fp8.scale_keys(key) if k in handles), None)
+    if scale_key is None:
+        raise ModelLoadError(f"fp8 weight {key!r} has no scale in the checkpoint (expected "
+                             f"{' or '.join(fp8.scale_keys(key))}); the checkpoint is incomplete")
+    try:
+        return fp8.dequantize(tensor, handles[scale_key][0].get_tensor(scale_key), quantization, key)
+    except QuantizationError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def _target(key: str) -> tuple[str, int | None]:

@@ -16,7 +16,7 @@ class Architecture:
     lora: bool  # adapters load and apply (checked against PEFT)
     sliding_window: str  # "no", "all layers" (when the config sets one) or "per layer" (by the config's layer_types)
     tensor_parallel: bool = False
-    quantized: bool = False
+    quantized: str = "fp8"  # the quantization_config methods served (the loader dequantizes any family alike)
     text_only: bool = False  # a multimodal checkpoint served as its language model (its text_config)
 
 
@@ -61,7 +61,7 @@ def feature_table() -> list[dict[str, str]]:
     def yes(flag: bool) -> str:
         return "yes" if flag else "no"
     return [{"architecture": a.name, "family": a.family, "LoRA": yes(a.lora), "sliding window": a.sliding_window,
-             "tensor parallel": yes(a.tensor_parallel), "quantized": yes(a.quantized)}
+             "tensor parallel": yes(a.tensor_parallel), "quantized": a.quantized or "no"}
             for a in ARCHITECTURES.values()]
 
 

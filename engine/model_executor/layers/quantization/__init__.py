@@ -1,0 +1,49 @@
+"""Quantized checkpoints: which `quantization_config.quant_method` a checkpoint declares, whether the engine
+serves it, and how `--quantization NAME` (vLLM's flag) is checked against it. Plain names, no torch: the
+formats' weight handling lives in one module each (fp8.py)."""
+from __future__ import annotations
+
+from .errors import QuantizationError
+
+SERVED = ("fp8",)
+# vLLM's other method names (and the common quant_method values of Hugging Face configs): known, not served yet.
+NOT_YET_SERVED = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "mxfp4", "bitsandbytes", "gguf",
+                  "fbgemm_fp8", "modelopt", "modelopt_fp4", "torchao", "hqq", "aqlm", "quark", "experts_int8",
+                  "ptpc_fp8", "eetq", "higgs", "bitnet", "fp_quant", "auto-round", "vptq", "spqr", "quanto")
+
+
+def checkpoint_quantization(config) -> dict | None:
+    """config.json's `quantization_config` (a dict), or None for a float checkpoint."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    return dict(qc) if isinstance(qc, dict) else qc.to_dict()
+
+
+def check_method_name(requested: str | None) -> None:
+    """`--quantization` is checked before any model work: an unknown or unserved name is a start-up error."""
+    if requested is None or requested in SERVED:
+        return
+    if requested in NOT_YET_SERVED:
+        raise QuantizationError(f"quantization: {requested!r} is not served yet; kubeinfer serves {', '.join(SERVED)}")
+    raise QuantizationError(f"quantization: unknown method {requested!r}; kubeinfer serves {', '.join(SERVED)}")
+
+
+def resolve_quantization(config, requested: str | None):
+    """The checkpoint's quantization as the loader applies it (an Fp8Config), or None for float weights.
+    `requested` (--quantization) must name the checkpoint's own method; on a float checkpoint, fp8 quantizes
+    the weights at load."""
+    check_method_name(requested)
+    qc = checkpoint_quantization(config)
+    method = None if qc is None else str(qc.get("quant_method", "")).lower() or None
+    if qc is not None and method not in SERVED:
+        raise QuantizationError(f"this checkpoint is quantized with {method or '(no quant_method)'!r} "
+                                f"(config.json quantization_config), which kubeinfer does not serve yet; it serves "
+                                f"{', '.join(SERVED)} (see `kubeinfer models`)")
+    from .fp8 import Fp8Config  # torch only where weights are loaded
+    if requested is not None and method is None:  # a float checkpoint: fp8 (the one served) quantizes at load
+        return Fp8Config(block_size=None, at_load=True)
+    if requested is not None and requested != method:
+        raise QuantizationError(f"quantization: {requested!r} does not match the checkpoint's method {method!r} "
+                                "(config.json quantization_config); leave --quantization out or name that method")
+    return None if method is None else Fp8Config.from_dict(qc)

@@ -1,0 +1,88 @@
+"""FP8 checkpoints (`quant_method: fp8`): Qwen3-FP8, DeepSeek-V3/R1 and transformers' FineGrainedFP8Config
+write weights as float8 (e4m3) with a float32 scale beside each: `weight_scale_inv` per block of
+`weight_block_size` [rows, cols] (or one for the tensor), or `weight_scale` per tensor or per output channel.
+The true weight is fp8 * scale (a block's scale covers its rows x cols tile; the last tiles may be partial).
+
+Served by dequantizing at load: each weight is multiplied out in float32 and stored in the model dtype, so the
+matmuls run as for a float checkpoint (no memory saving yet; a CPU has no fp8 matmul). `activation_scheme:
+dynamic` then means nothing to do: activations stay in the model dtype, as transformers' `dequantize=True` and
+vLLM's weight-only fallback run them. `static` (checkpoint input scales) is refused until it is emulated.
+
+`--quantization fp8` on a float checkpoint quantizes the decoder's linear weights at load, per output channel
+to e4m3 (scale = amax / 448, as transformers' FP8 quantizer computes it), and dequantizes them the same way:
+the outputs are those of the FP8 model, the memory and speed those of the float one (until fp8 matmuls)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import QuantizationError
+
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "activation_scale")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    method = "fp8"
+    block_size: tuple[int, int] | None  # weight_block_size [rows, cols]; None: per tensor or per channel
+    at_load: bool = False  # a float checkpoint quantized at load (--quantization fp8)
+
+    @classmethod
+    def from_dict(cls, qc: dict) -> "Fp8Config":
+        scheme = str(qc.get("activation_scheme", "dynamic")).lower()
+        if scheme != "dynamic":
+            raise QuantizationError(f"fp8 checkpoint with activation_scheme {scheme!r}: only 'dynamic' is served yet")
+        if qc.get("scale_fmt", "float") not in ("float", None):
+            raise QuantizationError(f"fp8 checkpoint with scale_fmt {qc['scale_fmt']!r}: only 'float' scales are served")
+        block = qc.get("weight_block_size")
+        if block is not None and (len(block) != 2 or any(not isinstance(b, int) or b < 1 for b in block)):
+            raise QuantizationError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
+        return cls(tuple(block) if block is not None else None)
+
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weights and their float32 per-row scale ([rows, 1]): weight ~ fp8 * scale."""
+    w = weight.to(torch.float32)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    inverse = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))  # an all-zero row keeps scale 1
+    return (w * inverse).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), 1.0 / inverse
+
+
+def is_scale_key(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] in SCALE_SUFFIXES
+
+
+def scale_keys(weight_key: str) -> tuple[str, str]:
+    """Where a weight's scale may be stored: `weight_scale_inv` (block-wise, transformers/DeepSeek) or `weight_scale`."""
+    prefix = weight_key.removesuffix(".weight")
+    return f"{prefix}.weight_scale_inv", f"{prefix}.weight_scale"
+
+
+def is_fp8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config, name: str) -> torch.Tensor:
+    """The float32 weight fp8 * scale; a scale whose shape fits no layout (truncated, wrong block) is an error."""
+    if weight.dim() != 2:
+        raise QuantizationError(f"fp8 weight {name} has {weight.dim()} dimensions; only 2-D linear weights are served")
+    rows, cols = weight.shape
+    w, s = weight.to(torch.float32), scale.to(torch.float32)
+    if s.numel() == 1:  # per tensor
+        return w * s.reshape(())
+    if config.block_size is not None and s.dim() == 2:
+        bn, bk = config.block_size
+        grid = (-(-rows // bn), -(-cols // bk))
+        if tuple(s.shape) != grid:
+            raise QuantizationError(f"fp8 scale of {name} has shape {tuple(s.shape)}; a {rows}x{cols} weight in "
+                                    f"{bn}x{bk} blocks needs {grid} (truncated or mismatched checkpoint)")
+        expanded = s.repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
+        return w * expanded
+    if s.numel() == rows and (s.dim() == 1 or tuple(s.shape) == (rows, 1)):  # per output channel
+        return w * s.reshape(rows, 1)
+    raise QuantizationError(f"fp8 scale of {name} has shape {tuple(s.shape)}, which fits neither one scale, one per "
+                            f"output channel ({rows}) nor weight_block_size blocks (truncated or mismatched checkpoint)")
