@@ -97,7 +97,8 @@ class LLMEngine:
         self.deliver_early: Callable[[list[RequestOutput]], None] | None = None
         self.runner.defer_token_copy = self.defer_text or self.pipeline is not None
         logger.info("engine ready: %s (%s) on %s, %s%s, %d KV blocks of %d tokens", config.model, files.architecture,
-                    self.device, self.dtype, _quantization_note(files.quantization), self.num_kv_blocks, config.block_size)
+                    self.device, self.dtype, f" ({files.quantization.describe()})" if files.quantization else "",
+                    self.num_kv_blocks, config.block_size)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -297,10 +298,3 @@ class LLMEngine:
             return [], []
         return self.lora.names(self.scheduler.running_adapters()), self.lora.names(self.scheduler.waiting_adapters())
 
-
-def _quantization_note(quantization) -> str:
-    """What the start-up log says of quantized weights: their method, and that they are held dequantized."""
-    if quantization is None:
-        return ""
-    source = "quantized at load" if quantization.at_load else "checkpoint"
-    return f" ({quantization.method} {source}, weights dequantized to the model dtype)"

@@ -40,6 +40,11 @@ class Fp8Config:
             raise QuantizationError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
         return cls(tuple(block) if block is not None else None)
 
+    def describe(self) -> str:
+        """What the start-up log says of these weights: their method, and that they are held dequantized."""
+        source = "quantized at load" if self.at_load else "checkpoint"
+        return f"{self.method} {source}, weights dequantized to the model dtype"
+
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
