@@ -4,8 +4,10 @@ batches, with the prefix cache on and off, chunked prefill and forced preemption
 small (6 and 8 tokens) so that prompts cross them; the local/global layer pattern is mixed."""
 import pytest
 import torch
+from test_engine_correctness import MAX_TOKENS, PROMPTS, hf_greedy
 
 from kubeinfer.engine import LLM, SamplingParams
+from kubeinfer.testing.random_model import save_gemma3_multimodal
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # family -> the config switches its tiny model exercises (each family's own defaults come from random_model)
@@ -17,22 +19,6 @@ VARIANTS = {
     "olmo2": dict(attention_bias=True),
     "granite": dict(attention_bias=True, mlp_bias=True),
 }
-PROMPTS = [
-    [11, 12, 13, 14, 15, 16, 17],
-    [40, 41, 42],
-    list(range(60, 100)),
-    list(range(100, 112)) + [5, 6, 7, 8, 9],
-    list(range(100, 112)) + [200, 201],
-    [7],
-]
-MAX_TOKENS = [12, 20, 9, 16, 5, 24]
-
-
-def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                            max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False,
-                            eos_token_id=[], pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def hf_references(model_dir) -> list[list[int]]:
@@ -184,17 +170,7 @@ def test_readme_carries_the_registry_table():
 def test_gemma3_multimodal_checkpoint_serves_its_text(family_dirs, references, tmp_path):
     """A Gemma3ForConditionalGeneration holding the Gemma 3 test model as its language model (a tiny vision
     tower beside it, left unread) gives the language model's outputs, as transformers' multimodal class does."""
-    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
-
-    text = AutoModelForCausalLM.from_pretrained(family_dirs["gemma3"], dtype=torch.float32)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                  patch_size=16)
-    config = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4,
-                          image_token_index=500, boi_token_index=501, eoi_token_index=502)
-    multimodal = Gemma3ForConditionalGeneration(config).eval()
-    multimodal.model.language_model.load_state_dict(text.model.state_dict())
-    multimodal.lm_head.weight = multimodal.model.language_model.embed_tokens.weight
-    multimodal.save_pretrained(tmp_path / "mm")
+    multimodal = save_gemma3_multimodal(family_dirs["gemma3"], tmp_path / "mm")
     assert [hf_greedy(multimodal, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)] == references("gemma3")
     llm = LLM(str(tmp_path / "mm"), block_size=4)
     assert llm.engine.runner.model.spec.architecture == "Gemma3ForConditionalGeneration"

@@ -226,7 +226,7 @@ def test_every_family_serves_block_fp8(tmp_path, family):
 def test_gemma3_multimodal_fp8_checkpoint_serves_its_text(tmp_path):
     """An FP8 Gemma3ForConditionalGeneration (language model quantized, vision tower float and unread) gives what
     transformers gives on the same language model as an FP8 Gemma3ForCausalLM checkpoint."""
-    from transformers import AutoModelForCausalLM, Gemma3Config, Gemma3ForConditionalGeneration
+    from kubeinfer.testing.random_model import save_gemma3_multimodal
 
     from kubeinfer.testing.random_model import build_random_model
 
@@ -235,15 +235,7 @@ def test_gemma3_multimodal_fp8_checkpoint_serves_its_text(tmp_path):
     text_fp8 = write_checkpoint(float_dir, tmp_path / "text_fp8",
                                 fp8_quantize(load_file(str(float_dir / "model.safetensors")), [32, 16]),
                                 fp8_config([32, 16]))
-    text = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                  patch_size=16)
-    config = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4,
-                          image_token_index=500, boi_token_index=501, eoi_token_index=502)
-    multimodal = Gemma3ForConditionalGeneration(config).eval()
-    multimodal.model.language_model.load_state_dict(text.model.state_dict())
-    multimodal.lm_head.weight = multimodal.model.language_model.embed_tokens.weight
-    multimodal.save_pretrained(tmp_path / "mm")
+    save_gemma3_multimodal(float_dir, tmp_path / "mm")
     weights = load_file(str(tmp_path / "mm" / "model.safetensors"))
     language = fp8_quantize({k: v for k, v in weights.items() if "language_model" in k}, [32, 16])
     mm_fp8 = write_checkpoint(tmp_path / "mm", tmp_path / "mm_fp8", {**weights, **language}, fp8_config([32, 16]))

@@ -253,3 +253,20 @@ def build_random_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: in
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir), "r": rank,
         "lora_alpha": alpha, "target_modules": list(target_modules), "lora_dropout": 0.0, "bias": "none"}, indent=2))
     return out
+
+
+def save_gemma3_multimodal(text_dir: str | Path, out_dir: str | Path):
+    """A Gemma3ForConditionalGeneration whose language model is the Gemma 3 text model in `text_dir`, with a
+    tiny random vision tower beside it, saved to `out_dir`; returns the transformers model."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=16)
+    config = Gemma3Config(text_config=text.config.to_dict(), vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=500, boi_token_index=501, eoi_token_index=502)
+    multimodal = Gemma3ForConditionalGeneration(config).eval()
+    multimodal.model.language_model.load_state_dict(text.model.state_dict())
+    multimodal.lm_head.weight = multimodal.model.language_model.embed_tokens.weight
+    multimodal.save_pretrained(out_dir)
+    return multimodal
