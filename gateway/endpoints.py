@@ -48,11 +48,16 @@ def parse_engine_metrics(text: str) -> EngineState:
             elif sample.name == "vllm:kv_cache_usage_perc":
                 state.kv_usage = max(state.kv_usage, sample.value)
             elif sample.name == "vllm:lora_requests_info" and sample.value >= latest_lora:
-                labels, latest_lora = sample.labels, sample.value  # its value is when it was set: the latest wins
-                state.running_adapters = _names(labels.get("running_lora_adapters", ""))
-                state.waiting_adapters = _names(labels.get("waiting_lora_adapters", ""))
-                state.max_loras = int(float(labels.get("max_lora", "0") or 0))
+                latest_lora = sample.value  # its value is when it was set: the latest wins
+                read_lora_info(state, sample.labels)
     return state
+
+
+def read_lora_info(state: EngineState, labels: dict[str, str]) -> None:
+    """The adapters and slots of a `vllm:lora_requests_info` sample's labels (comma-joined names)."""
+    state.running_adapters = _names(labels.get("running_lora_adapters", ""))
+    state.waiting_adapters = _names(labels.get("waiting_lora_adapters", ""))
+    state.max_loras = int(float(labels.get("max_lora", "0") or 0))
 
 
 def _names(value: str) -> frozenset[str]:

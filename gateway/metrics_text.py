@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from .endpoints import EngineState
+from .endpoints import EngineState, read_lora_info
 
 WAITING, RUNNING = b"vllm:num_requests_waiting", b"vllm:num_requests_running"
 KV_USAGE, LORA_INFO = b"vllm:kv_cache_usage_perc", b"vllm:lora_requests_info"
@@ -64,12 +64,5 @@ def read_engine_metrics(body: bytes) -> EngineState:
         if latest is None or sample[1] >= latest[1]:
             latest = sample
     if latest is not None:
-        labels = labels_of(latest[0])
-        state.running_adapters = _names(labels.get("running_lora_adapters", ""))
-        state.waiting_adapters = _names(labels.get("waiting_lora_adapters", ""))
-        state.max_loras = int(float(labels.get("max_lora", "0") or 0))
+        read_lora_info(state, labels_of(latest[0]))
     return state
-
-
-def _names(value: str) -> frozenset[str]:
-    return frozenset(name for name in value.split(",") if name)
