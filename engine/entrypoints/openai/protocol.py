@@ -43,17 +43,12 @@ REFUSED_SHARED: dict[str, tuple[Trivial, str]] = {
 }
 
 
-class SamplingFields(RequestModel):
-    """Fields shared by completions and chat completions."""
-    refused = REFUSED_SHARED
-
-    model: str
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+class SamplingExtras(RequestModel):
+    """The sampling fields that chat completions, completions and responses share, vLLM's extras among
+    them (guidellm sends ignore_eos to all three)."""
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     seed: int | None = None
     frequency_penalty: Penalty = 0.0
     presence_penalty: Penalty = 0.0
@@ -70,19 +65,29 @@ class SamplingFields(RequestModel):
     priority: int = 0
     logit_bias: dict[int, float] | None = None  # JSON's string keys become token ids; SamplingParams checks values
     allowed_token_ids: list[int] | None = None
+    # vLLM's structured output fields (structured.py reads them, with response_format, into one constraint)
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+
+class SamplingFields(SamplingExtras):
+    """Fields shared by completions and chat completions."""
+    refused = REFUSED_SHARED
+
+    model: str
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     # Accepted: they do not change what is generated.
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
-    # Structured output (structured.py reads them into one constraint)
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    response_format: Any = None  # OpenAI's structured output (structured.py)
     # Refused unless trivial (`refused`); declared so that the 400 names them.
     best_of: Any = None
     structural_tag: Any = None

@@ -12,18 +12,14 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, model_validator
 
-from .protocol import Penalty
-from .protocol_base import NOT_YET, RequestModel, Trivial, one_of, unset, warn_about_ignored_fields
+from .protocol import SamplingExtras
+from .protocol_base import NOT_YET, Trivial, one_of, unset, warn_about_ignored_fields
 
 STATELESS = "this server stores no responses; send the whole conversation in input"
 
-# vLLM's extra sampling fields, passed on to the chat completion as they are (guidellm sends
-# ignore_eos and stop to /v1/responses).
-PASSED_TO_CHAT = ("temperature", "top_p", "seed", "stop", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-                  "presence_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "priority", "logit_bias",
-                  "allowed_token_ids", "skip_special_tokens", "include_stop_str_in_output", "user",
-                  "parallel_tool_calls", "chat_template_kwargs", "stream", "structured_outputs", "guided_json",
-                  "guided_regex", "guided_choice", "guided_grammar")
+# Passed on to the chat completion as they are: the sampling fields chat shares (vLLM's extras among them;
+# guidellm sends ignore_eos and stop to /v1/responses) and chat's own fields of the same meaning.
+PASSED_TO_CHAT = (*SamplingExtras.model_fields, "parallel_tool_calls", "chat_template_kwargs", "stream")
 # Chat's field names in its errors, as this body calls them.
 PARAM_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "messages": "input",
                "reasoning_effort": "reasoning"}
@@ -33,7 +29,7 @@ def not_true(value: Any, _: dict) -> bool:
     return value is None or value is False
 
 
-class ResponsesRequest(RequestModel):
+class ResponsesRequest(SamplingExtras):
     refused: ClassVar[dict[str, tuple[Trivial, str]]] = {
         "previous_response_id": (unset, STATELESS), "store": (not_true, STATELESS + "; store must be false"),
         "conversation": (unset, STATELESS), "background": (not_true, STATELESS + "; background must be false"),
@@ -46,8 +42,6 @@ class ResponsesRequest(RequestModel):
     input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -56,34 +50,12 @@ class ResponsesRequest(RequestModel):
     # Accepted: they do not change what is generated (metadata is echoed in the response).
     stream_options: Any = None
     metadata: dict[str, str] | None = None
-    user: str | None = None
     safety_identifier: Any = None
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
     service_tier: Any = None
-    # vLLM's extra sampling fields
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
-    frequency_penalty: Penalty = 0.0
-    presence_penalty: Penalty = 0.0
-    ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
-    priority: int = 0
-    logit_bias: dict[int, float] | None = None
-    allowed_token_ids: list[int] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None  # effort, to templates that read it (chat's reasoning_effort)
-    structured_outputs: Any = None  # vLLM's structured output fields, as chat reads them
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     # Refused unless trivial (`refused`); declared so that the 400 names them.
     previous_response_id: Any = None
     store: Any = None
