@@ -23,6 +23,15 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def long_context_dir(tmp_path_factory) -> str:
+    """A llama with a context of 2048: rendered tools take ~500 tokens of this byte-level vocabulary (tools,
+    the Responses API, client libraries)."""
+    from kubeinfer.testing.random_model import build_random_model
+
+    return str(build_random_model(tmp_path_factory.mktemp("long_context"), "llama", max_position_embeddings=2048))
+
+
+@pytest.fixture(scope="session")
 def llama_dir(model_dirs) -> str:
     return model_dirs["llama"]
 

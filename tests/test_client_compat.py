@@ -22,15 +22,8 @@ GUIDELLM = Path(__file__).resolve().parents[1] / ".venv-clients" / "bin" / "guid
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
-
-    return str(build_random_model(tmp_path_factory.mktemp("clients"), "llama", max_position_embeddings=2048))
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    with RunningServer(model_dir, name="tiny", block_size=8) as running:
+def server(long_context_dir):
+    with RunningServer(long_context_dir, name="tiny", block_size=8) as running:
         yield running
 
 
@@ -96,13 +89,13 @@ def test_the_responses_api_through_langchain(server):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not GUIDELLM.exists(), reason="guidellm is not installed: `make clients-venv`")
-def test_guidellm_runs_without_errors(server, model_dir, tmp_path):
+def test_guidellm_runs_without_errors(server, long_context_dir, tmp_path):
     """guidellm 0.8.1 streams with continuous_usage_stats and sends ignore_eos: every request succeeds."""
     out = tmp_path / "guidellm.json"
     command = [str(GUIDELLM), "run", "--backend", f"kind=openai_http,target={server.url},model=tiny",
                "--profile", "kind=concurrent,streams=4", "--constraint", "kind=max_requests,count=24",
                "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
-               "--tokenizer", f"kind=huggingface_auto,model={model_dir}", "--output", f"kind=json,path={out}",
+               "--tokenizer", f"kind=huggingface_auto,model={long_context_dir}", "--output", f"kind=json,path={out}",
                "--disable-console-interactive"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "WARNING"}
     # Not from the repository root: its operator/ folder would shadow the standard library's operator.

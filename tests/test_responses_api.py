@@ -23,11 +23,8 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "add", "description": "A
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
-
-    model = build_random_model(tmp_path_factory.mktemp("responses"), "llama", max_position_embeddings=2048)
-    with RunningServer(str(model), name="tiny", block_size=8) as running:
+def server(long_context_dir):
+    with RunningServer(long_context_dir, name="tiny", block_size=8) as running:
         yield running
 
 

@@ -33,14 +33,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def long_context_dir(tmp_path_factory):
-    """Rendered tools take ~500 tokens of this byte-level vocabulary: a context of 2048."""
-    from kubeinfer.testing.random_model import build_random_model
-
-    return str(build_random_model(tmp_path_factory.mktemp("tools"), "llama", max_position_embeddings=2048))
-
-
-@pytest.fixture(scope="module")
 def server(long_context_dir):
     with RunningServer(long_context_dir, name="tiny", block_size=8) as running:
         yield running
