@@ -1,10 +1,11 @@
-"""The objects an InferenceModel owns, as plain dicts: Deployment, Service, PodDisruptionBudget, InferencePool,
-NetworkPolicy."""
+"""The objects an InferenceModel owns, as plain dicts: Deployment (or, over several nodes, LeaderWorkerSet),
+Service, PodDisruptionBudget, InferencePool, NetworkPolicy."""
 from __future__ import annotations
 
 from typing import Any
 
 from kubeinfer.operator.config import OperatorConfig
+from kubeinfer.operator.leader_worker import leader_worker_set, multi_node
 from kubeinfer.operator.names import (API_VERSION, GRPC_PORT, HTTP_PORT, KIND, MANAGED_BY_LABEL, MANAGER, MODEL_LABEL,
                                       POOL_GROUP, POOL_VERSION, active_labels, selector_labels)
 from kubeinfer.operator.network_policy import network_policy_spec
@@ -59,9 +60,12 @@ def pod_disruption_budget(owner: dict[str, Any], spec: InferenceModelSpec) -> di
     """Voluntary evictions never take serving capacity below spec.replicas while standby pods can cover it.
 
     Without standby, `minAvailable: replicas` would block every node drain forever, so one pod at a
-    time may go instead. Crash-looping pods never block a drain (AlwaysAllow).
+    time may go instead. Crash-looping pods never block a drain (AlwaysAllow). Over several nodes pods are
+    not replicas (a group restarts as a whole when one of its pods goes), so one pod, hence one group, at a time.
     """
     budget: dict[str, Any] = {"minAvailable": spec.replicas} if spec.standby > 0 else {"maxUnavailable": 1}
+    if multi_node(spec):  # one evicted pod takes its whole group down: one group at a time
+        budget = {"maxUnavailable": 1}
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _metadata(owner, spec),
         "spec": {**budget, "selector": {"matchLabels": selector_labels(spec.name)},
@@ -84,12 +88,19 @@ def inference_pool(owner: dict[str, Any], spec: InferenceModelSpec, config: Oper
 def network_policy(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:
     """Ingress to the engine pods only from the gateway, the operator and the metrics scrapers."""
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _metadata(owner, spec),
-            "spec": network_policy_spec(spec.name, config)}
+            "spec": network_policy_spec(spec.name, config, multi_node(spec))}
+
+
+def workload(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:
+    """What runs the engine pods: a Deployment, or a LeaderWorkerSet of multi-node groups."""
+    if multi_node(spec):
+        return leader_worker_set(_metadata(owner, spec), spec, config)
+    return deployment(owner, spec, config)
 
 
 def desired_objects(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig,
                     with_pool: bool) -> list[dict[str, Any]]:
     # The NetworkPolicy first: no engine pod exists before the policy that fences it in.
     objects = [network_policy(owner, spec, config)] if config.network_policy else []
-    objects += [deployment(owner, spec, config), service(owner, spec), pod_disruption_budget(owner, spec)]
+    objects += [workload(owner, spec, config), service(owner, spec), pod_disruption_budget(owner, spec)]
     return objects + [inference_pool(owner, spec, config)] if with_pool else objects

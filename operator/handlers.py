@@ -2,8 +2,8 @@
 
 Spec changes (create / update / resume) re-apply the owned objects; pod events (a pod became ready,
 was deleted, lost readiness) and a periodic resync loop redo roles, placement, status and autoscaling.
-Owned objects (Deployment, Service, PDB, InferencePool, NetworkPolicy) are watched too: one deleted or edited by
-hand is repaired by the pass its event starts, within a second, not at the next resync.
+Owned objects (Deployment or LeaderWorkerSet, Service, PDB, InferencePool, NetworkPolicy) are watched too: one
+deleted or edited by hand is repaired by the pass its event starts, within a second, not at the next resync.
 No finalizer: owner references make the garbage collector delete what the operator built.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import kopf
 
 from kubeinfer.operator.drift import controller_of
+from kubeinfer.operator.leader_worker import LWS_GROUP, LWS_PLURAL, LWS_VERSION
 from kubeinfer.operator.names import (GROUP, MANAGED_BY_LABEL, MANAGER, MODEL_LABEL, PLURAL, POOL_GROUP, POOL_PLURAL,
                                       POOL_VERSION, VERSION)
 from kubeinfer.operator.reconcile import Reconciler
@@ -27,7 +28,8 @@ RETRY_SECONDS = 10
 OWNED = {"Deployment": ("apps", "v1", "deployments"), "Service": ("", "v1", "services"),
          "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
          "InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL),
-         "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies")}
+         "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
+         "LeaderWorkerSet": (LWS_GROUP, LWS_VERSION, LWS_PLURAL)}
 
 
 async def connect_default() -> kopf.ConnectionInfo:

@@ -20,7 +20,8 @@ from kubeinfer.operator.names import MANAGER, matches
 
 PLURALS = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
            "InferencePool": "inferencepools", "NetworkPolicy": "networkpolicies", "Pod": "pods", "Event": "events",
-           "InferenceModel": "inferencemodels"}
+           "InferenceModel": "inferencemodels",
+           "LeaderWorkerSet": "leaderworkersets"}
 MERGE = "application/merge-patch+json"
 APPLY = "application/apply-patch+yaml"  # JSON is YAML
 logger = logging.getLogger(__name__)

@@ -21,6 +21,7 @@ ENGINE_NAME = "kubeinfer-engine"
 MANAGER = "kubeinfer-operator"
 ACTIVE = "active"
 STANDBY = "standby"
+WORKER = "worker"  # a headless rank of a multi-node group: set by its template, never an endpoint
 
 ADAPTERS_ANNOTATION = f"{GROUP}/adapters"
 # The ReplicaSet controller deletes pods with the lowest cost first: standby before active.
@@ -28,6 +29,7 @@ DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 
 HTTP_PORT = 8000
 GRPC_PORT = 8001
+MASTER_PORT = 29500  # torch.distributed's rendezvous on a multi-node group's leader
 MODEL_DIR = "/models/model"
 ADAPTERS_DIR = "/adapters"
 PLACEMENT_DIR = "/etc/kubeinfer/placement"

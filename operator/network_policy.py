@@ -4,7 +4,9 @@ Engines serve their API (HTTP 8000, gRPC 8001) to the gateway, which enforces te
 and to the operator, which reads each pod's /v1/models; Prometheus scrapes /metrics on the HTTP port
 (a NetworkPolicy cannot tell paths apart: the engine's API key guards /v1 there). Every other pod in
 the cluster is refused, standby pods included. The kubelet's probes come from the node, which
-NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy.
+NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy. A model over several
+nodes also admits its own pods on every port: the ranks of a group meet at the leader's rendezvous port and
+then exchange tensors (NCCL, gloo) on ports they choose at start.
 """
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ def default_api_peers() -> list[dict[str, Any]]:
             for component in ("gateway", "operator")]
 
 
-def network_policy_spec(model: str, config: OperatorConfig) -> dict[str, Any]:
+def network_policy_spec(model: str, config: OperatorConfig, multi_node: bool = False) -> dict[str, Any]:
     api_ports = [{"protocol": "TCP", "port": HTTP_PORT}, {"protocol": "TCP", "port": GRPC_PORT}]
     ingress = [{"from": [dict(p) for p in config.api_peers] or default_api_peers(), "ports": api_ports}]
     if config.metrics_peers:
         ingress.append({"from": [dict(p) for p in config.metrics_peers],
                         "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
+    if multi_node:
+        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(model)}}]})
     # Every pod of the model, standby included; Ingress only: engines' own egress (fetchers, NCCL) is left alone.
     return {"podSelector": {"matchLabels": selector_labels(model)}, "policyTypes": ["Ingress"], "ingress": ingress}

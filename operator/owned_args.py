@@ -13,13 +13,20 @@ from typing import Any
 # Every flag pod_template.engine_args may set, and the engine's key (its env var is the operator's).
 OWNED_FLAGS = ("--host", "--port", "--grpc-port", "--served-model-name", "--lora-catalog-dir",
                "--lora-placement-file", "--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank",
-               "--device", "--dtype", "--max-model-len", "--scheduling-policy", "--api-key")
+               "--device", "--dtype", "--max-model-len", "--scheduling-policy", "--api-key",
+               # spec.engine.parallelism: the ranks must agree with the GPUs and pods the operator asks for
+               "--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
+# Single-dash spellings of owned flags (vLLM's `-tp N`, `-tp=N`, `-tpN`).
+OWNED_SHORT = {"-tp": "--tensor-parallel-size"}
 # The engine reads its key from these; the operator sets KUBEINFER_API_KEY from its Secret.
 OWNED_ENV = ("KUBEINFER_API_KEY", "VLLM_API_KEY")
 
 
 def option_of(arg: str) -> str | None:
-    """The option an argument names (`--ho=x` -> `--ho`), or None for a value or a positional."""
+    """The option an argument names (`--ho=x` -> `--ho`, `-tp4` -> `-tp`), or None for a value or a positional."""
+    short = next((s for s in OWNED_SHORT if arg.startswith(s)), None)
+    if short is not None:
+        return short
     if not arg.startswith("--") or arg == "--":
         return None
     return arg.split("=", 1)[0]
@@ -27,6 +34,8 @@ def option_of(arg: str) -> str | None:
 
 def owned_flag(option: str, owned: Iterable[str] = OWNED_FLAGS) -> str | None:
     """The owned flag `option` spells, in full or abbreviated (a prefix argparse would expand), or None."""
+    if option in OWNED_SHORT:
+        return OWNED_SHORT[option]
     return next((flag for flag in owned if flag.startswith(option) and len(option) > 2), None)
 
 
@@ -39,7 +48,7 @@ def args_problems(args: Sequence[str]) -> list[str]:
             continue
         spelt = "" if option == flag else f" (as {option!r}: argparse expands unambiguous prefixes)"
         problems.append(f"spec.engine.args[{i}] must not set {flag}{spelt}: the operator sets it from the spec "
-                        "(use spec.model, spec.engine.maxModelLen / dtype / resources or spec.adapterPool)")
+                        "(use spec.model, spec.engine.maxModelLen / dtype / resources / parallelism or spec.adapterPool)")
     return problems
 
 

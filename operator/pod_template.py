@@ -1,4 +1,9 @@
-"""The engine pod: container command line, resources, probes, volumes and security settings."""
+"""The engine pod: container command line, resources, probes, volumes and security settings.
+
+A model on one node is one kind of pod. A model over several nodes (spec.engine.parallelism.nodes > 1) has two:
+the leader, which is that same pod plus its place in the group, and the workers (`worker=True`), which run
+headless ranks: no API, ports or probes, no adapter placement (the leader drives every step).
+"""
 from __future__ import annotations
 
 import math
@@ -6,8 +11,9 @@ from typing import Any
 
 from kubeinfer.operator.config import OperatorConfig
 from kubeinfer.operator.credentials import serving_env
-from kubeinfer.operator.names import (ADAPTERS_ANNOTATION, ADAPTERS_DIR, GRPC_PORT, HTTP_PORT, MODEL_DIR,
-                                      PLACEMENT_DIR, PLACEMENT_FILE, pod_labels, selector_labels)
+from kubeinfer.operator.names import (ADAPTERS_ANNOTATION, ADAPTERS_DIR, GRPC_PORT, HTTP_PORT, MASTER_PORT, MODEL_DIR,
+                                      PLACEMENT_DIR, PLACEMENT_FILE, ROLE_LABEL, WORKER, pod_labels,
+                                      selector_labels)
 from kubeinfer.operator.sources import FetchContext, Staging, stage_adapters, stage_model
 from kubeinfer.operator.spec import InferenceModelSpec
 
@@ -16,16 +22,32 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem
                       "capabilities": {"drop": ["ALL"]}}
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
                 "seccompProfile": {"type": "RuntimeDefault"}}
+# A failed start's last words (the engine writes them to /dev/termination-log; else the log's tail) reach
+# the pod's status, where the operator reads them into the model's conditions.
+TERMINATION_MESSAGE = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+# Set by the LeaderWorkerSet controller in every container of a group; the kubelet expands $(VAR) in args.
+LEADER_ADDRESS, WORKER_INDEX = "$(LWS_LEADER_ADDRESS)", "$(LWS_WORKER_INDEX)"
 
 
-def engine_args(spec: InferenceModelSpec) -> list[str]:
-    """`kubeinfer serve` flags: the operator's first, then spec.engine.args."""
+def parallel_args(spec: InferenceModelSpec, worker: bool = False) -> list[str]:
+    """Tensor parallelism over all tensor x nodes ranks; over several nodes, each pod's place in the group."""
+    par = spec.engine.parallelism
+    args = ["--tensor-parallel-size", str(par.world_size)] if par.world_size > 1 else []
+    if par.nodes > 1:
+        args += ["--nnodes", str(par.nodes), "--node-rank", WORKER_INDEX if worker else "0",
+                 "--master-addr", LEADER_ADDRESS, "--master-port", str(MASTER_PORT)]
+    return args + (["--headless"] if worker else [])
+
+
+def engine_args(spec: InferenceModelSpec, worker: bool = False) -> list[str]:
+    """`kubeinfer serve` flags: the operator's first, then spec.engine.args (workers build the same model)."""
     args = ["serve", MODEL_DIR, "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT),
             "--served-model-name", spec.served_name,
             # The gateway writes each request's priority into the body (gateway/request_info.py): honour it.
             "--scheduling-policy", "priority"]
     if spec.engine.resources.gpus > 0:
         args += ["--device", "cuda"]
+    args += parallel_args(spec, worker)
     if spec.engine.max_model_len is not None:
         args += ["--max-model-len", str(spec.engine.max_model_len)]
     if spec.engine.dtype is not None:
@@ -33,7 +55,9 @@ def engine_args(spec: InferenceModelSpec) -> list[str]:
     if spec.adapters:
         pool = spec.adapter_pool
         args += ["--enable-lora", "--max-loras", str(pool.max_loras_per_replica), "--max-lora-rank",
-                 str(pool.max_lora_rank), "--lora-catalog-dir", ADAPTERS_DIR, "--lora-placement-file", PLACEMENT_FILE]
+                 str(pool.max_lora_rank)]
+        if not worker:  # placement is the leader's: it loads adapters on every rank of its group
+            args += ["--lora-catalog-dir", ADAPTERS_DIR, "--lora-placement-file", PLACEMENT_FILE]
     return args + list(spec.engine.args)
 
 
@@ -85,13 +109,13 @@ def probes(spec: InferenceModelSpec) -> dict[str, Any]:
     }
 
 
-def staging(spec: InferenceModelSpec, image: str, config: OperatorConfig) -> Staging:
+def staging(spec: InferenceModelSpec, image: str, config: OperatorConfig, worker: bool = False) -> Staging:
     ctx = FetchContext(engine_image=image, hf_image=config.hf_fetcher_image, s3_image=config.s3_fetcher_image,
                        env=spec.engine.env, security_context=CONTAINER_SECURITY)
     out = Staging([{"name": "tmp", "emptyDir": {}}], [{"name": "tmp", "mountPath": "/tmp"}])
     out.extend(stage_model(spec.model, ctx))
     out.extend(stage_adapters([(a.name, a.source) for a in spec.adapters], ctx))
-    if spec.adapters:  # the placement the operator writes on the pod, as a file the engine polls
+    if spec.adapters and not worker:  # the placement the operator writes on the pod, as a file the engine polls
         field = f"metadata.annotations['{ADAPTERS_ANNOTATION}']"
         out.volumes.append({"name": "placement", "downwardAPI": {
             "items": [{"path": PLACEMENT_FILE.rsplit("/", 1)[1], "fieldRef": {"fieldPath": field}}]}})
@@ -102,27 +126,33 @@ def staging(spec: InferenceModelSpec, image: str, config: OperatorConfig) -> Sta
     return out
 
 
-def pod_template(spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:
+def pod_template(spec: InferenceModelSpec, config: OperatorConfig, worker: bool = False) -> dict[str, Any]:
     image = spec.engine.image or config.engine_image
-    staged = staging(spec, image, config)
+    staged = staging(spec, image, config, worker)
     env = [*serving_env(spec.engine.env), {"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_OFFLINE", "value": "1"},
            *api_key_env(config)]
     drain = drain_timeout(spec, config.drain_timeout_seconds)
-    container = {
-        "name": "engine", "image": image, "command": ["kubeinfer"], "args": engine_args(spec), "env": env,
-        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
-                  {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}],
-        "resources": resources(spec), **probes(spec),
-        # Endpoints drop the pod while it still serves, then SIGTERM starts the engine's drain.
-        "lifecycle": {"preStop": {"sleep": {"seconds": config.pre_stop_seconds}}},
-        "securityContext": CONTAINER_SECURITY, "volumeMounts": staged.mounts,
-    }
+    container: dict[str, Any] = {
+        "name": "engine", "image": image, "command": ["kubeinfer"], "args": engine_args(spec, worker), "env": env}
+    if worker:
+        # A headless rank serves nothing and has no /health; it must outlive its leader's drain, whose
+        # in-flight requests still need every rank (a dead rank ends the group and its pod restarts it).
+        container |= {"resources": resources(spec),
+                      "lifecycle": {"preStop": {"sleep": {"seconds": math.ceil(drain) + config.pre_stop_seconds}}}}
+    else:
+        container |= {
+            "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                      {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}],
+            "resources": resources(spec), **probes(spec),
+            # Endpoints drop the pod while it still serves, then SIGTERM starts the engine's drain.
+            "lifecycle": {"preStop": {"sleep": {"seconds": config.pre_stop_seconds}}}}
+    container |= {"securityContext": CONTAINER_SECURITY, "volumeMounts": staged.mounts, **TERMINATION_MESSAGE}
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,  # the engine never talks to the API server
         "enableServiceLinks": False,
         "securityContext": POD_SECURITY,
         "terminationGracePeriodSeconds": math.ceil(drain) + config.pre_stop_seconds + 10,
-        "initContainers": staged.init_containers,
+        "initContainers": [{**c, **TERMINATION_MESSAGE} for c in staged.init_containers],
         "containers": [container],
         "volumes": staged.volumes,
         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
@@ -139,4 +169,8 @@ def pod_template(spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, 
         del pod["initContainers"]
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
                    "prometheus.io/path": "/metrics"}
-    return {"metadata": {"labels": pod_labels(spec.name), "annotations": annotations}, "spec": pod}
+    labels = pod_labels(spec.name)
+    if worker:  # never an endpoint: the gateway and every selector of active pods leave workers out
+        labels[ROLE_LABEL] = WORKER
+        annotations = {}
+    return {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod}

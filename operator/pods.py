@@ -9,6 +9,9 @@ from kubeinfer.operator.names import ADAPTERS_ANNOTATION, ROLE_LABEL
 # Waiting reasons after which a container does not start by itself.
 STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
                  "InvalidImageName", "CreateContainerError")
+# How much of a container's termination message a condition carries: the engine's own start-up error fits
+# whole; a log tail (terminationMessagePolicy FallbackToLogsOnError) keeps its first and last lines.
+MESSAGE_HEAD, MESSAGE_TAIL = 300, 700
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class PodView:
     unschedulable: str | None = None  # the scheduler's message
     stuck: str | None = None  # "<container>: <reason>: <message>"
     failed: bool = False
+    trouble_of: str | None = None  # the pod unschedulable / stuck describe, when not this one (a group's worker)
 
 
 def parse_adapters(value: str | None) -> tuple[str, ...]:
@@ -33,11 +37,33 @@ def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})
 
 
+def excerpt(text: str, head: int = MESSAGE_HEAD, tail: int = MESSAGE_TAIL) -> str:
+    """`text` cut to head + tail characters around an ellipsis: a traceback's last line is its point."""
+    text = text.strip()
+    return text if len(text) <= head + tail + 5 else f"{text[:head].rstrip()} ... {text[-tail:].lstrip()}"
+
+
+def last_words(item: dict[str, Any]) -> str | None:
+    """A container's failed exit, from its current or last termination: exit code and termination message."""
+    for key in ("state", "lastState"):
+        ended = (item.get(key) or {}).get("terminated") or {}
+        if ended and ended.get("exitCode") != 0:
+            said = excerpt(ended.get("message") or "")
+            why = said or ended.get("reason") or "no message"
+            return f"exit code {ended.get('exitCode')}: {why}"
+    return None
+
+
 def _stuck(status: dict[str, Any]) -> str | None:
     for item in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
-        waiting = (item.get("state") or {}).get("waiting") or {}
+        state = item.get("state") or {}
+        waiting = state.get("waiting") or {}
         if waiting.get("reason") in STUCK_REASONS:
-            return f"{item.get('name')}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+            stuck = f"{item.get('name')}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+            words = last_words(item)  # CrashLoopBackOff alone says nothing of why: the last exit does
+            return f"{stuck}; last {words}" if words else stuck
+        if (state.get("terminated") or {}).get("exitCode", 0) != 0:  # crashed, not yet backing off
+            return f"{item.get('name')}: Terminated: {last_words(item)}"
     return None
 
 

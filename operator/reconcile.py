@@ -21,13 +21,16 @@ from kubeinfer.operator.builders import desired_objects
 from kubeinfer.operator.config import OperatorConfig
 from kubeinfer.operator.drift import controller_of, owned_drift
 from kubeinfer.operator.errors import FORBIDDEN, INVALID, Failure, backoff_seconds, classify
+from kubeinfer.operator.groups import serving_units
 from kubeinfer.operator.kube import ApiError, KubeClient, api_path
+from kubeinfer.operator.leader_worker import (LWS_API_VERSION, LWS_MISSING, LWS_PLURAL, SET_NAME_LABEL,
+                                              lws_missing_message, lws_name, multi_node)
 from kubeinfer.operator.loaded import HttpLoadedAdapters, LoadedAdapterSource, Observed
 from kubeinfer.operator.names import (ACTIVE, ADAPTERS_ANNOTATION, API_VERSION, DELETION_COST_ANNOTATION, PLURAL,
                                       POOL_GROUP, POOL_PLURAL, POOL_VERSION, ROLE_LABEL, selector_labels)
 from kubeinfer.operator.placement import Placement, place_adapters
 from kubeinfer.operator.policy import POLICY_VIOLATION, violations
-from kubeinfer.operator.pods import PodView, pod_view
+from kubeinfer.operator.pods import PodView
 from kubeinfer.operator.roles import RolePlan, assign_roles
 from kubeinfer.operator.served_names import SERVED_NAME_CONFLICT, conflict_message, rivals
 from kubeinfer.operator.spec import InferenceModelSpec, SpecError, parse_spec
@@ -35,7 +38,7 @@ from kubeinfer.operator.status import build_status, failure_status, invalid_stat
 
 logger = logging.getLogger(__name__)
 DELETION_COST = {ACTIVE: "100"}  # standby pods keep the default 0 and go first on a scale-down
-POOL_CHECK_SECONDS = 60.0
+CRD_CHECK_SECONDS = 60.0
 RESYNC_CONCURRENCY = 16
 ADAPTER_RECHECK_SECONDS = 5.0  # engines load adapters after the annotation reaches them: look again soon
 
@@ -64,7 +67,7 @@ class Reconciler:
         self.engines = engines or HttpLoadedAdapters(api_key=self.config.engine_api_key)
         self.autoscaler = Autoscaler()
         self.states: dict[tuple[str, str], ModelState] = defaultdict(ModelState)
-        self._pool_known: tuple[bool, float] | None = None
+        self._crds_known: dict[str, tuple[bool, float]] = {}  # plural -> (served, when asked)
         self._resync: asyncio.Task[None] | None = None
         self.conflicted: set[tuple[str, str]] = set()  # models refused for a servedName an older model holds
 
@@ -202,9 +205,16 @@ class Reconciler:
             return
         if state.applied != generation and not await self._claim_served_name(body, state, generation):
             return
+        if multi_node(spec) and not await self._crd_exists(LWS_API_VERSION, LWS_PLURAL):
+            await self._report_invalid(body, lws_missing_message(spec), state, generation, LWS_MISSING,
+                                       "install the LeaderWorkerSet controller; nothing is built until then")
+            return
+        full = state.applied != generation
         await self._apply_owned(body, spec, state, generation)
-        pods = [pod_view(p) for p in await self.client.list("v1", "pods", namespace, selector_labels(name))]
+        found = await self.client.list("v1", "pods", namespace, selector_labels(name))
+        pods = serving_units(found, spec.engine.parallelism.nodes)
         plan = await self._apply_roles(body, spec, pods)
+        await self._retire_other_shape(body, spec, found, pods, full)
         placement = await self._apply_placement(body, spec, pods, plan)
         observed = await self._observe_adapters(spec, pods, placement)
         status = build_status(body, spec, pods, plan, placement, now_rfc3339(), observed)
@@ -220,7 +230,8 @@ class Reconciler:
         """Everything on a new generation; otherwise only the watched objects that drifted (no write if none)."""
         suspects, state.suspects = state.suspects, set()
         full = state.applied != generation
-        for obj in desired_objects(body, spec, self.config, await self._pool_crd_exists()):
+        for obj in desired_objects(body, spec, self.config, await self._crd_exists(f"{POOL_GROUP}/{POOL_VERSION}",
+                                                                                   POOL_PLURAL)):
             kind = obj["kind"]
             state.desired[kind] = obj
             if not full:
@@ -244,6 +255,29 @@ class Reconciler:
         if found and controller_of(found) == meta["name"]:
             await self.client.delete("networking.k8s.io/v1", "networkpolicies", meta["namespace"], meta["name"])
 
+    async def _retire_other_shape(self, body: dict[str, Any], spec: InferenceModelSpec, found: list[dict[str, Any]],
+                                  units: list[PodView], full: bool) -> None:
+        """After nodes moved between 1 and more, the workload of the other shape (Deployment or LeaderWorkerSet)
+        goes, but only once the new one serves (its pods keep their role labels, and so their traffic, until
+        then). Looked for on a new generation and while such pods exist: no extra call on other passes."""
+        multi = multi_node(spec)
+        others = [p for p in found if (SET_NAME_LABEL in ((p.get("metadata") or {}).get("labels") or {})) != multi]
+        if not (full or others) or (others and spec.replicas > 0 and not any(u.ready for u in units)):
+            return
+        meta = body["metadata"]
+        if multi:
+            api_version, plural, name = "apps/v1", "deployments", meta["name"]
+        elif await self._crd_exists(LWS_API_VERSION, LWS_PLURAL):
+            api_version, plural, name = LWS_API_VERSION, LWS_PLURAL, lws_name(meta["name"])
+        else:
+            return
+        old = await self.client.get(api_version, plural, meta["namespace"], name)
+        if old and controller_of(old) == meta["name"]:
+            await self.client.delete(api_version, plural, meta["namespace"], name)
+            await self.client.event(body, "Normal", "WorkloadReplaced",
+                                    f"{old['kind']} {name} deleted: spec.engine.parallelism.nodes is now "
+                                    f"{spec.engine.parallelism.nodes}")
+
     async def _claim_served_name(self, body: dict[str, Any], state: ModelState, generation: int) -> bool:
         """False (and the model refused) when an older live model in the namespace serves the same name."""
         meta = body["metadata"]
@@ -261,23 +295,24 @@ class Reconciler:
         return True
 
     async def _report_invalid(self, body: dict[str, Any], message: str, state: ModelState, generation: int,
-                              reason: str = INVALID) -> None:
+                              reason: str = INVALID, progress: str | None = None) -> None:
         """Refuse the spec (InvalidSpec, PolicyViolation, ServedNameConflict): status says why, nothing is built."""
         if state.applied is not None or await self.client.get("apps/v1", "deployments", body["metadata"]["namespace"],
                                                              body["metadata"]["name"]):
             message += "; the last accepted spec keeps running until this is fixed"
         previous = (body.get("status") or {}).get("conditions") or []
-        await self._write_status(body, invalid_status(message, previous, generation, now_rfc3339(), reason))
+        await self._write_status(body, invalid_status(message, previous, generation, now_rfc3339(), reason, progress))
         if state.invalid_reported != (generation, reason):
             state.invalid_reported = (generation, reason)
             await self.client.event(body, "Warning", reason, message)
 
-    async def _pool_crd_exists(self) -> bool:
+    async def _crd_exists(self, api_version: str, plural: str) -> bool:
+        """Is this optional API served (InferencePool, LeaderWorkerSet)? Asked again after CRD_CHECK_SECONDS."""
         now = time.monotonic()
-        if self._pool_known is None or now - self._pool_known[1] > POOL_CHECK_SECONDS:
-            exists = await self.client.resource_exists(f"{POOL_GROUP}/{POOL_VERSION}", POOL_PLURAL)
-            self._pool_known = (exists, now)
-        return self._pool_known[0]
+        known = self._crds_known.get(plural)
+        if known is None or now - known[1] > CRD_CHECK_SECONDS:
+            known = self._crds_known[plural] = (await self.client.resource_exists(api_version, plural), now)
+        return known[0]
 
     async def _patch_pod(self, namespace: str, pod: str, labels: dict[str, Any] | None = None,
                          annotations: dict[str, Any] | None = None) -> None:

@@ -17,6 +17,11 @@ from kubeinfer.operator.sources import Source, SourceError, parse_source
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 ADAPTER_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 DTYPES = ("auto", "float16", "bfloat16", "float32")
+MAX_TENSOR = 16  # the CRD's cap on resources.gpus: one rank per GPU
+MAX_NODES = 64
+# LeaderWorkerSet NAME-lws makes StatefulSets NAME-lws-GROUP whose revision-hash label adds 11 characters
+# (at most 63), and pods NAME-lws-GROUP-WORKER whose hostnames must be DNS labels.
+MAX_MULTI_NODE_NAME = 40
 QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?$")
 
 
@@ -37,6 +42,18 @@ class Resources:
 
 
 @dataclass(frozen=True)
+class Parallelism:
+    """KServe LLMInferenceService's shape: `tensor` ranks (GPUs) per pod, `nodes` pods per replica."""
+    tensor: int = 1
+    nodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        """The engine's --tensor-parallel-size: tensor parallelism spans every rank of every node."""
+        return self.tensor * self.nodes
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     image: str | None = None
     args: tuple[str, ...] = ()
@@ -48,6 +65,7 @@ class EngineSpec:
     max_model_len: int | None = None
     dtype: str | None = None
     startup_timeout_seconds: int = 1800
+    parallelism: Parallelism = field(default_factory=Parallelism)
 
 
 @dataclass(frozen=True)
@@ -116,9 +134,10 @@ def _engine(raw: dict[str, Any], problems: list[str]) -> EngineSpec:
     if dtype is not None and dtype not in DTYPES:
         problems.append(f"spec.engine.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     max_len = raw.get("maxModelLen")
+    gpus = _int(res.get("gpus", 0), "spec.engine.resources.gpus", problems)
     return EngineSpec(
         image=raw.get("image") or None, args=args, env=env,
-        resources=Resources(gpus=_int(res.get("gpus", 0), "spec.engine.resources.gpus", problems),
+        resources=Resources(gpus=gpus,
                             gpu_resource_name=res.get("gpuResourceName") or "nvidia.com/gpu",
                             cpu=None if res.get("cpu") is None else str(res["cpu"]),
                             memory=None if res.get("memory") is None else str(res["memory"])),
@@ -126,7 +145,22 @@ def _engine(raw: dict[str, Any], problems: list[str]) -> EngineSpec:
         priority_class_name=raw.get("priorityClassName") or None,
         max_model_len=None if max_len is None else _int(max_len, "spec.engine.maxModelLen", problems, 1),
         dtype=dtype, startup_timeout_seconds=_int(raw.get("startupTimeoutSeconds", 1800),
-                                                  "spec.engine.startupTimeoutSeconds", problems, 60))
+                                                  "spec.engine.startupTimeoutSeconds", problems, 60),
+        parallelism=_parallelism(raw.get("parallelism") or {}, gpus, problems))
+
+
+def _parallelism(raw: dict[str, Any], gpus: int, problems: list[str]) -> Parallelism:
+    """tensor defaults to the pod's GPUs (1 on the CPU), so `gpus: 4` alone uses all four."""
+    tensor = _int(raw.get("tensor", max(gpus, 1)), "spec.engine.parallelism.tensor", problems, 1)
+    nodes = _int(raw.get("nodes", 1), "spec.engine.parallelism.nodes", problems, 1)
+    if tensor > MAX_TENSOR:
+        problems.append(f"spec.engine.parallelism.tensor must be at most {MAX_TENSOR}, got {tensor}")
+    if nodes > MAX_NODES:
+        problems.append(f"spec.engine.parallelism.nodes must be at most {MAX_NODES}, got {nodes}")
+    if gpus > 0 and tensor > gpus:
+        problems.append(f"spec.engine.parallelism.tensor ({tensor}) must be at most spec.engine.resources.gpus "
+                        f"({gpus}): each rank needs a GPU of its own")
+    return Parallelism(tensor, nodes)
 
 
 def _adapters(raw: list[dict[str, Any]], problems: list[str]) -> tuple[Adapter, ...]:
@@ -153,6 +187,9 @@ def parse_spec(name: str, spec: dict[str, Any]) -> InferenceModelSpec:
     model = spec.get("model") or {}
     source = _source(model.get("uri"), "spec.model.uri", problems)
     engine = _engine(spec.get("engine") or {}, problems)
+    if engine.parallelism.nodes > 1 and len(name) > MAX_MULTI_NODE_NAME:
+        problems.append(f"metadata.name {name!r} must be at most {MAX_MULTI_NODE_NAME} characters with "
+                        "spec.engine.parallelism.nodes > 1 (it names the LeaderWorkerSet, its StatefulSets and pods)")
     replicas = _int(spec.get("replicas", 1), "spec.replicas", problems)
     min_replicas = _int(spec.get("minReplicas", 1), "spec.minReplicas", problems)
     max_raw = spec.get("maxReplicas")

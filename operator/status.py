@@ -37,13 +37,14 @@ def _trouble(pods: Sequence[PodView], gpu_resource: str) -> tuple[str, str] | No
     for pod in pods:
         if pod.unschedulable:
             reason = "NoGPUCapacity" if gpu_resource in pod.unschedulable else "Unschedulable"
-            return reason, f"pod {pod.name} cannot be scheduled: {pod.unschedulable}"
+            return reason, f"pod {pod.trouble_of or pod.name} cannot be scheduled: {pod.unschedulable}"
     for pod in pods:
         if pod.stuck:
-            reason = "EngineCrashLoop" if "CrashLoopBackOff" in pod.stuck else "ContainerNotStarting"
-            if "Image" in pod.stuck:
+            why = pod.stuck.split(": ")[1] if ": " in pod.stuck else ""  # "<container>: <reason>: <message>"
+            reason = "EngineCrashLoop" if why in ("CrashLoopBackOff", "Terminated") else "ContainerNotStarting"
+            if "Image" in why:
                 reason = "ImagePullFailed"
-            return reason, f"pod {pod.name}: {pod.stuck}"
+            return reason, f"pod {pod.trouble_of or pod.name}: {pod.stuck}"
     return None
 
 
@@ -64,7 +65,8 @@ def conditions_for(spec: InferenceModelSpec, pods: Sequence[PodView], plan: Role
     elif trouble:
         ready = Condition("Ready", False, *trouble)
     elif not alive:
-        ready = Condition("Ready", False, "PodsPending", "waiting for the Deployment to create engine pods")
+        workload = "LeaderWorkerSet" if spec.engine.parallelism.nodes > 1 else "Deployment"
+        ready = Condition("Ready", False, "PodsPending", f"waiting for the {workload} to create engine pods")
     else:
         ready = Condition("Ready", False, "ModelLoading", f"engine pods are starting or loading the model; {counts}")
 
@@ -147,10 +149,11 @@ def render_conditions(conditions: Sequence[Condition], previous: Sequence[dict[s
 
 
 def invalid_status(message: str, previous: Sequence[dict[str, Any]], generation: int, now: str,
-                   reason: str = "InvalidSpec") -> dict[str, Any]:
-    """Status of a spec the operator refuses (InvalidSpec, PolicyViolation, ServedNameConflict): nothing was built."""
+                   reason: str = "InvalidSpec", progress: str | None = None) -> dict[str, Any]:
+    """Status of a spec the operator refuses (InvalidSpec, PolicyViolation, ServedNameConflict) or cannot build
+    here (LeaderWorkerSetMissing): nothing was built."""
     conds = [Condition("Ready", False, reason, message),
-             Condition("Progressing", False, reason, "fix the spec; nothing is built until then"),
+             Condition("Progressing", False, reason, progress or "fix the spec; nothing is built until then"),
              Condition("Degraded", True, reason, message)]
     return {"observedGeneration": generation, "conditions": render_conditions(conds, previous, generation, now)}
 

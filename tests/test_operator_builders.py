@@ -1,13 +1,13 @@
 """Builders: every object Kubernetes-valid (kubernetes-validate, strict), and each promise of the pod spec kept."""
 from __future__ import annotations
 
-import argparse
 import math
 
 import jsonschema
 import kubernetes_validate
 import pytest
 from operator_inferencepool_schema import INFERENCE_POOL_V1
+from parallel_helpers import serve_parser
 
 from kubeinfer.operator.builders import (deployment, desired_objects, owner_reference,
                                          pod_disruption_budget, service)
@@ -69,10 +69,7 @@ def test_pool_is_left_out_without_its_crd():
 
 def test_engine_command_line_is_what_the_engine_parses():
     """The real `kubeinfer serve` parser reads the operator's command line as intended."""
-    from kubeinfer.engine.entrypoints.serve import add_serve_arguments
-
-    parser = argparse.ArgumentParser()
-    add_serve_arguments(parser)
+    parser = serve_parser()
     container = engine("gpu-hf-adapters")
     assert container["command"] == ["kubeinfer"] and container["args"][0] == "serve"
     args = parser.parse_args(container["args"][1:])

@@ -8,6 +8,7 @@ import argparse
 import aiohttp.web
 import kubernetes_validate
 import pytest
+from parallel_helpers import serve_parser
 
 from kubeinfer.operator.builders import desired_objects
 from kubeinfer.operator.cli import add_arguments, config_from
@@ -25,11 +26,7 @@ OWNER = {"apiVersion": "serving.kubeinfer.io/v1alpha1", "kind": "InferenceModel"
 
 
 def engine_parser(allow_abbrev: bool) -> argparse.ArgumentParser:
-    from kubeinfer.engine.entrypoints.serve import add_serve_arguments
-
-    parser = argparse.ArgumentParser(allow_abbrev=allow_abbrev, exit_on_error=False)
-    add_serve_arguments(parser)
-    return parser
+    return serve_parser(allow_abbrev)
 
 
 def refused(spec: dict) -> str:

@@ -249,5 +249,8 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
+    from .termination_log import termination_message_on_failure
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(args))
+    with termination_message_on_failure():  # a failed start's reason reaches the pod's status
+        return asyncio.run(serve(args))
