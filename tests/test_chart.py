@@ -185,7 +185,8 @@ OPERATOR_NAMESPACED = {("serving.kubeinfer.io", "inferencemodels", v) for v in (
     ("serving.kubeinfer.io", "inferencemodels/status", "patch"),
     ("serving.kubeinfer.io", "inferencemodels/scale", "get"), ("serving.kubeinfer.io", "inferencemodels/scale", "patch"),
     ("serving.kubeinfer.io", "inferencemodels/finalizers", "update")} | {
-    ("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch")} | {
+    (g, r, v) for g, r in (("apps", "deployments"), ("leaderworkerset.x-k8s.io", "leaderworkersets"))
+    for v in ("get", "list", "watch", "create", "patch", "delete")} | {
     (g, r, v) for g, r in (("", "services"), ("policy", "poddisruptionbudgets"),
                            ("inference.networking.k8s.io", "inferencepools")) for v in ("list", "watch", "create", "patch")
 } | {("", "pods", v) for v in ("list", "watch", "patch")} | {("", "events", "create")} | {

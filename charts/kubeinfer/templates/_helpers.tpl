@@ -134,9 +134,14 @@ objects are created, patched and deleted; pods are only relabelled (active/stand
 - apiGroups: [serving.kubeinfer.io]
   resources: [inferencemodels/finalizers]
   verbs: [update]
+# delete: a model whose spec.engine.parallelism.nodes moves between 1 and more swaps its Deployment for a
+# LeaderWorkerSet (or back), and the old one goes once the new one serves.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services]
   verbs: [list, watch, create, patch]
