@@ -176,8 +176,9 @@ class FakeEngines:
 class Cluster:
     def __init__(self, with_pools: bool = True, resync_seconds: float = 30.0,
                  metrics: QueueDepthSource | None = None, namespace: str = "default", operator: bool = True,
-                 config: OperatorConfig | None = None):
+                 config: OperatorConfig | None = None, resources: dict[str, kmock.ResourceInfo] | None = None):
         self.with_pools = with_pools
+        self.extra_resources = resources or {}  # more APIs the cluster serves (e.g. LeaderWorkerSets)
         self.run_operator = operator
         self.resync_seconds = resync_seconds
         self.config = dataclasses.replace(config or OperatorConfig(), resync_seconds=resync_seconds)
@@ -190,7 +191,7 @@ class Cluster:
     async def __aenter__(self) -> Cluster:
         self.k8s = await self._stack.enter_async_context(Emulator())
         server = await self._stack.enter_async_context(kmock.Server(self.k8s))
-        for key, info in {**RESOURCES, **(POOLS if self.with_pools else {})}.items():
+        for key, info in {**RESOURCES, **(POOLS if self.with_pools else {}), **self.extra_resources}.items():
             self.k8s.resources[key] = info
         self.url = url = str(server.url).rstrip("/")
 
