@@ -307,3 +307,25 @@ def test_a_crash_without_a_message_still_says_how_it_ended():
 def test_engine_text_mentioning_images_is_not_an_image_pull_failure():
     reason, _ = _degraded(_crashing({"message": "kubeinfer serve: Image processor config missing"}))
     assert reason == "EngineCrashLoop"
+
+
+# -- the examples in manifests/ --------------------------------------------------------------------------------
+def _example(name: str) -> dict:
+    import yaml
+
+    import crd_schema
+    path = crd.CRD_PATH.parents[1] / "manifests" / "examples" / name
+    obj = crd_schema.apply_defaults(crd.SCHEMA, yaml.safe_load(path.read_text()))
+    return objects(obj["spec"], obj["metadata"]["name"])
+
+
+def test_the_multi_gpu_example_runs_four_ranks():
+    args = _example("llama-70b-4gpu.yaml")["Deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert flag(args, "--tensor-parallel-size") == "4"
+
+
+def test_the_multi_node_example_is_a_valid_leader_worker_set():
+    lws = _example("llama-405b-2nodes.yaml")["LeaderWorkerSet"]
+    assert lws_problems(lws) == [] and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    args = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]["args"]
+    assert (flag(args, "--tensor-parallel-size"), flag(args, "--nnodes")) == ("16", "2")
