@@ -120,7 +120,8 @@ def staging(spec: InferenceModelSpec, image: str, config: OperatorConfig, worker
         out.volumes.append({"name": "placement", "downwardAPI": {
             "items": [{"path": PLACEMENT_FILE.rsplit("/", 1)[1], "fieldRef": {"fieldPath": field}}]}})
         out.mounts.append({"name": "placement", "mountPath": PLACEMENT_DIR, "readOnly": True})
-    if spec.engine.resources.gpus > 0:  # NCCL and CUDA IPC need more than the runtime's 64 MiB /dev/shm
+    # NCCL, CUDA IPC and the hand-off of each step to the other ranks need more than the runtime's 64 MiB /dev/shm
+    if spec.engine.resources.gpus > 0 or spec.engine.parallelism.world_size > 1:
         out.volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}})
         out.mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     return out

@@ -329,3 +329,11 @@ def test_the_multi_node_example_is_a_valid_leader_worker_set():
     assert lws_problems(lws) == [] and lws["spec"]["leaderWorkerTemplate"]["size"] == 2
     args = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]["args"]
     assert (flag(args, "--tensor-parallel-size"), flag(args, "--nnodes")) == ("16", "2")
+
+
+def test_ranks_on_the_cpu_get_shared_memory_too():
+    pod = objects({"model": {"uri": "pvc://m/x"}, "engine": {"parallelism": {"tensor": 2}}})["Deployment"]["spec"][
+        "template"]["spec"]
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
+    single = objects({"model": {"uri": "pvc://m/x"}})["Deployment"]["spec"]["template"]["spec"]
+    assert all(v["name"] != "shm" for v in single["volumes"]), "one CPU rank: as before"
