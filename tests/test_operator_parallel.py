@@ -337,3 +337,14 @@ def test_ranks_on_the_cpu_get_shared_memory_too():
     assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
     single = objects({"model": {"uri": "pvc://m/x"}})["Deployment"]["spec"]["template"]["spec"]
     assert all(v["name"] != "shm" for v in single["volumes"]), "one CPU rank: as before"
+
+
+def test_the_gateway_never_routes_to_a_worker():
+    """The gateway's own discovery, even by a bare model selector without the role label."""
+    from kubeinfer.gateway.discovery import endpoint_of
+
+    pods = _pods(TWO_NODES, ready={"llama-lws-0", "llama-lws-0-1"})
+    leader, worker = pods[0], pods[1]
+    leader["metadata"]["labels"][ROLE_LABEL] = "active"  # as the operator labels it
+    assert endpoint_of(leader, selector_labels("llama"), 8000) is not None
+    assert endpoint_of(worker, selector_labels("llama"), 8000) is None
