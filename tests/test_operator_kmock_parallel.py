@@ -148,3 +148,17 @@ async def test_one_node_to_two_keeps_serving_until_a_group_does():
             return await cluster.get("apps/v1", "deployments", "llama") is None
         await eventually(replaced)
         assert (await cluster.events("WorkloadReplaced"))
+
+
+async def test_installing_the_lws_crd_later_builds_the_model(monkeypatch):
+    from kubeinfer.operator import reconcile
+
+    monkeypatch.setattr(reconcile, "CRD_CHECK_SECONDS", 0.0)  # a minute in a cluster
+    async with Cluster(resync_seconds=0.3) as cluster:
+        await cluster.create_model("llama", TWO_NODES)
+        await eventually(lambda: reason_is(cluster, "llama", "Degraded", "LeaderWorkerSetMissing"))
+        cluster.k8s.resources.update(LWS_RESOURCE)  # the LWS project is installed
+        await eventually(lambda: cluster.get(LWS_API_VERSION, LWS_PLURAL, "llama-lws"))
+        for name in [p["metadata"]["name"] for p in await run_groups(cluster, "llama")]:
+            await cluster.set_ready(name, True)
+        await eventually(lambda: reason_is(cluster, "llama", "Degraded", "AsExpected"))
