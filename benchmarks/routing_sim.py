@@ -27,8 +27,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
-from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingRequest
+from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingRequest
 
 BASE = "base"
 CHARS_PER_TOKEN = 4  # the gateway hashes 64-character chunks, about one 16-token KV block

@@ -13,24 +13,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..http_guard import DEFAULT_HEADER_READ_TIMEOUT, GuardConfig, RequestGuard
 from ..http_server import server_config
-from .discovery import KubernetesDiscovery, static_endpoints
-from .endpoints import EndpointPool
-from .extproc import start_extproc_server
-from .fair_queue import FairQueue
-from .fallback import Fallbacks
-from .hold import HoldQueue
-from .metrics import GatewayMetrics
-from .model_priorities import ClusterPriorities
-from .picker import Picker, PickerConfig
-from .proxy import build_proxy_app
-from .routing import Router
-from .scale_up import ScaleUp
-from .scraper import Scraper
-from .tenant_gate import TenantGate
-from .tenant_limits import TenantLimits
-from .tenants import TenantDirectory
-from .upstream import UpstreamConfig
-from .usage import UsageRecorder
+from .datastore.discovery import KubernetesDiscovery, static_endpoints
+from .datastore.endpoints import EndpointPool
+from .datastore.scraper import Scraper
+from .flowcontrol.fair_queue import FairQueue
+from .flowcontrol.fallback import Fallbacks
+from .flowcontrol.hold import HoldQueue
+from .flowcontrol.model_priorities import ClusterPriorities
+from .flowcontrol.scale_up import ScaleUp
+from .flowcontrol.tenant_gate import TenantGate
+from .flowcontrol.tenant_limits import TenantLimits
+from .flowcontrol.tenants import TenantDirectory
+from .flowcontrol.usage import UsageRecorder
+from .handlers.extproc import start_extproc_server
+from .handlers.metrics import GatewayMetrics
+from .handlers.proxy import build_proxy_app
+from .handlers.routing import Router
+from .handlers.upstream import UpstreamConfig
+from .scheduling.picker import Picker, PickerConfig
 
 logger = logging.getLogger(__name__)
 

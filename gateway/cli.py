@@ -7,12 +7,12 @@ import logging
 import signal
 
 from ..http_guard import add_http_limit_arguments, guard_from_args
-from .discovery import parse_selector
-from .engine_auth import engine_key_from_env
-from .fallback import parse_fallback
-from .picker import DEFAULT_WEIGHTS, POLICIES, PickerConfig
-from .tenant_limits import SCOPES
-from .tenants import load_tenants
+from .datastore.discovery import parse_selector
+from .datastore.engine_auth import engine_key_from_env
+from .flowcontrol.fallback import parse_fallback
+from .flowcontrol.tenant_limits import SCOPES
+from .flowcontrol.tenants import load_tenants
+from .scheduling.picker import DEFAULT_WEIGHTS, POLICIES, PickerConfig
 
 
 def _weights(text: str) -> dict[str, float]:
@@ -118,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from .app import GatewayConfig  # the servers' imports (grpc, Envoy protos, uvicorn) only when used
-    from .upstream import UpstreamConfig
+    from .handlers.upstream import UpstreamConfig
 
     endpoints = [e for e in args.endpoints.split(",") if e.strip()]
     if not endpoints and not (args.selector or args.inference_pool):

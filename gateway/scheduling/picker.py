@@ -27,8 +27,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .endpoints import Endpoint, EndpointPool
-from .load_table import LoadTable
+from ..datastore.endpoints import Endpoint, EndpointPool
+from ..datastore.load_table import LoadTable
 from .prefix import PrefixIndex, affinity_key, chunk_hashes
 
 # prefix outweighs queue + active together, so a long shared prompt goes home even when home has one

@@ -8,14 +8,13 @@ from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import replace
 
-from .deadline import TIMEOUT_HEADER, remaining_seconds
+from ..flowcontrol.deadline import TIMEOUT_HEADER, remaining_seconds
+from ..flowcontrol.fallback import Fallbacks
+from ..flowcontrol.hold import HoldQueue, HoldRefused
+from ..scheduling.picker import Decision, Picker, RoutingError, RoutingRequest
 from .engine_body import engine_body
-from .fallback import Fallbacks
-from .hold import HoldQueue, HoldRefused
 from .metrics import UNKNOWN_MODEL, GatewayMetrics
-from .picker import Decision, Picker, RoutingError, RoutingRequest
 from .request_info import engine_priority, parse_request
-
 
 PARSE_ON_LOOP_BYTES = 64 << 10
 

@@ -20,10 +20,10 @@ import json
 import re
 from collections.abc import Mapping
 
-from .deadline import deadline_of
+from ..flowcontrol.deadline import deadline_of
+from ..flowcontrol.token_estimate import estimate_request_tokens
+from ..scheduling.picker import RoutingError, RoutingRequest
 from .engine_body import wants_usage_added
-from .picker import RoutingError, RoutingRequest
-from .token_estimate import estimate_request_tokens
 
 PRIORITY_HEADER = "x-gateway-inference-priority"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
