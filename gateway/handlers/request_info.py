@@ -91,7 +91,7 @@ def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities:
     return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0, priority=priority,
                           max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
                           deadline=deadline_of(headers), estimated_tokens=estimate_request_tokens(body),
-                          add_usage=wants_usage_added(body))
+                          add_usage=wants_usage_added(body), body=body)
 
 
 def engine_priority(gateway_priority: int) -> int:

@@ -44,6 +44,9 @@ class Router:
         when routing fails, is settled here; otherwise the caller settles it when the response ends."""
         request = (self._parse(raw_body, headers) if len(raw_body) <= PARSE_ON_LOOP_BYTES  # a large one would
                    else await asyncio.to_thread(self._parse, raw_body, headers))  # stall every other request
+        precise = self.picker.precise
+        if precise is not None and request.body is not None and precise.index.block_sizes:
+            await asyncio.to_thread(precise.tokenize, request)  # milliseconds for a long prompt: off the loop
         if self.tenants is not None:
             try:
                 request.ticket = self.tenants.admit(headers, request)
