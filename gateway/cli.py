@@ -142,6 +142,8 @@ def config_from_args(args: argparse.Namespace):
                               policy=args.routing)
         selector = parse_selector(args.selector)
         if args.prefix_routing == "precise":
+            if not args.tokenizer:
+                raise ValueError("--prefix-routing precise needs the model's tokenizer: --tokenizer [MODEL=]DIR")
             Tokenizers(args.tokenizer)  # an unreadable tokenizer stops the start with its reason
         if args.tenants:
             load_tenants(args.tenants)  # a broken file stops the start with its reason (TenantFileError)
