@@ -279,3 +279,37 @@ def test_a_restarted_engine_starts_its_pod_over():
     sub._receive(POD, stream, 0, msgpack.packb([0, [["BlockStored", [5], None, [5, 6, 7, 8], 4]]]))
     assert index.keys_of(POD) == set(chain_keys([5, 6, 7, 8], 4)) and stream.stats["restarts"] == 1
     sub.stop()
+
+
+def test_after_a_mixed_run_on_two_engines_the_index_is_their_caches(llama_dir, followed):
+    """Two engines under KV pressure, one subscriber following both: requests that share prefixes and
+    requests that evict them, interleaved, then a reset on one. No phantom block, none missing."""
+    a, b = followed(llama_dir, num_kv_blocks=14, max_num_seqs=2), followed(llama_dir, num_kv_blocks=14, max_num_seqs=2)
+    other = "10.0.0.2:8000"
+    a.sub.stop()  # one subscriber for both pods: b's
+    b.sub.sources = lambda: {POD: b.source, other: a.source}
+    b.sub.lost_after = WAIT_S
+    deadline = time.time() + WAIT_S
+    while other not in b.index.pods and time.time() < deadline:
+        a.llm.reset_prefix_cache()
+        b.sub.step(50)
+    seen: list = []
+    apply = b.index.apply
+    b.index.apply = lambda pod, events: (seen.extend(events), apply(pod, events))
+    rng = __import__("random").Random(0)
+    shared = [list(range(300 + 20 * g, 312 + 20 * g)) for g in range(3)]
+    for i in range(12):
+        engine = (a, b)[i % 2]
+        prompt = shared[rng.randrange(3)] + [rng.randrange(10, 250) for _ in range(rng.randint(1, 9))]
+        engine.llm.generate([prompt], _params(rng.randint(1, 5)))
+    a.llm.reset_prefix_cache()
+    for engine in (a, b):
+        publisher = engine.llm.engine.kv_events.publisher
+        pod = POD if engine is b else other
+        deadline = time.time() + WAIT_S
+        while b.sub.streams[pod].last_seq != publisher._next_seq - 1 and time.time() < deadline:
+            b.sub.step(20)
+    assert b.index.pods[POD].engine_hashes() == set(b.llm.engine.block_manager.hash_to_block)
+    assert b.index.pods[other].engine_hashes() == set(a.llm.engine.block_manager.hash_to_block)
+    assert any(isinstance(e, BlockRemoved) for e in seen)  # KV pressure evicted blocks on the way
+    assert any(isinstance(e, AllBlocksCleared) for e in seen) and b.index.pods[POD].engine_hashes()
