@@ -95,6 +95,7 @@ class Gateway:
         self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities,
                              forward_priority=config.forward_priority)
         self.router.fallbacks = Fallbacks(config.fallbacks)
+        self.router.metrics.kv_events = self.kv_subscriber
         self.router.trust_priority_headers = config.trust_priority_headers
         self.usage = None
         if config.tenants_file or config.usage_log:

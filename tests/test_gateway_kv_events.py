@@ -313,3 +313,24 @@ def test_after_a_mixed_run_on_two_engines_the_index_is_their_caches(llama_dir, f
     assert b.index.pods[other].engine_hashes() == set(a.llm.engine.block_manager.hash_to_block)
     assert any(isinstance(e, BlockRemoved) for e in seen)  # KV pressure evicted blocks on the way
     assert any(isinstance(e, AllBlocksCleared) for e in seen) and b.index.pods[POD].engine_hashes()
+
+
+def test_the_gateway_exports_its_kv_event_counts(llama_dir, followed):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kubeinfer.gateway.handlers.metrics import GatewayMetrics
+    from kubeinfer.gateway.scheduling.picker import Picker
+
+    f = followed(llama_dir, num_kv_blocks=64)
+    f.llm.generate([list(range(10, 28))], _params())
+    f.catch_up()
+    metrics = GatewayMetrics(Picker(EndpointPool()))
+    assert "kubeinfer_gateway_kv_events" not in generate_latest(metrics.registry).decode()  # approximate: none
+    metrics.kv_events = f.sub
+    samples = {(s.name, s.labels.get("outcome")): s.value
+               for family in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+               for s in family.samples}
+    assert samples[("kubeinfer_gateway_kv_events_pods", None)] == 1
+    assert samples[("kubeinfer_gateway_kv_events_batches_total", "applied")] == f.sub.streams[POD].stats["batches"] > 0
+    assert samples[("kubeinfer_gateway_kv_events_pods_dropped_total", None)] == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,6 +78,7 @@ class KVEventSubscriber:
         self.index, self.sources, self.lost_after, self.refresh, self.clock = index, sources, lost_after, refresh, clock
         self.streams: dict[str, Stream] = {}
         self.dropped_pods = 0  # pods whose blocks were dropped for a lost stream
+        self._closed: Counter = Counter()  # the counts of streams closed since
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -162,8 +164,16 @@ class KVEventSubscriber:
         self.streams[pod] = Stream(source, sub, monitor, down_since=self.clock())
         logger.info("KV events: following %s at %s", pod, source.endpoint)
 
+    def totals(self) -> Counter:
+        """Every stream's counts together, those of closed streams included (for the gateway's counters)."""
+        totals = Counter(self._closed)
+        for stream in list(self.streams.values()):
+            totals.update(stream.stats)
+        return totals
+
     def _close(self, pod: str) -> None:
         stream = self.streams.pop(pod)
+        self._closed.update(stream.stats)
         stream.sub.disable_monitor()
         stream.monitor.close(0)
         stream.sub.close(0)
