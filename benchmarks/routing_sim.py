@@ -126,9 +126,6 @@ def request_token_ids(r: SimRequest, block_size: int) -> list[int]:
 class SimTokens(Tokenizers):
     """The simulated request's token ids are in its body."""
 
-    def __bool__(self) -> bool:
-        return True
-
     def prompt_ids(self, model, body):
         return body["ids"]
 

@@ -21,9 +21,6 @@ BS = 4
 class FixedTokens(Tokenizers):
     """A prompt's text is its token ids, space-separated: the picker's logic without a tokenizer."""
 
-    def __bool__(self) -> bool:
-        return True
-
     def prompt_ids(self, model, body):
         return [int(t) for t in body["prompt"].split()]
 

@@ -51,11 +51,12 @@ def chain_keys(token_ids: list[int], block_size: int, lora: str | int | None = N
 
 
 class PodBlocks:
-    """One pod's holdings: engine hash -> our key per medium, and how many engine blocks name each key."""
+    """One pod's holdings: (engine hash, medium) -> our key, and per medium how many engine blocks name each
+    key (plain dicts of ints: a pod may hold tens of thousands of blocks, and a pool hundreds of pods)."""
 
     def __init__(self) -> None:
         self.to_key: dict[tuple[object, str], int] = {}
-        self.held: dict[int, Counter] = {}  # our key -> Counter(medium)
+        self.held: dict[str, dict[int, int]] = {DEVICE: {}}  # medium -> our key -> engine blocks with it
         self.orphans = 0  # stored blocks whose parent this pod never announced (events missed): not indexed
 
     def engine_hashes(self, medium: str = DEVICE) -> set:
@@ -102,19 +103,19 @@ class KVBlockIndex:
             if slot in state.to_key:  # announced twice: keep one count
                 continue
             state.to_key[slot] = parent
-            state.held.setdefault(parent, Counter())[medium] += 1
+            counts = state.held.setdefault(medium, {})
+            counts[parent] = counts.get(parent, 0) + 1
 
     @staticmethod
     def _remove(state: PodBlocks, slot: tuple) -> None:
         key = state.to_key.pop(slot, None)
         if key is None:
             return
-        media = state.held[key]
-        media[slot[1]] -= 1
-        if media[slot[1]] <= 0:
-            del media[slot[1]]
-        if not media:
-            del state.held[key]
+        counts = state.held[slot[1]]
+        if counts[key] > 1:
+            counts[key] -= 1
+        else:
+            del counts[key]
 
     def drop(self, pod: str) -> None:
         """Forget a pod: its stream is lost, or the engine restarted with an empty cache."""
@@ -130,14 +131,15 @@ class KVBlockIndex:
                 state = self.pods.get(pod)
                 if state is None:
                     continue
+                on_device = state.held[DEVICE]
+                offloaded = [counts for medium, counts in state.held.items() if medium != DEVICE and counts]
                 device = anywhere = 0
                 for key in keys:
-                    media = state.held.get(key)
-                    if not media:
+                    if key in on_device:
+                        device += device == anywhere
+                    elif not any(key in counts for counts in offloaded):
                         break
                     anywhere += 1
-                    if device == anywhere - 1 and DEVICE in media:
-                        device += 1
                 if anywhere:
                     out[pod] = (device, anywhere)
         return out
@@ -145,7 +147,7 @@ class KVBlockIndex:
     def keys_of(self, pod: str, medium: str = DEVICE) -> set[int]:
         with self.lock:
             state = self.pods.get(pod)
-            return {k for k, media in state.held.items() if medium in media} if state else set()
+            return set(state.held.get(medium, ())) if state else set()
 
 
 def _hashable(value):

@@ -95,11 +95,6 @@ class KVEventSubscriber:
             self._close(pod)
         self._ctx.term()
 
-    def live(self, pod: str) -> bool:
-        """The pod's events are being followed (connected, or down for less than the bound)."""
-        stream = self.streams.get(pod)
-        return stream is not None and stream.last_seq is not None and pod in self.index.pods
-
     # -- the thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         next_refresh = 0.0

@@ -44,9 +44,6 @@ class Router:
         when routing fails, is settled here; otherwise the caller settles it when the response ends."""
         request = (self._parse(raw_body, headers) if len(raw_body) <= PARSE_ON_LOOP_BYTES  # a large one would
                    else await asyncio.to_thread(self._parse, raw_body, headers))  # stall every other request
-        precise = self.picker.precise
-        if precise is not None and request.body is not None and precise.index.block_sizes:
-            await asyncio.to_thread(precise.tokenize, request)  # milliseconds for a long prompt: off the loop
         if self.tenants is not None:
             try:
                 request.ticket = self.tenants.admit(headers, request)
@@ -54,6 +51,9 @@ class Router:
                 self.metrics.errors.labels(self.model_label(request.model), str(error.status)).inc()
                 raise
         try:
+            precise = self.picker.precise  # admitted requests only: tokenizing a long prompt takes milliseconds,
+            if precise is not None and request.body is not None and precise.index.block_sizes:  # off the loop
+                await asyncio.to_thread(precise.tokenize, request)
             if rewrite_body and request.model:
                 self._fall_back_if_unservable(request)
             if self.hold is not None and request.model and self._holdable(request.model):

@@ -39,7 +39,8 @@ class PrecisePrefixScorer:
 
     def keys(self, request, lora: str | None) -> list[int] | None:
         tokens = self.tokenize(request)
-        sizes = list(self.index.block_sizes)
+        with self.index.lock:
+            sizes = list(self.index.block_sizes)
         if tokens is None or not sizes:
             return None
         return chain_keys(tokens, sizes[0], lora)  # one block size per fleet (ours and vLLM's default: 16)

@@ -78,9 +78,6 @@ class Tokenizers:
             else:
                 self.default = tokenizer
 
-    def __bool__(self) -> bool:
-        return bool(self.by_model) or self.default is not None
-
     def prompt_ids(self, model: str, body: dict | None) -> list[int] | None:
         tokenizer = self.by_model.get(model, self.default)
         if tokenizer is None or not isinstance(body, dict):
