@@ -29,8 +29,14 @@ import httpx
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_routing import (CACHE, MAX_NUM_SEQS, VOCAB, Outcome, RealRun, free_port,  # noqa: E402
-                           percentile)
+from bench_routing import (  # noqa: E402
+    CACHE,
+    MAX_NUM_SEQS,
+    VOCAB,
+    Outcome,
+    RealRun,
+    free_port,
+)
 from results import update_results  # noqa: E402
 from routing_sim import Workload, simulate  # noqa: E402
 
