@@ -112,8 +112,10 @@ class Engines:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         self.processes = []
         for port, log in zip(self.ports, self.logs):
-            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}",
-                      "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"}
+            # A wildcard is bound (a plain address would be connected to, vLLM's convention); the engine's /load
+            # names the ports it got.
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+                      "replay_endpoint": "tcp://127.0.0.1:*"}
             command = [sys.executable, "-m", "kubeinfer.cli", "serve", str(MODEL_DIR), "--host", "127.0.0.1",
                        "--port", str(port), "--served-model-name", "base", "--max-num-seqs", str(MAX_NUM_SEQS),
                        "--num-kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
@@ -178,6 +180,13 @@ async def one_request(client, url: str, prompt: list[int], max_tokens: int, salt
     return Outcome((first or time.perf_counter()) - sent, time.perf_counter() - started, tokens, replica)
 
 
+def synced(gateway, engines: int) -> bool:
+    """The gateway follows every engine and has applied a stored block (it knows the block size)."""
+    index = gateway.kv_index
+    with index.lock:
+        return len(index.pods) == engines and bool(index.block_sizes)
+
+
 async def run_real(engines: Engines, policy: str, jobs, salt: int) -> RealRun:
     routing, config = picker_for(policy)
     gateway = Gateway(GatewayConfig(host="127.0.0.1", port=0, ext_proc_port=None, metrics_port=None,
@@ -186,12 +195,15 @@ async def run_real(engines: Engines, policy: str, jobs, salt: int) -> RealRun:
     await gateway.start()
     if gateway.kv_subscriber is not None:  # every engine's events followed before the first request:
         deadline, rng = time.monotonic() + 60, random.Random(salt)  # a small request makes each publish; the
-        while len(gateway.kv_index.pods) < len(engines.urls) and time.monotonic() < deadline:  # first batch
+        while not synced(gateway, len(engines.urls)) and time.monotonic() < deadline:  # first batch
             async with httpx.AsyncClient(timeout=60) as client:  # received brings the rest by replay
                 await asyncio.gather(*(client.post(u + "/v1/completions", json={
                     "model": "base", "prompt": [rng.randrange(*VOCAB) for _ in range(40)], "max_tokens": 1})
                     for u in engines.urls))
             await asyncio.sleep(0.3)
+        if not synced(gateway, len(engines.urls)):
+            await gateway.stop()
+            raise SystemExit("the gateway received no KV events from the engines: see their logs in .cache/")
     url = f"http://127.0.0.1:{gateway.ports['proxy']}"
     q0, h0 = await asyncio.to_thread(engines.counters)
     started = time.perf_counter()
