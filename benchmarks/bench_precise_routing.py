@@ -61,18 +61,21 @@ def picker_for(policy: str) -> tuple[str, PickerConfig]:
 # -- part 1: the simulation ---------------------------------------------------------------------------------
 def llm_d_workload(pods: int, requests_per_pod: int, rate_per_pod: float, seed: int, shared: bool = True) -> Workload:
     """6000-token group prefixes, as many groups as fill 72% of the pool's KV cache (6250 blocks of 16 a pod):
-    each group's prefix is 375 blocks, so 12 groups a pod. Without `shared`, every prompt is its own."""
+    each group's prefix is 375 blocks, so 12 groups a pod. Without `shared`, every prompt is its own: a
+    system prompt shorter than a block (nothing to share) and a question of 2000-4000 tokens."""
     groups = round(0.72 * pods * 6250 / 375)
     return Workload(requests=requests_per_pod * pods, rate=rate_per_pod * pods, burst_mean=2.0,
-                    base_system_prompts=groups if shared else 10 ** 9, adapters=0,
-                    system_tokens=(6000, 6000) if shared else (2000, 4000), question_tokens=(100, 400),
-                    output_tokens=(50, 300), zipf=0.0, seed=seed)
+                    base_system_prompts=groups if shared else 1, adapters=0,
+                    system_tokens=(6000, 6000) if shared else (1, 15),
+                    question_tokens=(100, 400) if shared else (2000, 4000), output_tokens=(50, 300), zipf=0.0,
+                    seed=seed)
 
 
 def sim_part(args) -> tuple[str, list[dict]]:
     rows, table = [], ["| workload | gateways | policy | TTFT p50 (s) | TTFT p90 (s) | throughput (tok/s) | prefix hits |",
                        "|---|---|---|---|---|---|---|"]
     cases = [("shared prefixes", True, 1), ("shared prefixes", True, args.sim_gateways), ("nothing shared", False, 1)]
+    cases = [case for i, case in enumerate(cases) if str(i + 1) in args.sim_cases]
     for label, shared, gateways in cases:
         workload = llm_d_workload(args.sim_pods, args.sim_requests_per_pod, args.sim_rate_per_pod, args.seed, shared)
         for policy in POLICIES:
@@ -246,6 +249,8 @@ def main() -> None:
     parser.add_argument("--real-requests", type=int, default=120)
     parser.add_argument("--real-rate", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sim-cases", default="123", help="which simulated cases: 1 shared prefixes, 2 the same "
+                        "with --sim-gateways replicas, 3 nothing shared")
     parser.add_argument("--skip-real", action="store_true")
     parser.add_argument("--skip-sim", action="store_true")
     args = parser.parse_args()
