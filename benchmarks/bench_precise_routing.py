@@ -77,7 +77,8 @@ def sim_part(args) -> tuple[str, list[dict]]:
     cases = [("shared prefixes", True, 1), ("shared prefixes", True, args.sim_gateways), ("nothing shared", False, 1)]
     cases = [case for i, case in enumerate(cases) if str(i + 1) in args.sim_cases]
     for label, shared, gateways in cases:
-        workload = llm_d_workload(args.sim_pods, args.sim_requests_per_pod, args.sim_rate_per_pod, args.seed, shared)
+        workload = (llm_d_workload(args.sim_pods, args.sim_requests_per_pod, args.sim_rate_per_pod, args.seed) if shared
+                    else llm_d_workload(args.sim_pods, 100, args.sim_unshared_rate_per_pod, args.seed, shared=False))
         for policy in POLICIES:
             routing, config = picker_for(policy)
             started = time.time()
@@ -249,6 +250,8 @@ def main() -> None:
     parser.add_argument("--real-requests", type=int, default=120)
     parser.add_argument("--real-rate", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sim-unshared-rate-per-pod", type=float, default=4.0,
+                        help="the nothing-shared case's rate (100 requests a pod): every prompt is a full prefill")
     parser.add_argument("--sim-cases", default="123", help="which simulated cases: 1 shared prefixes, 2 the same "
                         "with --sim-gateways replicas, 3 nothing shared")
     parser.add_argument("--skip-real", action="store_true")
