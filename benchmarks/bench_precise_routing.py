@@ -79,7 +79,7 @@ def sim_part(args) -> tuple[str, list[dict]]:
     for label, shared, gateways in cases:
         workload = (llm_d_workload(args.sim_pods, args.sim_requests_per_pod, args.sim_rate_per_pod, args.seed) if shared
                     else llm_d_workload(args.sim_pods, 100, args.sim_unshared_rate_per_pod, args.seed, shared=False))
-        for policy in POLICIES:
+        for policy in args.sim_policies.split(","):
             routing, config = picker_for(policy)
             started = time.time()
             result = simulate(args.sim_pods, workload, config.policy, picker_config=config, report_ends=True,
@@ -252,6 +252,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sim-unshared-rate-per-pod", type=float, default=4.0,
                         help="the nothing-shared case's rate (100 requests a pod): every prompt is a full prefill")
+    parser.add_argument("--sim-policies", default=",".join(POLICIES))
     parser.add_argument("--sim-cases", default="123", help="which simulated cases: 1 shared prefixes, 2 the same "
                         "with --sim-gateways replicas, 3 nothing shared")
     parser.add_argument("--skip-real", action="store_true")
