@@ -149,3 +149,17 @@ def test_precise_routing_needs_a_readable_tokenizer(tmp_path, capsys):
                                                 "--tokenizer", str(tmp_path)]))
     args = parser.parse_args(["--endpoints", "a:1"])
     assert (args.prefix_routing, args.kv_events_port, args.tokenizer) == ("approximate", 5557, [])
+
+
+async def test_the_router_tokenizes_admitted_requests_and_keeps_no_body_when_approximate():
+    from kubeinfer.gateway.handlers.routing import Router
+
+    picker, index, _ = setup("a:1", "b:1")
+    index.apply("a:1", [BlockStored(["a-0", "a-1"], None, list(range(8)), BS)])
+    body = b'{"model": "base", "prompt": "0 1 2 3 4 5 6 7 9"}'
+    request, decision = await Router(picker).route_or_hold(body, {})
+    assert request.token_ids == [0, 1, 2, 3, 4, 5, 6, 7, 9] and request.body is None
+    assert decision.endpoint.address == "a:1" and decision.scores["prefix"] == 2 / 2
+    plain = Picker(picker.pool, PickerConfig(), rng=random.Random(0))
+    request, _ = await Router(plain).route_or_hold(body, {})
+    assert request.body is None and request.token_ids is None

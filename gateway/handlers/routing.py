@@ -138,7 +138,8 @@ class Router:
     def _parse(self, raw_body: bytes, headers: Mapping[str, str]) -> RoutingRequest:
         try:
             return parse_request(raw_body, headers, ChainMap(self.model_priorities, self.discovered_priorities),
-                                 self.objective_priorities, self.trust_priority_headers)
+                                 self.objective_priorities, self.trust_priority_headers,
+                                 keep_body=self.picker.precise is not None)
         except RoutingError as error:
             self.metrics.errors.labels(UNKNOWN_MODEL, str(error.status)).inc()
             raise
@@ -150,7 +151,8 @@ class Router:
         try:
             request = request or parse_request(raw_body, headers,
                                                ChainMap(self.model_priorities, self.discovered_priorities),
-                                               self.objective_priorities, self.trust_priority_headers)
+                                               self.objective_priorities, self.trust_priority_headers,
+                                               keep_body=self.picker.precise is not None)
             request.subset = subset
             start = time.perf_counter()
             decision = self.picker.pick(request)

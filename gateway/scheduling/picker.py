@@ -304,7 +304,7 @@ class Picker:
     def _block_keys(self, request: RoutingRequest) -> list[int] | None:
         """The request's KV block keys for the precise scorer; None (approximate) when precise routing is off,
         or no engine's events are followed yet, or the prompt cannot be tokenized here."""
-        if self.precise is None or request.body is None:
+        if self.precise is None or (request.body is None and request.token_ids is None):
             return None
         lora = None if not request.model or self.table.base.mask(request.model).any() else request.model
         keys = self.precise.keys(request, lora)

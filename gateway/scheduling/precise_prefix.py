@@ -35,6 +35,7 @@ class PrecisePrefixScorer:
         """The request's prompt token ids (cached on it); None when this gateway cannot know them."""
         if request.token_ids is None and request.body is not None:
             request.token_ids = self.tokenizers.prompt_ids(request.model, request.body) or []
+            request.body = None  # tokenized: the parsed body need not live as long as the request
         return request.token_ids or None
 
     def keys(self, request, lora: str | None) -> list[int] | None:
