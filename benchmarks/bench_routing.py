@@ -43,8 +43,8 @@ from routing_sim import (SCRAPE_INTERVAL_S, PodSpec, Workload, build_workload, p
 
 from kubeinfer.testing.random_model import build_random_adapter, build_random_model  # noqa: E402
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
-from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState  # noqa: E402
-from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingRequest  # noqa: E402
+from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState  # noqa: E402
+from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingRequest  # noqa: E402
 from kubeinfer.local_stack import wait_healthy  # noqa: E402
 
 CACHE = Path(".cache")
@@ -499,8 +499,8 @@ def _serve_standins(count: int, with_load: bool, ports) -> None:
 def _legacy_scraper(pool):
     """The Prometheus path as it was before issue 33, the peer of the current one: /health and /metrics
     through httpx, the whole exposition parsed by prometheus_client, on the event loop."""
-    from kubeinfer.gateway.endpoints import parse_engine_metrics
-    from kubeinfer.gateway.scraper import Scraper
+    from kubeinfer.gateway.datastore.endpoints import parse_engine_metrics
+    from kubeinfer.gateway.datastore.scraper import Scraper
 
     class LegacyScraper(Scraper):
         async def read_load(self, endpoint):
@@ -523,7 +523,7 @@ def collection_cpu(endpoints: int, path: str, seconds: float) -> float:
     the current scraper) or "legacy" (the same engines, read as before issue 33)."""
     import multiprocessing
 
-    from kubeinfer.gateway.scraper import Scraper
+    from kubeinfer.gateway.datastore.scraper import Scraper
 
     queue = multiprocessing.Queue()
     child = multiprocessing.Process(target=_serve_standins, args=(endpoints, path == "load", queue), daemon=True)
@@ -565,7 +565,7 @@ def collection_part(args: argparse.Namespace) -> tuple[str, dict]:
         "another process, so their CPU is not counted). Engines that serve only `/health` and `/metrics` (as vLLM "
         "does; an engine-sized exposition of 10 kB): before issue 33, both through httpx and the whole exposition "
         "parsed by prometheus_client on the event loop (\"legacy\", measured in the same run); now both over one "
-        "kept-alive hand-written HTTP/1.1 connection and only the picker's four series read (gateway/metrics_text.py; "
+        "kept-alive hand-written HTTP/1.1 connection and only the picker's four series read (gateway/datastore/metrics_text.py; "
         "expositions over 64 kB on a worker thread). Engines with our compact `GET /load`, for comparison. At 500 "
         "endpoints the legacy path no longer keeps the 250 ms interval (its figure is capped by the one core the "
         "event loop has), so its ratio there understates it. Target (issue 33): at most 0.2 of a core per 100 "

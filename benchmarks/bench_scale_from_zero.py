@@ -2,7 +2,7 @@
 by promoting a warm standby against starting an engine cold, through the real gateway.
 
 Each trial starts the gateway (proxy mode) with no engine for the model, so the request is held
-(gateway/hold.py) and the gateway asks for capacity once, as it asks an InferenceModel's /scale in a
+(gateway/flowcontrol/hold.py) and the gateway asks for capacity once, as it asks an InferenceModel's /scale in a
 cluster. What answers the ask stands in for the operator:
   * warm standby: an engine already running with the model loaded, but not routed (a standby pod);
     the ask adds its address to the gateway's pool, as the promotion's relabel does through discovery;
@@ -35,7 +35,7 @@ from results import update_results  # noqa: E402
 from scale_sim import WakeScenario, simulate_wake  # noqa: E402
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
-from kubeinfer.gateway.discovery import static_endpoints  # noqa: E402
+from kubeinfer.gateway.datastore.discovery import static_endpoints  # noqa: E402
 from kubeinfer.testing.random_model import build_random_model  # noqa: E402
 
 CACHE = Path(__file__).resolve().parents[1] / ".cache"

@@ -33,7 +33,7 @@ from bench_routing import BASE, build_model, free_port  # noqa: E402
 from results import update_results  # noqa: E402
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
-from kubeinfer.gateway.picker import PickerConfig  # noqa: E402
+from kubeinfer.gateway.scheduling.picker import PickerConfig  # noqa: E402
 from kubeinfer.local_stack import wait_healthy  # noqa: E402
 
 CACHE = Path(".cache")

@@ -15,6 +15,11 @@ only its own dispatches and its own prefix index, as the real replicas do. The g
 the CPU time of every real `pick` is measured (reported as cores per replica), and `pick_delay_s` (a
 fixed figure, e.g. the measured median, so that runs stay deterministic) delays each dispatch.
 
+With `precise`, the pods publish KV events as the engines do (`BlockStored` when a system prompt's blocks
+are computed, `BlockRemoved` for each block evicted), delivered `event_delay_s` later to each replica's
+`KVBlockIndex`, and the picker scores prefixes with `PrecisePrefixScorer` on the request's token ids
+(synthetic: a family's blocks have token ids of their own, a question's are unique).
+
 Deterministic: the workload, the placement and the picker's tie-breaking are all seeded.
 """
 from __future__ import annotations
@@ -24,11 +29,16 @@ import math
 import random
 import statistics
 import time
+import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field, replace
 
-from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingRequest
+from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+from kubeinfer.gateway.datastore.kv_block_index import KVBlockIndex
+from kubeinfer.gateway.datastore.kv_event_wire import BlockRemoved, BlockStored
+from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingRequest
+from kubeinfer.gateway.scheduling.precise_prefix import PrecisePrefixScorer
+from kubeinfer.gateway.scheduling.prompt_tokens import Tokenizers
 
 BASE = "base"
 CHARS_PER_TOKEN = 4  # the gateway hashes 64-character chunks, about one 16-token KV block
@@ -95,6 +105,31 @@ def system_text(model: str, system_id: int, tokens: int) -> str:
     return (head + "You are a careful assistant. " * (tokens * CHARS_PER_TOKEN // 29 + 1))[:tokens * CHARS_PER_TOKEN]
 
 
+def family_block_tokens(family: tuple[str, int], j: int, block_size: int) -> list[int]:
+    """Token ids of block `j` of a system prompt: the same for every request of the family, unlike any other's."""
+    fid = (zlib.crc32(family[0].encode()) & 0xFFFF) * 1_000_003 + family[1]
+    return [(fid << 24) + j * block_size + k for k in range(block_size)]
+
+
+_FAMILY_TOKENS: dict = {}
+
+
+def request_token_ids(r: SimRequest, block_size: int) -> list[int]:
+    key = (r.model, r.system_id, r.shared_blocks, block_size)
+    if key not in _FAMILY_TOKENS:
+        _FAMILY_TOKENS[key] = [t for j in range(r.shared_blocks)
+                               for t in family_block_tokens((r.model, r.system_id), j, block_size)]
+    shared = _FAMILY_TOKENS[key]
+    return shared + [-(r.id * 100_000 + k) - 1 for k in range(r.prompt_tokens - len(shared))]
+
+
+class SimTokens(Tokenizers):
+    """The simulated request's token ids are in its body."""
+
+    def prompt_ids(self, model, body):
+        return body["ids"]
+
+
 def zipf_weights(n: int, s: float) -> list[float]:
     return [1.0 / (k + 1) ** s for k in range(n)]
 
@@ -157,6 +192,19 @@ class Pod:
         self.busy = False
         self.pending_load_s = 0.0
         self.prefix_queries = self.prefix_hits = self.adapter_loads = 0
+        self.events: list | None = None  # KV events since the last flush (precise routing), else None
+
+    def _stored(self, family: tuple[str, int], start: int, end: int) -> None:
+        if self.events is not None and end > start:
+            bs = self.spec.block_size
+            tokens = [t for j in range(start, end) for t in family_block_tokens(family, j, bs)]
+            self.events.append(BlockStored([(family, j) for j in range(start, end)],
+                                           (family, start - 1) if start else None, tokens, bs,
+                                           lora_name=family[0] if family[0] != BASE else None))
+
+    def _removed(self, family: tuple[str, int], start: int, end: int) -> None:
+        if self.events is not None and end > start:
+            self.events.append(BlockRemoved([(family, j) for j in range(start, end)]))
 
     @property
     def running(self) -> int:
@@ -203,12 +251,14 @@ class Pod:
         while free < need:  # evict from the least recently used family, its tail blocks first
             victim = next(iter(self.evictable))
             take = min(self.cached[victim], need - free)
+            self._removed(victim, self.cached[victim] - take, self.cached[victim])
             self.cached[victim] -= take
             self.cached_blocks -= take
             self.evictable_blocks -= take
             free += take
             if not self.cached[victim]:
                 del self.cached[victim], self.evictable[victim]
+        self._stored(family, hits, r.shared_blocks)
         self.cached[family] = r.shared_blocks
         self.cached_blocks += r.shared_blocks - hits
         self.private_blocks += private
@@ -329,12 +379,14 @@ def percentile(values: list[float], q: int) -> float:
 
 def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec(),
              scrape_interval: float = SCRAPE_INTERVAL_S, picker_config: PickerConfig | None = None,
-             progress=None, report_ends: bool = False, gateways: int = 1, pick_delay_s: float = 0.0) -> SimResult:
+             progress=None, report_ends: bool = False, gateways: int = 1, pick_delay_s: float = 0.0,
+             precise: bool = False, event_delay_s: float = 0.05) -> SimResult:
     """Run the workload through `pods` simulated engines, routed by the real picker under `policy`.
     `report_ends`: the gateway hears when each request ends (proxy mode, or ext_proc with response
     phases); otherwise its own dispatches count until a scrape sees them (ext_proc without).
     `gateways`: independent picker replicas, each request sent to one of them at random; `pick_delay_s`:
-    how long a decision takes before the pod hears of the request."""
+    how long a decision takes before the pod hears of the request. `precise`: the pods publish KV events,
+    each replica's picker follows them (--prefix-routing precise), `event_delay_s` after the change."""
     placement = place_adapters(pods, workload.adapters, workload.replicas_per_adapter)
     sim_pods = [Pod(spec, adapters) for adapters in placement]
     # Staleness is a wall-clock guard for a live gateway; here scrapes run on the simulated clock.
@@ -345,11 +397,15 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
         endpoints = [Endpoint(f"10.{i // 250}.{i % 250}.1:8000", name=f"pod-{i}") for i in range(pods)]
         pool = EndpointPool()
         pool.set_members(endpoints)
+        scorer = PrecisePrefixScorer(KVBlockIndex(), SimTokens(), clock=lambda: clock[0]) if precise else None
         views.append((endpoints, Picker(pool, config, rng=random.Random(workload.seed + 7919 * g),
-                                        clock=lambda: clock[0])))
+                                        clock=lambda: clock[0], precise=scorer)))
     index_of = {e.address: i for i, e in enumerate(views[0][0])}
     front = random.Random(workload.seed + 1)  # the Service in front of the gateway replicas
     requests = build_workload(workload, spec.block_size)
+    if precise:
+        for pod in sim_pods:
+            pod.events = []
     largest = max(r.prompt_tokens + r.output_tokens for r in requests)
     if largest > spec.kv_blocks * spec.block_size:
         raise ValueError(f"a request of {largest} tokens can never fit in {spec.kv_blocks} KV blocks of "
@@ -369,6 +425,9 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
 
     def start(pod: Pod, now: float) -> None:
         planned = pod.start_step()
+        if pod.events:  # what this step's scheduling stored and evicted reaches the gateways a little later
+            push(now + event_delay_s, "kv", (pod, pod.events))
+            pod.events = []
         pod.busy = planned is not None
         if planned:
             push(now + planned[0], "step", (pod, planned[1]))
@@ -385,7 +444,8 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
         if kind == "arrival":
             payload.gateway = front.randrange(gateways) if gateways > 1 else 0
             cpu = time.thread_time()
-            decision = views[payload.gateway][1].pick(RoutingRequest(payload.model, payload.text))
+            body = {"ids": request_token_ids(payload, spec.block_size)} if precise else None
+            decision = views[payload.gateway][1].pick(RoutingRequest(payload.model, payload.text, body=body))
             pick_cpu += time.thread_time() - cpu
             payload.pod, payload.sent = index_of[decision.endpoint.address], decision.sent
             push(now + pick_delay_s, "dispatch", payload)  # the pod hears of it once the gateway has decided
@@ -404,6 +464,11 @@ def simulate(pods: int, workload: Workload, policy: str, spec: PodSpec = PodSpec
             if progress is not None and done:
                 progress.update(len(done))
             start(pod, now)
+        elif kind == "kv":
+            pod, batch = payload
+            address = views[0][0][sim_pods.index(pod)].address
+            for _, picker in views:
+                picker.precise.index.apply(address, batch)
         else:
             scrape(payload)
             push(now + scrape_interval, "scrape", payload)

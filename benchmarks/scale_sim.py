@@ -30,9 +30,9 @@ from dataclasses import dataclass, field, replace
 from routing_sim import BASE, PodSpec, SimRequest, Workload, build_workload, percentile
 from routing_sim import Pod as EnginePod
 
-from kubeinfer.gateway.endpoints import Endpoint, EndpointPool
-from kubeinfer.gateway.model_priorities import ScaleTarget
-from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingError, RoutingRequest
+from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool
+from kubeinfer.gateway.flowcontrol.model_priorities import ScaleTarget
+from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingError, RoutingRequest
 from kubeinfer.operator.autoscale import Autoscaler
 from kubeinfer.operator.spec import parse_spec
 
@@ -76,7 +76,7 @@ class WakeResult:
 
 
 FAIR_QUEUE_TIMEOUT_S = 30.0  # the gateway's --fair-queue-timeout default
-REASK_S = 1.0  # gateway/hold.py's REASK_SECONDS
+REASK_S = 1.0  # gateway/flowcontrol/hold.py's REASK_SECONDS
 
 
 def simulate_wake(s: WakeScenario, standby: int, scale_to_zero: bool = True, spec: PodSpec = PodSpec(),

@@ -13,24 +13,28 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..http_guard import DEFAULT_HEADER_READ_TIMEOUT, GuardConfig, RequestGuard
 from ..http_server import server_config
-from .discovery import KubernetesDiscovery, static_endpoints
-from .endpoints import EndpointPool
-from .extproc import start_extproc_server
-from .fair_queue import FairQueue
-from .fallback import Fallbacks
-from .hold import HoldQueue
-from .metrics import GatewayMetrics
-from .model_priorities import ClusterPriorities
-from .picker import Picker, PickerConfig
-from .proxy import build_proxy_app
-from .routing import Router
-from .scale_up import ScaleUp
-from .scraper import Scraper
-from .tenant_gate import TenantGate
-from .tenant_limits import TenantLimits
-from .tenants import TenantDirectory
-from .upstream import UpstreamConfig
-from .usage import UsageRecorder
+from .datastore.discovery import KubernetesDiscovery, static_endpoints
+from .datastore.endpoints import EndpointPool
+from .datastore.kv_block_index import KVBlockIndex
+from .datastore.kv_event_subscriber import DEFAULT_EVENTS_PORT, KVEventSubscriber, sources_from_pool
+from .datastore.scraper import Scraper
+from .flowcontrol.fair_queue import FairQueue
+from .flowcontrol.fallback import Fallbacks
+from .flowcontrol.hold import HoldQueue
+from .flowcontrol.model_priorities import ClusterPriorities
+from .flowcontrol.scale_up import ScaleUp
+from .flowcontrol.tenant_gate import TenantGate
+from .flowcontrol.tenant_limits import TenantLimits
+from .flowcontrol.tenants import TenantDirectory
+from .flowcontrol.usage import UsageRecorder
+from .handlers.extproc import start_extproc_server
+from .handlers.metrics import GatewayMetrics
+from .handlers.proxy import build_proxy_app
+from .handlers.routing import Router
+from .handlers.upstream import UpstreamConfig
+from .scheduling.picker import Picker, PickerConfig
+from .scheduling.precise_prefix import PrecisePrefixScorer
+from .scheduling.prompt_tokens import Tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +73,29 @@ class GatewayConfig:
     trust_priority_headers: bool = False  # priority/objective headers come from a trusted hop, not clients
     guard: GuardConfig = field(default_factory=lambda: GuardConfig(max_concurrent_requests=8192))  # proxy limits
     header_read_timeout: float = DEFAULT_HEADER_READ_TIMEOUT  # proxy: seconds for a request head
+    prefix_routing: str = "approximate"  # or "precise": from the engines' KV events (docs/kv-events.md)
+    tokenizers: list[str] = field(default_factory=list)  # --tokenizer [MODEL=]DIR, for precise routing
+    kv_events_port: int = DEFAULT_EVENTS_PORT  # engines that do not say where (vLLM's default endpoint)
+    kv_events_lost_after: float = 30.0  # seconds a pod's events stream may be down before its blocks go
 
 
 class Gateway:
     def __init__(self, config: GatewayConfig, api_client=None) -> None:
         self.config = config
         self.pool = EndpointPool()
-        self.picker = Picker(self.pool, config.picker)
+        self.kv_index = self.kv_subscriber = None
+        precise = None
+        if config.prefix_routing == "precise":
+            self.kv_index = KVBlockIndex()
+            precise = PrecisePrefixScorer(self.kv_index, Tokenizers(config.tokenizers))
+            self.kv_subscriber = KVEventSubscriber(
+                self.kv_index, lambda: sources_from_pool(self.pool, config.kv_events_port),
+                lost_after=config.kv_events_lost_after)
+        self.picker = Picker(self.pool, config.picker, precise=precise)
         self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities,
                              forward_priority=config.forward_priority)
         self.router.fallbacks = Fallbacks(config.fallbacks)
+        self.router.metrics.kv_events = self.kv_subscriber
         self.router.trust_priority_headers = config.trust_priority_headers
         self.usage = None
         if config.tenants_file or config.usage_log:
@@ -130,6 +147,8 @@ class Gateway:
             self.priorities.start(asyncio.get_running_loop())
         await self.scraper.scrape_all()  # route on real numbers from the first request on
         self._tasks.append(asyncio.create_task(self.scraper.run()))
+        if self.kv_subscriber is not None:
+            self.kv_subscriber.start()  # its own thread: events never wait on the request path
         cfg = self.config
         if cfg.ext_proc_port is not None:
             self.extproc = await start_extproc_server(self.router, cfg.host, cfg.ext_proc_port,
@@ -181,6 +200,8 @@ class Gateway:
         for task in self._tasks:
             task.cancel()
         await self.scraper.close()
+        if self.kv_subscriber is not None:
+            await asyncio.to_thread(self.kv_subscriber.stop)
         for client in self._clients:
             await client.aclose()
         if self.usage is not None:

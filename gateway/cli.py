@@ -7,12 +7,13 @@ import logging
 import signal
 
 from ..http_guard import add_http_limit_arguments, guard_from_args
-from .discovery import parse_selector
-from .engine_auth import engine_key_from_env
-from .fallback import parse_fallback
-from .picker import DEFAULT_WEIGHTS, POLICIES, PickerConfig
-from .tenant_limits import SCOPES
-from .tenants import load_tenants
+from .datastore.discovery import parse_selector
+from .datastore.engine_auth import engine_key_from_env
+from .flowcontrol.fallback import parse_fallback
+from .flowcontrol.tenant_limits import SCOPES
+from .flowcontrol.tenants import load_tenants
+from .scheduling.picker import DEFAULT_WEIGHTS, POLICIES, PickerConfig
+from .scheduling.prompt_tokens import Tokenizers
 
 
 def _weights(text: str) -> dict[str, float]:
@@ -61,6 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a baseline for comparisons)")
     parser.add_argument("--scorer-weights", type=_weights, default=dict(DEFAULT_WEIGHTS),
                         help="e.g. queue=2,active=1,kv_cache=1,lora=2,prefix=4,affinity=1")
+    parser.add_argument("--prefix-routing", choices=("approximate", "precise"), default="approximate",
+                        help="approximate: where this gateway sent each prompt's chunks; precise: which KV blocks each "
+                             "engine holds, from its KV events (engines run with --kv-events-config; needs "
+                             "--tokenizer). Pods without events are scored approximately (docs/kv-events.md)")
+    parser.add_argument("--tokenizer", action="append", default=[], metavar="[MODEL=]DIR",
+                        help="the model's tokenizer files (tokenizer.json, tokenizer_config.json, chat template) for "
+                             "precise prefix routing; MODEL= for one model, else the default (repeatable)")
+    parser.add_argument("--kv-events-port", type=int, default=5557,
+                        help="KV-events port of engines whose load report does not name their events endpoint "
+                             "(vLLM: its --kv-events-config endpoint); 0: subscribe only where engines say")
+    parser.add_argument("--kv-events-lost-after", type=float, default=30.0,
+                        help="seconds a pod's KV-events connection may stay down before its blocks are forgotten")
     parser.add_argument("--model-priority", type=_priority, action="append", default=[], metavar="NAME=INT",
                         help="routing priority of a model; below 0 its requests are sheddable")
     parser.add_argument("--hold-max", type=int, default=256,
@@ -118,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace):
     from .app import GatewayConfig  # the servers' imports (grpc, Envoy protos, uvicorn) only when used
-    from .upstream import UpstreamConfig
+    from .handlers.upstream import UpstreamConfig
 
     endpoints = [e for e in args.endpoints.split(",") if e.strip()]
     if not endpoints and not (args.selector or args.inference_pool):
@@ -128,6 +141,10 @@ def config_from_args(args: argparse.Namespace):
                               kv_threshold=args.kv_threshold, stale_after=args.stale_after,
                               policy=args.routing)
         selector = parse_selector(args.selector)
+        if args.prefix_routing == "precise":
+            if not args.tokenizer:
+                raise ValueError("--prefix-routing precise needs the model's tokenizer: --tokenizer [MODEL=]DIR")
+            Tokenizers(args.tokenizer)  # an unreadable tokenizer stops the start with its reason
         if args.tenants:
             load_tenants(args.tenants)  # a broken file stops the start with its reason (TenantFileError)
     except ValueError as error:
@@ -146,7 +163,9 @@ def config_from_args(args: argparse.Namespace):
                          fair_queue_timeout=args.fair_queue_timeout, model_resync=max(1.0, args.model_resync),
                          engine_api_key=args.engine_api_key,
                          trust_priority_headers=args.trust_priority_headers, guard=guard_from_args(args),
-                         header_read_timeout=args.header_read_timeout,
+                         header_read_timeout=args.header_read_timeout, prefix_routing=args.prefix_routing,
+                         tokenizers=list(args.tokenizer), kv_events_port=args.kv_events_port,
+                         kv_events_lost_after=args.kv_events_lost_after,
                          upstream=UpstreamConfig(connect_timeout=args.upstream_connect_timeout,
                                                  first_byte_timeout=args.upstream_first_byte_timeout,
                                                  idle_timeout=args.upstream_idle_timeout,

@@ -42,7 +42,7 @@ def engine_names() -> dict[str, str]:
 
 def gateway_names() -> dict[str, str]:
     """What the gateway's registry exports (its families, before any request creates a sample)."""
-    from kubeinfer.gateway.metrics import GatewayMetrics
+    from kubeinfer.gateway.handlers.metrics import GatewayMetrics
 
     class NoEndpoints:
         def ready_endpoints(self) -> list:

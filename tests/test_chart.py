@@ -253,7 +253,7 @@ def test_several_gateway_replicas_get_a_disruption_budget_and_spread_over_nodes(
 
 
 def test_gateway_selects_active_engine_pods_only(rendered):
-    from kubeinfer.gateway.discovery import parse_selector
+    from kubeinfer.gateway.datastore.discovery import parse_selector
     from kubeinfer.operator import names
 
     selector = parse_selector(parse_gateway_args(one(rendered["defaults"], "Deployment", "-gateway")).selector)

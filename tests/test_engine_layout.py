@@ -17,20 +17,20 @@ MAX_LINES = 300
 GENERATED = {"entrypoints/grpc/proto/engine_pb2.py", "entrypoints/grpc/proto/engine_pb2_grpc.py"}
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ENGINE).with_suffix("").parts)
+def module_name(path: Path, root: Path = ENGINE, package: str = PACKAGE) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
-    return ".".join([PACKAGE, *parts])
+    return ".".join([package, *parts])
 
 
-def engine_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(ENGINE.rglob("*.py"))}
+def engine_modules(root: Path = ENGINE, package: str = PACKAGE) -> dict[str, Path]:
+    return {module_name(p, root, package): p for p in sorted(root.rglob("*.py"))}
 
 
-def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Engine modules that `path` imports; `from .pkg import name` counts `pkg.name` when that is a module."""
-    name = module_name(path)
+def imported_modules(path: Path, modules: dict[str, Path], root: Path = ENGINE, package: str = PACKAGE) -> set[str]:
+    """Modules of `modules` that `path` imports; `from .pkg import name` counts `pkg.name` when that is a module."""
+    name = module_name(path, root, package)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -49,9 +49,9 @@ def imported_modules(path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    modules = engine_modules()
-    return {name: imported_modules(path, modules) for name, path in modules.items()}
+def import_graph(root: Path = ENGINE, package: str = PACKAGE) -> dict[str, set[str]]:
+    modules = engine_modules(root, package)
+    return {name: imported_modules(path, modules, root, package) for name, path in modules.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

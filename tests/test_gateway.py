@@ -17,7 +17,7 @@ from lora_helpers import MAX_TOKENS, PROMPTS
 from server_harness import RunningServer, free_port
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig
-from kubeinfer.gateway.picker import PickerConfig
+from kubeinfer.gateway.scheduling.picker import PickerConfig
 
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
@@ -182,10 +182,10 @@ async def test_proxy_errors(gateway):
 
 async def test_the_proxy_reports_each_request_end_to_its_endpoint():
     """In flight while the upstream answers, and not a moment after: without waiting for a scrape."""
-    from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-    from kubeinfer.gateway.picker import Picker
-    from kubeinfer.gateway.proxy import build_proxy_app
-    from kubeinfer.gateway.routing import Router
+    from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+    from kubeinfer.gateway.scheduling.picker import Picker
+    from kubeinfer.gateway.handlers.proxy import build_proxy_app
+    from kubeinfer.gateway.handlers.routing import Router
 
     pod = Endpoint("10.0.0.1:8000")
     pod.record_scrape(EngineState(), frozenset({"base"}), frozenset({"base"}))
@@ -259,10 +259,10 @@ def destination(response: ep.ProcessingResponse) -> tuple[str, str]:
 
 
 async def test_ext_proc_reports_the_end_of_a_response_it_sees():
-    from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-    from kubeinfer.gateway.extproc import ExternalProcessor
-    from kubeinfer.gateway.picker import Picker
-    from kubeinfer.gateway.routing import Router
+    from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+    from kubeinfer.gateway.handlers.extproc import ExternalProcessor
+    from kubeinfer.gateway.scheduling.picker import Picker
+    from kubeinfer.gateway.handlers.routing import Router
 
     pod = Endpoint("10.0.0.1:8000")
     pod.record_scrape(EngineState(), frozenset({"base"}), frozenset({"base"}))
@@ -290,10 +290,10 @@ async def test_ext_proc_reports_the_end_of_a_response_it_sees():
 async def test_ext_proc_moves_the_load_to_the_pod_a_retry_landed_on():
     from google.protobuf import struct_pb2
 
-    from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-    from kubeinfer.gateway.extproc import ExternalProcessor
-    from kubeinfer.gateway.picker import Picker
-    from kubeinfer.gateway.routing import Router
+    from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+    from kubeinfer.gateway.handlers.extproc import ExternalProcessor
+    from kubeinfer.gateway.scheduling.picker import Picker
+    from kubeinfer.gateway.handlers.routing import Router
 
     pods = [Endpoint(f"10.0.0.{i}:8000") for i in (1, 2)]
     for pod in pods:
@@ -462,8 +462,8 @@ async def test_the_scraper_reads_models_less_often_than_load():
     adapter the gateway has not seen on that pod (one just loaded)."""
     from collections import Counter
 
-    from kubeinfer.gateway.endpoints import Endpoint
-    from kubeinfer.gateway.scraper import Scraper
+    from kubeinfer.gateway.datastore.endpoints import Endpoint
+    from kubeinfer.gateway.datastore.scraper import Scraper
 
     calls, running = Counter(), {"adapters": ""}
 

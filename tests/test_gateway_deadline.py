@@ -11,10 +11,10 @@ import pytest
 from test_gateway_fair_queue import saturated_pool
 from test_gateway_tenants import Engine, _processor, _request, _run, post, start_gateway
 
-from kubeinfer.gateway.deadline import deadline_of, remaining_ms_header
-from kubeinfer.gateway.endpoints import EngineState
-from kubeinfer.gateway.fair_queue import FairQueue
-from kubeinfer.gateway.picker import RoutingError, RoutingRequest
+from kubeinfer.gateway.flowcontrol.deadline import deadline_of, remaining_ms_header
+from kubeinfer.gateway.datastore.endpoints import EngineState
+from kubeinfer.gateway.flowcontrol.fair_queue import FairQueue
+from kubeinfer.gateway.scheduling.picker import RoutingError, RoutingRequest
 
 
 def test_the_budget_header_is_parsed_and_checked():

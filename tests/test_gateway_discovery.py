@@ -10,8 +10,8 @@ import kmock
 import pytest
 from kubernetes import client as k8s_client
 
-from kubeinfer.gateway.discovery import KubernetesDiscovery, endpoint_of, parse_address, pool_selector
-from kubeinfer.gateway.endpoints import EndpointPool
+from kubeinfer.gateway.datastore.discovery import KubernetesDiscovery, endpoint_of, parse_address, pool_selector
+from kubeinfer.gateway.datastore.endpoints import EndpointPool
 
 VERBS = {"create", "get", "list", "watch", "patch", "delete"}
 NS = "serving"
@@ -114,7 +114,7 @@ async def test_discovery_follows_pods_of_an_inference_pool():
 
 
 def test_objective_priorities_of_inference_objectives():
-    from kubeinfer.gateway.model_priorities import objective_priorities_of
+    from kubeinfer.gateway.flowcontrol.model_priorities import objective_priorities_of
 
     objectives = [{"metadata": {"name": "batch"}, "spec": {"priority": -3, "poolRef": {"name": "llama"}}},
                   {"metadata": {"name": "default"}, "spec": {"poolRef": {"name": "llama"}}}]
@@ -122,7 +122,7 @@ def test_objective_priorities_of_inference_objectives():
 
 
 def test_priorities_of_inference_models():
-    from kubeinfer.gateway.model_priorities import priorities_of
+    from kubeinfer.gateway.flowcontrol.model_priorities import priorities_of
 
     models = [{"metadata": {"name": "llama"}, "spec": {"model": {"servedName": "llama-3"}, "routing": {"priority": -1},
                                                          "adapters": [{"name": "sql"}, {"name": "chat"}]}},
@@ -188,8 +188,8 @@ async def test_forbidden_discovery_is_one_clear_log_line_and_a_metric(caplog):
 
     from operator_harness import RESOURCES, Emulator
 
-    from kubeinfer.gateway.metrics import GatewayMetrics
-    from kubeinfer.gateway.picker import Picker
+    from kubeinfer.gateway.handlers.metrics import GatewayMetrics
+    from kubeinfer.gateway.scheduling.picker import Picker
 
     async with Emulator() as k8s, kmock.Server(k8s) as server:
         for key, info in RESOURCES.items():
@@ -202,7 +202,7 @@ async def test_forbidden_discovery_is_one_clear_log_line_and_a_metric(caplog):
                                             host=str(server.url).rstrip("/"))))
         metrics = GatewayMetrics(Picker(pool))
         metrics.discovery = discovery
-        with caplog.at_level(logging.INFO, logger="kubeinfer.gateway.discovery"):
+        with caplog.at_level(logging.INFO, logger="kubeinfer.gateway.datastore.discovery"):
             discovery.start(asyncio.get_running_loop())
             try:
                 assert await wait_for(lambda: discovery.failures.get("forbidden", 0) >= 1)

@@ -10,9 +10,9 @@ from prometheus_client import generate_latest
 from test_gateway_tenants import (Engine, _immediate, _request, _run, answer_with_usage, drop_connection, metrics_text, post,
                                   start_gateway, write_tenants)
 
-from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-from kubeinfer.gateway.fair_queue import FairQueue
-from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingError, RoutingRequest
+from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+from kubeinfer.gateway.flowcontrol.fair_queue import FairQueue
+from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingError, RoutingRequest
 
 
 def saturated_pool(waiting: float = 5.0) -> tuple[Picker, Endpoint]:

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from test_gateway_tenants import Engine, _run, drop_connection, metrics_text, post, start_gateway
 
 from kubeinfer.gateway.cli import _fallback
-from kubeinfer.gateway.fallback import Fallbacks, fallbacks_of
+from kubeinfer.gateway.flowcontrol.fallback import Fallbacks, fallbacks_of
 
 
 def fallback_count(text: str, model: str, fallback: str, reason: str) -> float:
@@ -78,11 +78,11 @@ async def test_when_no_fallback_can_serve_the_client_gets_the_models_own_failure
 
 
 def _router(fallbacks):
-    from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-    from kubeinfer.gateway.extproc import ExternalProcessor
-    from kubeinfer.gateway.metrics import GatewayMetrics
-    from kubeinfer.gateway.picker import Picker, PickerConfig
-    from kubeinfer.gateway.routing import Router
+    from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+    from kubeinfer.gateway.handlers.extproc import ExternalProcessor
+    from kubeinfer.gateway.handlers.metrics import GatewayMetrics
+    from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig
+    from kubeinfer.gateway.handlers.routing import Router
 
     pod = Endpoint("10.0.0.2:8000")
     pod.record_scrape(EngineState(), frozenset({"small"}), frozenset({"small"}))

@@ -11,7 +11,7 @@ import pytest
 from fake_http import read_request, respond
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig
-from kubeinfer.gateway.upstream import UpstreamConfig
+from kubeinfer.gateway.handlers.upstream import UpstreamConfig
 
 
 class FakeEngine:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kubeinfer.gateway.hold import HoldQueue, HoldRefused
+from kubeinfer.gateway.flowcontrol.hold import HoldQueue, HoldRefused
 
 
 class Model:
@@ -51,7 +51,7 @@ async def test_held_requests_are_released_in_arrival_order_after_one_ask():
 async def test_a_growing_hold_asks_again_for_more_at_most_once_per_interval(monkeypatch):
     """A wake-up burst: requests keep arriving while nothing is ready. The hold asks again with the
     larger count (the ask sizes the scale-up), but not more often than REASK_SECONDS."""
-    from kubeinfer.gateway import hold as hold_module
+    from kubeinfer.gateway.flowcontrol import hold as hold_module
 
     monkeypatch.setattr(hold_module, "REASK_SECONDS", 0.2)
     model = Model()
@@ -70,7 +70,7 @@ async def test_a_growing_hold_asks_again_for_more_at_most_once_per_interval(monk
 
 
 def test_a_wake_up_is_sized_by_the_held_requests_within_the_model_bounds():
-    from kubeinfer.gateway.model_priorities import ScaleTarget, scale_targets_of
+    from kubeinfer.gateway.flowcontrol.model_priorities import ScaleTarget, scale_targets_of
 
     target = scale_targets_of([{"metadata": {"name": "chat", "namespace": "ns"}, "spec": {
         "model": {"uri": "hf://x/y"}, "minReplicas": 0, "maxReplicas": 8,
@@ -177,8 +177,8 @@ async def test_a_pod_that_joins_the_pool_is_polled_at_once_not_at_the_next_round
 
     from fake_http import read_request, respond
 
-    from kubeinfer.gateway.endpoints import Endpoint, EndpointPool
-    from kubeinfer.gateway.scraper import Scraper
+    from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool
+    from kubeinfer.gateway.datastore.scraper import Scraper
 
     load = json.dumps({"ready": True, "waiting": 0, "running": 0, "kv_usage": 0.0, "running_adapters": [],
                        "waiting_adapters": [], "max_loras": 0, "models": ["tiny"]}).encode()

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-from kubeinfer.gateway.load_table import LoadTable
-from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingRequest
-from kubeinfer.gateway.prefix import PrefixIndex, chunk_hashes
+from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+from kubeinfer.gateway.datastore.load_table import LoadTable
+from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingRequest
+from kubeinfer.gateway.scheduling.prefix import PrefixIndex, chunk_hashes
 
 
 def scraped(address: str, waiting=0.0, models=("base",), placed=()) -> Endpoint:

@@ -8,9 +8,9 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kubeinfer.gateway import scraper as scraper_module
-from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, parse_engine_metrics
-from kubeinfer.gateway.metrics_text import read_engine_metrics
+from kubeinfer.gateway.datastore import scraper as scraper_module
+from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, parse_engine_metrics
+from kubeinfer.gateway.datastore.metrics_text import read_engine_metrics
 
 
 def exposition(models=("m1", "m2"), lora_samples=((1.0, "a,b", ""), (5.0, 'we"ird\\,x', "c"), (3.0, "old", ""))):

@@ -12,8 +12,8 @@ import httpx
 import kmock
 from kubernetes import client as k8s_client
 
-from kubeinfer.gateway.model_priorities import INFERENCE_MODELS, ClusterPriorities
-from kubeinfer.gateway.resource_watch import ResourceWatch
+from kubeinfer.gateway.flowcontrol.model_priorities import INFERENCE_MODELS, ClusterPriorities
+from kubeinfer.gateway.datastore.resource_watch import ResourceWatch
 
 NS = "serving"
 BOUND = 1.0  # seconds from an InferenceModel's creation or edit to the gateway acting on it (issue 33)
@@ -155,7 +155,7 @@ def test_the_resync_corrects_what_the_watch_missed():
 
     watch = ResourceWatch(INFERENCE_MODELS, published.append, namespace=NS, api_client=None, resync=0.1, stop=stop)
     watch._lister = lambda api: (SilentApi().list_namespaced_custom_object, ("g", "v", NS, "p"))
-    import kubeinfer.gateway.resource_watch as module
+    import kubeinfer.gateway.datastore.resource_watch as module
     module.RETRY_SECONDS, saved = 0.05, module.RETRY_SECONDS
     thread = threading.Thread(target=watch.run, daemon=True)
     thread.start()

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState, parse_engine_metrics
-from kubeinfer.gateway.prefix import chunk_hashes
-from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingError, RoutingRequest
-from kubeinfer.gateway.request_info import parse_request
+from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState, parse_engine_metrics
+from kubeinfer.gateway.scheduling.prefix import chunk_hashes
+from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingError, RoutingRequest
+from kubeinfer.gateway.handlers.request_info import parse_request
 
 
 def endpoint(address: str, *, waiting=0, running=0, kv=0.0, adapters=(), running_adapters=(), waiting_adapters=(),
@@ -201,8 +201,8 @@ def test_the_gateway_priority_reaches_the_engine_inverted():
     place; a body that needs no change is forwarded byte for byte."""
     import json
 
-    from kubeinfer.gateway.engine_body import engine_body
-    from kubeinfer.gateway.request_info import engine_priority
+    from kubeinfer.gateway.handlers.engine_body import engine_body
+    from kubeinfer.gateway.handlers.request_info import engine_priority
 
     assert engine_priority(10) == -10 and engine_priority(-1) == 1
     raw = b'{"model": "m",  "prompt": "hi", "priority": 0}'
@@ -215,7 +215,7 @@ def test_the_gateway_priority_reaches_the_engine_inverted():
 def test_the_priority_is_written_for_the_engine_only_when_forwarded():
     import json
 
-    from kubeinfer.gateway.routing import Router
+    from kubeinfer.gateway.handlers.routing import Router
 
     raw = b'{"model": "m", "prompt": "hi"}'
     request = parse_request(raw, {"x-gateway-inference-priority": "4"}, trust_headers=True)

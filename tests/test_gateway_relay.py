@@ -1,5 +1,5 @@
 """The proxy relays whatever the engine answers (status, body, headers minus hop-by-hop ones, each header
-once) and takes only the inference routes (gateway/routes.py): anything else is answered by the gateway
+once) and takes only the inference routes (gateway/handlers/routes.py): anything else is answered by the gateway
 in OpenAI's shape, checked with the official openai client where it has an opinion."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from fake_http import read_request
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig
-from kubeinfer.gateway.extproc import ExternalProcessor
-from kubeinfer.gateway.routes import route_of
+from kubeinfer.gateway.handlers.extproc import ExternalProcessor
+from kubeinfer.gateway.handlers.routes import route_of
 
 ENGINE_404 = {"error": {"message": "Not Found", "type": "NotFoundError", "param": None, "code": 404}}
 
@@ -135,8 +135,8 @@ async def test_responses_are_forwarded_like_chat(tmp_path):
 
 
 def test_a_responses_stream_reports_its_usage_in_the_completed_event():
-    from kubeinfer.gateway.request_info import prompt_text
-    from kubeinfer.gateway.usage import UsageScanner, token_counts
+    from kubeinfer.gateway.handlers.request_info import prompt_text
+    from kubeinfer.gateway.flowcontrol.usage import UsageScanner, token_counts
 
     scanner = UsageScanner()
     usage = {"input_tokens": 7, "output_tokens": 4, "input_tokens_details": {"cached_tokens": 0}}
@@ -203,9 +203,9 @@ def test_the_route_table():
 @pytest.mark.parametrize(("method", "path", "status"), [("POST", "/v1/load_lora_adapter", 403),
                                                          ("GET", "/metrics", 404), ("DELETE", "/v1/anything", 404)])
 async def test_ext_proc_refuses_what_is_not_an_inference_route(method, path, status):
-    from kubeinfer.gateway.endpoints import EndpointPool
-    from kubeinfer.gateway.picker import Picker
-    from kubeinfer.gateway.routing import Router
+    from kubeinfer.gateway.datastore.endpoints import EndpointPool
+    from kubeinfer.gateway.scheduling.picker import Picker
+    from kubeinfer.gateway.handlers.routing import Router
 
     processor = ExternalProcessor(Router(Picker(EndpointPool())))
     message = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=[

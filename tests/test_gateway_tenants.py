@@ -13,10 +13,10 @@ import pytest
 from fake_http import read_request, respond
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig
-from kubeinfer.gateway.picker import RoutingError
-from kubeinfer.gateway.tenant_limits import TenantLimits, TokenBucket, estimate_tokens
-from kubeinfer.gateway.tenants import Tenant, TenantDirectory, TenantFileError, parse_tenants
-from kubeinfer.gateway.usage import UsageScanner
+from kubeinfer.gateway.scheduling.picker import RoutingError
+from kubeinfer.gateway.flowcontrol.tenant_limits import TenantLimits, TokenBucket, estimate_tokens
+from kubeinfer.gateway.flowcontrol.tenants import Tenant, TenantDirectory, TenantFileError, parse_tenants
+from kubeinfer.gateway.flowcontrol.usage import UsageScanner
 
 
 class Engine:
@@ -348,13 +348,13 @@ async def test_usage_is_counted_per_tenant_and_logged_as_json_lines(tmp_path):
 
 # -- through ext_proc ----------------------------------------------------------------------------------
 def _processor(tmp_path):
-    from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-    from kubeinfer.gateway.extproc import ExternalProcessor
-    from kubeinfer.gateway.metrics import GatewayMetrics
-    from kubeinfer.gateway.picker import Picker, PickerConfig
-    from kubeinfer.gateway.routing import Router
-    from kubeinfer.gateway.tenant_gate import TenantGate
-    from kubeinfer.gateway.usage import UsageRecorder
+    from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+    from kubeinfer.gateway.handlers.extproc import ExternalProcessor
+    from kubeinfer.gateway.handlers.metrics import GatewayMetrics
+    from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig
+    from kubeinfer.gateway.handlers.routing import Router
+    from kubeinfer.gateway.flowcontrol.tenant_gate import TenantGate
+    from kubeinfer.gateway.flowcontrol.usage import UsageRecorder
 
     pod = Endpoint("10.0.0.1:8000")
     pod.record_scrape(EngineState(), frozenset({"base"}), frozenset({"base"}))

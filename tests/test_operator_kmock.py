@@ -341,8 +341,8 @@ async def test_the_gateway_asks_for_capacity_once_and_the_operator_promotes_the_
     and replicas only ever go up."""
     from kubernetes import client as k8s_client
 
-    from kubeinfer.gateway.model_priorities import scale_targets_of
-    from kubeinfer.gateway.scale_up import ScaleUp
+    from kubeinfer.gateway.flowcontrol.model_priorities import scale_targets_of
+    from kubeinfer.gateway.flowcontrol.scale_up import ScaleUp
 
     async with Cluster(resync_seconds=0.3) as cluster:
         spec = {**SPEC, "adapters": [], "replicas": 0, "minReplicas": 0, "maxReplicas": 2, "standby": {"replicas": 1},

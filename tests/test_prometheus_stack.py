@@ -102,7 +102,7 @@ async def traffic(gateway_url: str, key: str) -> None:
 
 def test_every_dashboard_query_returns_series_from_a_scraped_stack(llama_dir, tmp_path, chart_monitors):
     from kubeinfer.gateway.app import Gateway, GatewayConfig
-    from kubeinfer.gateway.discovery import static_endpoints
+    from kubeinfer.gateway.datastore.discovery import static_endpoints
 
     tenants = tmp_path / "tenants.yaml"
     tenants.write_text(yaml.safe_dump({"tenants": [{"name": "team-a", "apiKeys": ["key-a"]}]}))

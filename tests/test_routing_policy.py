@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from kubeinfer.gateway import cli
-from kubeinfer.gateway.endpoints import Endpoint, EndpointPool, EngineState
-from kubeinfer.gateway.picker import Picker, PickerConfig, RoutingError, RoutingRequest
+from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
+from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingError, RoutingRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import routing_sim as sim  # noqa: E402

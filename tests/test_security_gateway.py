@@ -21,7 +21,7 @@ from server_harness import RunningServer
 from test_gateway import full_duplex
 from test_gateway_tenants import USAGE, Engine, _processor, _request, _response, _run, post, start_gateway, write_tenants
 
-from kubeinfer.gateway.token_estimate import estimate_request_tokens
+from kubeinfer.gateway.flowcontrol.token_estimate import estimate_request_tokens
 from kubeinfer.http_guard import GuardConfig
 
 LIMIT = 1 << 20
@@ -60,7 +60,7 @@ async def test_the_client_authorization_is_replaced_by_the_engine_key(tmp_path):
 
 
 async def test_ext_proc_sets_the_engine_key_on_the_routed_request(tmp_path):
-    from kubeinfer.gateway.extproc import ExternalProcessor
+    from kubeinfer.gateway.handlers.extproc import ExternalProcessor
 
     _, router = _processor(tmp_path)
     replies = await _run(ExternalProcessor(router, engine_api_key="engine-key"), _request("key-a"))
@@ -87,7 +87,7 @@ async def test_the_proxy_refuses_large_bodies_before_reading_them_with_memory_bo
 
 
 async def test_ext_proc_caps_the_body_it_buffers(tmp_path):
-    from kubeinfer.gateway.extproc import ExternalProcessor
+    from kubeinfer.gateway.handlers.extproc import ExternalProcessor
 
     _, router = _processor(tmp_path)
     processor = ExternalProcessor(router, max_body_bytes=LIMIT)
@@ -185,7 +185,7 @@ async def test_ext_proc_full_duplex_asks_a_stream_for_usage_and_strips_it(tmp_pa
 
 
 def test_usage_is_read_from_the_tail_of_a_large_body():
-    from kubeinfer.gateway.usage import UsageScanner
+    from kubeinfer.gateway.flowcontrol.usage import UsageScanner
 
     scanner = UsageScanner()
     body = json.dumps({"choices": [{"text": "x" * (6 << 20)}], "usage": USAGE}).encode()
@@ -232,7 +232,7 @@ async def test_half_sent_requests_are_closed_and_excess_ones_refused():
 
 
 def test_the_usage_event_is_stripped_however_the_stream_is_cut():
-    from kubeinfer.gateway.usage_strip import UsageEventStripper
+    from kubeinfer.gateway.handlers.usage_strip import UsageEventStripper
 
     kept = b'data: {"choices": [{"text": "usage"}], "usage": null}\n\ndata: {"choices": [{"text": "k"}]}\n\n'
     stream = kept + b'data: {"choices": [], "usage": %s}\n\ndata: [DONE]\n\n' % json.dumps(USAGE).encode()

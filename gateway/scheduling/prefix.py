@@ -48,10 +48,6 @@ def affinity_key(model: str, prompt: str, chars: int = AFFINITY_CHARS) -> int:
     return int.from_bytes(digest, "little")
 
 
-def address_key(address: str) -> int:
-    return int.from_bytes(hashlib.blake2b(address.encode(), digest_size=8).digest(), "little")
-
-
 class PrefixIndex:
     def __init__(self, capacity_per_endpoint: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity_per_endpoint

@@ -9,7 +9,9 @@ The survivors are scored by plugins, each in [0, 1], combined by configurable we
   active    fewer running requests (same normalisation): an engine that admits everything has no queue
   kv_cache  more free KV cache
   lora      1.0 adapter active, 0.8 a free adapter slot, 0.6 adapter waiting, 0 otherwise
-  prefix    share of the prompt's leading chunks already sent to that endpoint (its likely cached prefix)
+  prefix    share of the prompt's leading chunks already sent to that endpoint (its likely cached prefix);
+            with --prefix-routing precise, share of its leading KV blocks the pod holds by its KV events
+            (precise_prefix.py), for the pods whose events the gateway follows
   affinity  rendezvous hash of the prompt's opening and the endpoint: the same preference in every replica
 The best endpoint wins; the next ones are fallbacks, for a proxy or Envoy to retry on. The scorers work
 on the pool's columns (load_table.py), all candidates at once: a pick at 500 endpoints takes ~0.1 ms.
@@ -20,6 +22,7 @@ Admission (404/503, shedding) is the same under both policies, so only the choic
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -27,9 +30,12 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .endpoints import Endpoint, EndpointPool
-from .load_table import LoadTable
+from ..datastore.endpoints import Endpoint, EndpointPool
+from ..datastore.load_table import LoadTable
+from .precise_prefix import PrecisePrefixScorer
 from .prefix import PrefixIndex, affinity_key, chunk_hashes
+
+logger = logging.getLogger(__name__)
 
 # prefix outweighs queue + active together, so a long shared prompt goes home even when home has one
 # more request in flight than its peers (measured in benchmarks/routing_sim.py: no cost in TTFT there).
@@ -63,6 +69,8 @@ class RoutingRequest:
     deadline: float | None = None  # monotonic end of the client's time budget (x-request-timeout-ms)
     estimated_tokens: int | None = None  # token_estimate.py: what admission charges the tenant
     add_usage: bool = False  # a stream whose usage the gateway asks for, and strips (engine_body.py)
+    body: dict | None = None  # the parsed body, for the precise scorer's tokenizer
+    token_ids: list[int] | None = None  # the prompt's token ids ([]: not knowable here), computed once
 
     def affinity_key(self) -> int:
         if self.affinity is None:
@@ -103,6 +111,8 @@ class Context:
     rows: np.ndarray
     hashes: list[int]
     prefix_index: PrefixIndex
+    precise: PrecisePrefixScorer | None = None
+    block_keys: list[int] | None = None  # the request's KV block keys, when scored precisely
 
 
 @dataclass
@@ -153,7 +163,15 @@ def score_prefix(ctx: Context) -> np.ndarray:
         row = ctx.table.rows.get(address)
         if row is not None:
             matched[row] = count
-    return matched[ctx.rows] / max(1, len(ctx.hashes))
+    share = matched[ctx.rows] / max(1, len(ctx.hashes))
+    if ctx.block_keys is None:
+        return share
+    # Precise where the pod's events are followed; the approximate share for the others.
+    addresses = [ctx.table.endpoints[row].address for row in ctx.rows]
+    held = ctx.precise.matched(ctx.block_keys, addresses)
+    blocks = max(1, len(ctx.block_keys))
+    return np.array([held.get(a, 0.0) / blocks if ctx.precise.tracks(a) or a in held else share[i]
+                     for i, a in enumerate(addresses)])
 
 
 AFFINITY_MIN_CHUNKS = 4  # 256 characters, about 64 tokens
@@ -186,9 +204,11 @@ TIE_BREAK = 1e-9  # random noise this small only orders equal totals: a burst sp
 class Picker:
     def __init__(self, pool: EndpointPool, config: PickerConfig | None = None,
                  prefix_index: PrefixIndex | None = None, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, precise: PrecisePrefixScorer | None = None) -> None:
         """`clock` stamps dispatches; scrapes (`Endpoint.record_scrape(started=...)`) must use the same one.
-        A simulation passes its own."""
+        A simulation passes its own. `precise`: --prefix-routing precise (the engines' KV events)."""
+        self.precise = precise
+        self._approximate_logged = False
         self.pool = pool
         self.clock = clock
         self.config = config or PickerConfig()
@@ -265,7 +285,8 @@ class Picker:
             candidates = roomy
         if self.config.policy == "round-robin":
             return self._rotate(request.model, [table.endpoints[row] for row in rows])
-        ctx = Context(request, table, candidates, request.prefix_hashes(), self.prefix_index)
+        ctx = Context(request, table, candidates, request.prefix_hashes(), self.prefix_index, self.precise,
+                      self._block_keys(request) if self.config.weights.get("prefix") else None)
         scores = {name: SCORERS[name](ctx) for name, w in self.config.weights.items() if w}
         total = np.zeros(len(candidates))
         for name, values in scores.items():
@@ -274,9 +295,25 @@ class Picker:
         best = table.endpoints[candidates[order[0]]]
         sent = best.record_dispatch(self.clock())
         self.prefix_index.remember(best.address, ctx.hashes)
+        if ctx.block_keys:
+            self.precise.remember(best.address, ctx.block_keys)
         return Decision(best, [table.endpoints[candidates[i]] for i in order[1:]],
                         {**{name: float(values[order[0]]) for name, values in scores.items()},
                          "total": float(total[order[0]])}, sent)
+
+    def _block_keys(self, request: RoutingRequest) -> list[int] | None:
+        """The request's KV block keys for the precise scorer; None (approximate) when precise routing is off,
+        or no engine's events are followed yet, or the prompt cannot be tokenized here."""
+        if self.precise is None or (request.body is None and request.token_ids is None):
+            return None
+        lora = None if not request.model or self.table.base.mask(request.model).any() else request.model
+        keys = self.precise.keys(request, lora)
+        if keys is None and not self._approximate_logged:
+            self._approximate_logged = True
+            logger.warning("--prefix-routing precise: %s; scoring prefixes approximately until then",
+                           "no engine publishes KV events yet" if not self.precise.index.block_sizes else
+                           f"no tokenizer for `{request.model}` (--tokenizer)")
+        return keys
 
     def _rotate(self, model: str, serving: list[Endpoint]) -> Decision:
         """Round-robin: blind to load, cache and adapters, but never to which endpoints serve the model."""

@@ -42,11 +42,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from ..grpc_health import HealthCheckedServer
-from ..http_guard import DEFAULT_MAX_BODY_BYTES
-from .deadline import TIMEOUT_HEADER, remaining_ms_header
-from .engine_auth import engine_authorization
-from .picker import Decision, RoutingError
+from ...grpc_health import HealthCheckedServer
+from ...http_guard import DEFAULT_MAX_BODY_BYTES
+from ..datastore.engine_auth import engine_authorization
+from ..flowcontrol.deadline import TIMEOUT_HEADER, remaining_ms_header
+from ..scheduling.picker import Decision, RoutingError
 from .routes import route_of
 from .routing import Router
 from .usage_strip import UsageEventStripper

@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .picker import RoutingError
+from ..scheduling.picker import RoutingError
 from .tenants import Tenant
 from .token_estimate import DEFAULT_COMPLETION_ESTIMATE
 

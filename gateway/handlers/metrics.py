@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .picker import Picker
+from ..scheduling.picker import Picker
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 UNKNOWN_MODEL = "unknown"  # the label of requests for models no endpoint serves
@@ -64,6 +64,7 @@ class GatewayMetrics:
                                              "end of the response, summed per tenant.", tenant, registry=r)
         self._pick_labels: set[str] = set()
         self.discovery = None  # the Kubernetes pod discovery, when there is one: its failures are exported
+        self.kv_events = None  # the KV-event subscriber (--prefix-routing precise): its counts are exported
 
     def count_pick(self, address: str) -> None:
         self._pick_labels.add(address)
@@ -102,3 +103,18 @@ class _PoolCollector:
             for reason in ("forbidden", "unauthorized", "error"):
                 failures.add_metric([reason], discovery.failures.get(reason, 0))
             yield failures
+        subscriber = self.metrics.kv_events
+        if subscriber is not None:  # --prefix-routing precise
+            yield gauge("kubeinfer_gateway_kv_events_pods", "Pods whose KV events the gateway follows.",
+                        len(subscriber.index.pods))
+            batches = CounterMetricFamily("kubeinfer_gateway_kv_events_batches", "KV-event batches from the engines, "
+                                          "by outcome: applied live, replayed after a gap, missed (gone from the "
+                                          "engine's replay buffer), undecodable.", labels=["outcome"])
+            totals = subscriber.totals()
+            for outcome, key in (("applied", "batches"), ("replayed", "replayed"), ("missed", "missed"), ("bad", "bad")):
+                batches.add_metric([outcome], totals.get(key, 0))
+            yield batches
+            dropped = CounterMetricFamily("kubeinfer_gateway_kv_events_pods_dropped", "Pods whose blocks were "
+                                          "forgotten: their events connection was down past --kv-events-lost-after.")
+            dropped.add_metric([], subscriber.dropped_pods)
+            yield dropped

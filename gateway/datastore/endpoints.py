@@ -33,6 +33,8 @@ class EngineState:
     waiting_adapters: frozenset[str] = frozenset()
     max_loras: int = 0
     max_running: int = 0  # the engine's batch size limit (max_num_seqs); 0: not reported
+    load_report: bool = False  # read from our engine's /load (else Prometheus text: vLLM or another engine)
+    kv_events: dict | None = None  # /load's `kv_events`: where the engine publishes KV events (None: off)
 
 
 def parse_engine_metrics(text: str) -> EngineState:

@@ -20,13 +20,13 @@ anything twice that matters. After the first byte the status is sent and nothing
 """
 from __future__ import annotations
 
-import ssl
 from dataclasses import dataclass
 
 import httpx
 
+from ..datastore.http_client import make_client
+
 SHARD_STREAMS = 16  # in-flight requests per pool: keeps httpcore's per-event scan short
-KEEPALIVE_EXPIRY = 2.0  # seconds; below the engines' (uvicorn's default 5 s) keep-alive timeout
 # Engine answers that mean "not here, but maybe elsewhere": queue full, not ready or draining, and an
 # adapter this pod does not hold (yet). Each sends the request to another pod while one is left.
 RETRY_ELSEWHERE = {429, 503, 404}
@@ -39,19 +39,6 @@ class UpstreamConfig:
     idle_timeout: float = 300.0  # longest gap between two chunks of a response
     max_attempts: int = 3  # the pick and two other pods
     engine_api_key: str | None = None  # presented to engines in place of the client's Authorization
-
-
-_TLS = None
-
-
-def make_client(timeout: httpx.Timeout | float) -> httpx.AsyncClient:
-    """A client with no keep-alive cap and short idle expiry; all share one TLS context (building one
-    per client costs milliseconds, and there may be one per engine pod)."""
-    global _TLS
-    _TLS = _TLS or ssl.create_default_context()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
-                          keepalive_expiry=KEEPALIVE_EXPIRY)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, verify=_TLS)
 
 
 class ClientShards:
@@ -90,12 +77,6 @@ class ClientShards:
 
 class FirstByteTimeout(Exception):
     """The engine took the request but sent nothing back within --upstream-first-byte-timeout."""
-
-
-def describe(error: BaseException) -> str:
-    """The cause, always with its type: httpx's timeouts and resets often have an empty message."""
-    detail = str(error) or str(error.__cause__ or "") or "no detail"
-    return f"{type(error).__name__}: {detail}"
 
 
 def failure_status(errors: list[BaseException]) -> int:

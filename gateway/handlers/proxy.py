@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .endpoints import Endpoint
+from ..datastore.endpoints import Endpoint
 from .forward import Forwarder, error_response
 from .routes import MODELS_ROUTE, route_of
 from .routing import Router

@@ -108,6 +108,12 @@ class LoadConnection(KeptAliveConnection):
             return EngineState(waiting=report["waiting"], running=report["running"], kv_usage=report["kv_usage"],
                                running_adapters=frozenset(report["running_adapters"]),
                                waiting_adapters=frozenset(report["waiting_adapters"]),
-                               max_loras=report["max_loras"], max_running=report.get("max_num_seqs", 0)), report
+                               max_loras=report["max_loras"], max_running=report.get("max_num_seqs", 0),
+                               load_report=True, kv_events=_kv_events(report.get("kv_events"))), report
         except (ValueError, KeyError, TypeError):  # 404, or some other /load: not our engine's report
             raise LoadReportUnsupported(f"{self.host}:{self.port} has no load report (/load: {status})") from None
+
+
+def _kv_events(value) -> dict | None:
+    """The report's `kv_events` when it names an events endpoint; anything else means none."""
+    return value if isinstance(value, dict) and isinstance(value.get("endpoint"), str) else None

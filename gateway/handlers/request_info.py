@@ -20,10 +20,10 @@ import json
 import re
 from collections.abc import Mapping
 
-from .deadline import deadline_of
+from ..flowcontrol.deadline import deadline_of
+from ..flowcontrol.token_estimate import estimate_request_tokens
+from ..scheduling.picker import RoutingError, RoutingRequest
 from .engine_body import wants_usage_added
-from .picker import RoutingError, RoutingRequest
-from .token_estimate import estimate_request_tokens
 
 PRIORITY_HEADER = "x-gateway-inference-priority"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
@@ -63,9 +63,10 @@ def clamp_priority(priority: int) -> int:
 
 def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities: Mapping[str, int] | None = None,
                   objective_priorities: Mapping[str, int] | None = None,
-                  trust_headers: bool = False) -> RoutingRequest:
+                  trust_headers: bool = False, keep_body: bool = False) -> RoutingRequest:
     """Raises RoutingError(400) for a body the engines would reject anyway, before any routing.
-    A request without a body (GET /v1/models, /health) may go to any endpoint."""
+    A request without a body (GET /v1/models, /health) may go to any endpoint. `keep_body`: the parsed body
+    stays on the request (the precise prefix scorer tokenizes it); otherwise it is not kept alive."""
     if not raw_body:
         return RoutingRequest(model="")
     try:
@@ -91,7 +92,8 @@ def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities:
     return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0, priority=priority,
                           max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
                           deadline=deadline_of(headers), estimated_tokens=estimate_request_tokens(body),
-                          add_usage=wants_usage_added(body))
+                          add_usage=wants_usage_added(body),
+                          body=body if keep_body else None)
 
 
 def engine_priority(gateway_priority: int) -> int:

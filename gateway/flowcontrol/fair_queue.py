@@ -36,8 +36,8 @@ from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..scheduling.picker import Decision, Picker, RoutingError, RoutingRequest
 from .deadline import TIMEOUT_HEADER, remaining_seconds
-from .picker import Decision, Picker, RoutingError, RoutingRequest
 
 POLL_SECONDS = 0.01  # how often a model with waiting requests is checked for a free pod
 RATE_WINDOW = 32  # recent dispatches the expected wait is measured on

@@ -19,8 +19,8 @@ import math
 import threading
 from dataclasses import dataclass
 
+from ..datastore.resource_watch import CrdMissing, ResourceWatch
 from .fallback import fallbacks_of
-from .resource_watch import CrdMissing, ResourceWatch
 
 logger = logging.getLogger(__name__)
 INFERENCE_MODELS = ("serving.kubeinfer.io", "v1alpha1", "inferencemodels")

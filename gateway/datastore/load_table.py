@@ -8,10 +8,16 @@ the scrapes since the last pick); a membership change rebuilds the table.
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from .endpoints import Endpoint, EndpointPool
-from .prefix import address_key
+
+
+def address_key(address: str) -> int:
+    """A 64-bit name of an endpoint, mixed with a prompt's affinity key for rendezvous hashing."""
+    return int.from_bytes(hashlib.blake2b(address.encode(), digest_size=8).digest(), "little")
 
 
 class NameIndex:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from .picker import RoutingError, RoutingRequest
+from ..scheduling.picker import RoutingError, RoutingRequest
 from .tenant_limits import Charge, TenantLimits, estimate_tokens
 from .tenants import TenantDirectory
 from .usage import UsageRecorder, UsageScanner, token_counts

@@ -27,9 +27,9 @@ import httpx
 
 from .endpoints import Endpoint, EndpointPool, EngineState
 from .engine_auth import engine_authorization, without_paths
+from .http_client import describe, make_client
 from .load_poller import LoadConnection, LoadReportUnsupported
 from .metrics_text import read_engine_metrics
-from .upstream import describe, make_client
 
 logger = logging.getLogger(__name__)
 # How soon a pod that joins the pool is polled, rather than at the next round: a held request waits on it.

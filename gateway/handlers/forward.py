@@ -21,18 +21,18 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from .deadline import TIMEOUT_HEADER, remaining_ms_header
-from .endpoints import Endpoint
-from .engine_auth import for_engine
+from ..datastore.endpoints import Endpoint
+from ..datastore.engine_auth import for_engine
+from ..datastore.http_client import describe
+from ..flowcontrol.deadline import TIMEOUT_HEADER, remaining_ms_header
+from ..scheduling.picker import RoutingError, RoutingRequest
 from .extproc import error_body
-from .picker import RoutingError, RoutingRequest
 from .routing import Router
 from .upstream import (
     RETRY_ELSEWHERE,
     ClientShards,
     FirstByteTimeout,
     UpstreamConfig,
-    describe,
     failure_status,
     retry_reason,
 )

@@ -8,14 +8,13 @@ from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import replace
 
-from .deadline import TIMEOUT_HEADER, remaining_seconds
+from ..flowcontrol.deadline import TIMEOUT_HEADER, remaining_seconds
+from ..flowcontrol.fallback import Fallbacks
+from ..flowcontrol.hold import HoldQueue, HoldRefused
+from ..scheduling.picker import Decision, Picker, RoutingError, RoutingRequest
 from .engine_body import engine_body
-from .fallback import Fallbacks
-from .hold import HoldQueue, HoldRefused
 from .metrics import UNKNOWN_MODEL, GatewayMetrics
-from .picker import Decision, Picker, RoutingError, RoutingRequest
 from .request_info import engine_priority, parse_request
-
 
 PARSE_ON_LOOP_BYTES = 64 << 10
 
@@ -52,6 +51,9 @@ class Router:
                 self.metrics.errors.labels(self.model_label(request.model), str(error.status)).inc()
                 raise
         try:
+            precise = self.picker.precise  # admitted requests only: tokenizing a long prompt takes milliseconds,
+            if precise is not None and request.body is not None and precise.index.block_sizes:  # off the loop
+                await asyncio.to_thread(precise.tokenize, request)
             if rewrite_body and request.model:
                 self._fall_back_if_unservable(request)
             if self.hold is not None and request.model and self._holdable(request.model):
@@ -136,7 +138,8 @@ class Router:
     def _parse(self, raw_body: bytes, headers: Mapping[str, str]) -> RoutingRequest:
         try:
             return parse_request(raw_body, headers, ChainMap(self.model_priorities, self.discovered_priorities),
-                                 self.objective_priorities, self.trust_priority_headers)
+                                 self.objective_priorities, self.trust_priority_headers,
+                                 keep_body=self.picker.precise is not None)
         except RoutingError as error:
             self.metrics.errors.labels(UNKNOWN_MODEL, str(error.status)).inc()
             raise
@@ -148,7 +151,8 @@ class Router:
         try:
             request = request or parse_request(raw_body, headers,
                                                ChainMap(self.model_priorities, self.discovered_priorities),
-                                               self.objective_priorities, self.trust_priority_headers)
+                                               self.objective_priorities, self.trust_priority_headers,
+                                               keep_body=self.picker.precise is not None)
             request.subset = subset
             start = time.perf_counter()
             decision = self.picker.pick(request)

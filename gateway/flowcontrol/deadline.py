@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Mapping
 
-from .picker import RoutingError
+from ..scheduling.picker import RoutingError
 
 TIMEOUT_HEADER = "x-request-timeout-ms"
 MAX_TIMEOUT_MS = 24 * 3600 * 1000  # a day, as the engines allow

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from .picker import RoutingError
+from ..scheduling.picker import RoutingError
 
 logger = logging.getLogger(__name__)
 TENANT_HEADER = "x-gateway-tenant"

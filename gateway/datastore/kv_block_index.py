@@ -1,0 +1,154 @@
+"""Which KV blocks each engine pod holds, followed from its KV events (kv_event_wire.py).
+
+Blocks are keyed by the gateway's own chained hash of their token ids (`block_key`), not by the
+engine's hash: engines of different kinds (ours, vLLM with any `prefix_caching_hash_algo`) then agree,
+and the picker can hash a request's tokens the same way. Each pod maps its engine hashes to our keys,
+which is how a `BlockRemoved` (it carries only the engine's hashes) finds what to drop.
+The key of a block includes the adapter that computed it (vLLM's `lora_name`, else its `lora_id`): an
+adapter's blocks never match the base model's, as in the engine's own cache.
+Holdings are kept per medium: "GPU" (the device tier, whatever the device) above offloaded tiers.
+
+Written by the subscriber thread, read by the picker on the event loop: one lock, held for one batch
+or one lookup.
+"""
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import Counter
+
+from .kv_event_wire import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+ROOT = 0
+
+
+def lora_root(lora: str | int | None) -> int:
+    """The chain's start for blocks computed with this adapter (None: the base model)."""
+    if lora is None:
+        return ROOT
+    return _digest(b"lora\0" + str(lora).encode())
+
+
+def _digest(data: bytes) -> int:
+    # Python's own bytes hash (SipHash, in C): keys never leave this process (each gateway replica keys the
+    # events it receives itself), so its per-process seed does no harm, and it is several times cheaper
+    # than a cryptographic digest on a long prompt's hundreds of blocks. Folded to 63 bits, never 0 (ROOT).
+    return (hash(data) & 0x7FFF_FFFF_FFFF_FFFF) or 1
+
+
+def block_key(parent: int, token_ids) -> int:
+    return _digest(parent.to_bytes(8, "little") + array("q", token_ids).tobytes())
+
+
+def chain_keys(token_ids: list[int], block_size: int, lora: str | int | None = None) -> list[int]:
+    """Our keys of the full blocks of `token_ids`, in order."""
+    keys, parent = [], lora_root(lora)
+    data, step = array("q", token_ids).tobytes(), block_size * 8  # as block_key packs them, in one pass
+    for start in range(0, len(data) - step + 1, step):
+        parent = _digest(parent.to_bytes(8, "little") + data[start:start + step])
+        keys.append(parent)
+    return keys
+
+
+class PodBlocks:
+    """One pod's holdings: (engine hash, medium) -> our key, and per medium how many engine blocks name each
+    key (plain dicts of ints: a pod may hold tens of thousands of blocks, and a pool hundreds of pods)."""
+
+    def __init__(self) -> None:
+        self.to_key: dict[tuple[object, str], int] = {}
+        self.held: dict[str, dict[int, int]] = {DEVICE: {}}  # medium -> our key -> engine blocks with it
+        self.orphans = 0  # stored blocks whose parent this pod never announced (events missed): not indexed
+
+    def engine_hashes(self, medium: str = DEVICE) -> set:
+        return {h for h, m in self.to_key if m == medium}
+
+
+class KVBlockIndex:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pods: dict[str, PodBlocks] = {}
+        self.block_sizes: Counter = Counter()  # block size -> pods reporting it
+
+    # -- the subscriber's side ----------------------------------------------------------------------------
+    def apply(self, pod: str, events: list[Event]) -> None:
+        with self.lock:
+            state = self.pods.get(pod)
+            if state is None:
+                state = self.pods[pod] = PodBlocks()
+            for event in events:
+                if isinstance(event, BlockStored):
+                    self._stored(pod, state, event)
+                elif isinstance(event, BlockRemoved):
+                    for engine_hash in event.block_hashes:
+                        self._remove(state, (_hashable(engine_hash), event.medium or DEVICE))
+                elif isinstance(event, AllBlocksCleared):
+                    self.pods[pod] = state = PodBlocks()
+
+    def _stored(self, pod: str, state: PodBlocks, event: BlockStored) -> None:
+        medium, size = event.medium or DEVICE, event.block_size
+        if size not in self.block_sizes:
+            self.block_sizes[size] += 1
+        if event.parent_block_hash is None:
+            parent = lora_root(event.lora_name if event.lora_name is not None else event.lora_id)
+        else:
+            parent = (state.to_key.get((_hashable(event.parent_block_hash), medium))
+                      or state.to_key.get((_hashable(event.parent_block_hash), DEVICE)))
+            if parent is None:
+                state.orphans += len(event.block_hashes)
+                return
+        tokens = event.token_ids
+        for i, engine_hash in enumerate(event.block_hashes):
+            parent = block_key(parent, tokens[i * size:(i + 1) * size])
+            slot = (_hashable(engine_hash), medium)
+            if slot in state.to_key:  # announced twice: keep one count
+                continue
+            state.to_key[slot] = parent
+            counts = state.held.setdefault(medium, {})
+            counts[parent] = counts.get(parent, 0) + 1
+
+    @staticmethod
+    def _remove(state: PodBlocks, slot: tuple) -> None:
+        key = state.to_key.pop(slot, None)
+        if key is None:
+            return
+        counts = state.held[slot[1]]
+        if counts[key] > 1:
+            counts[key] -= 1
+        else:
+            del counts[key]
+
+    def drop(self, pod: str) -> None:
+        """Forget a pod: its stream is lost, or the engine restarted with an empty cache."""
+        with self.lock:
+            self.pods.pop(pod, None)
+
+    # -- the picker's side -------------------------------------------------------------------------------
+    def leading_runs(self, keys: list[int], pods: list[str]) -> dict[str, tuple[int, int]]:
+        """Per pod: (leading blocks held on the device, leading blocks held on any medium)."""
+        out = {}
+        with self.lock:
+            for pod in pods:
+                state = self.pods.get(pod)
+                if state is None:
+                    continue
+                on_device = state.held[DEVICE]
+                offloaded = [counts for medium, counts in state.held.items() if medium != DEVICE and counts]
+                device = anywhere = 0
+                for key in keys:
+                    if key in on_device:
+                        device += device == anywhere
+                    elif not any(key in counts for counts in offloaded):
+                        break
+                    anywhere += 1
+                if anywhere:
+                    out[pod] = (device, anywhere)
+        return out
+
+    def keys_of(self, pod: str, medium: str = DEVICE) -> set[int]:
+        with self.lock:
+            state = self.pods.get(pod)
+            return set(state.held.get(medium, ())) if state else set()
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value

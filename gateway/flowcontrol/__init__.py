@@ -1,0 +1,3 @@
+"""Decides whether and when a request may be scheduled: tenants and their limits, usage accounting, time budgets,
+holding for models with no ready engine, fallback models, priorities from the cluster, scale-from-zero requests,
+and the fair queue for saturated models. Calls scheduling for the pick."""
