@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from test_triton_kernels import DEVICES  # also sets TRITON_INTERPRET=1 without CUDA, before triton loads
 
 from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts
-from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE, clamped_swiglu, silu_and_mul
+from kubeinfer.engine.model_executor.layers.fused_moe.activation import clamped_swiglu, silu_and_mul
+from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
 from kubeinfer.engine.model_executor.layers.fused_moe.router import softmax_topk, topk_softmax
 
 E, H, I, K = 8, 32, 48, 2
@@ -146,3 +147,19 @@ def test_loading_a_wrong_shape_names_the_weight():
         moe.load_down(0, torch.zeros(H, I + 1))
     with pytest.raises(ValueError, match="does not split over 5"):
         FusedMoE(E, H, I, tp_size=5)
+
+
+def test_grouped_path_runs_one_matmul_pair_per_active_expert(monkeypatch):
+    """200 tokens over 3 active experts: 6 matmuls, however many tokens (no loop over tokens)."""
+    from kubeinfer.engine.model_executor.layers.fused_moe import grouped
+
+    calls = []
+    real = grouped.F.linear
+    monkeypatch.setattr(grouped.F, "linear", lambda *a: calls.append(1) or real(*a))
+    gate_up, down, _, _ = random_experts(6, False)
+    ids = torch.tensor([[0, 4], [4, 7], [7, 0]] * 67)[:200]
+    weights = torch.full(ids.shape, 0.5)
+    x = torch.randn(200, H)
+    got = grouped_experts(x, gate_up, down, weights, ids, silu_and_mul)
+    assert len(calls) == 6
+    torch.testing.assert_close(got[:3], reference(x[:3], gate_up, down, weights[:3], ids[:3], silu_and_mul))

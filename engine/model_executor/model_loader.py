@@ -134,6 +134,10 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             if f".{ours}." in name:
                 expected[name] = 3 if ours == "qkv_proj" else 2
     loaded: dict[str, int] = {}
+    # MoE models load expert tensors themselves: stacked whatever the checkpoint's layout (models/moe.py)
+    special = getattr(model, "load_special_weight", None)
+    if special is not None:
+        expected.update((name, count) for name, count in model.expected_loads().items() if name in params)
     # --quantization fp8 on a float checkpoint: the decoder's projections (not embeddings, lm_head or norms)
     at_load = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"} \
         if getattr(quantization, "at_load", False) else set()
@@ -150,6 +154,15 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                 continue
             if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
                 continue
+            if special is not None:
+                try:
+                    filled = special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization) if k in handles else None)
+                except ValueError as error:
+                    raise ModelLoadError(f"{file.name}: {error}") from None
+                if filled is not None:
+                    for name, count in filled.items():
+                        loaded[name] = loaded.get(name, 0) + count
+                    continue
             name, shard = (ours, None) if model.checkpoint_fused else _target(ours)
             if name not in params:
                 raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")

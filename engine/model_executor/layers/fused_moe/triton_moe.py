@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ....triton_utils import MIN_DOT, must_upcast
-from .layer import clamped_swiglu, silu_and_mul
+from .activation import clamped_swiglu, silu_and_mul
 
 
 @triton.jit
