@@ -148,9 +148,9 @@ def _moe_defaults(family: str, head_dim: int) -> dict[str, Any]:
     if family == "qwen2_moe":
         return dict(num_experts=8, moe_intermediate_size=48, shared_expert_intermediate_size=80, **top_k)
     if family == "mixtral":
-        return dict(num_local_experts=8, intermediate_size=48, **top_k)
+        return dict(num_local_experts=8, **top_k)
     # gpt-oss: a low swiglu_limit so that the clamps bite at this init scale; alternating windowed/full layers
-    return dict(num_local_experts=8, intermediate_size=48, head_dim=head_dim, swiglu_limit=1.5, sliding_window=6,
+    return dict(num_local_experts=8, head_dim=head_dim, swiglu_limit=1.5, sliding_window=6,
                 **top_k)
 
 
