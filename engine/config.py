@@ -94,6 +94,7 @@ class ModelSpec:
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.qk_norm = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
         self.moe = None  # the MoE families' MoESettings (models/moe.py), set by their model class
+        self.is_moe = architecture in MOE_ARCHITECTURES  # LoRA then targets the attention projections only
         # q/k/v and gate/up already fused in the checkpoint (Phi-3): loaded, and adapted by LoRA, as they are
         self.fused_checkpoint = architecture in FUSED_CHECKPOINT_ARCHITECTURES
         # Each layer's window (None: full attention); `sliding_window` is the window when all layers share one.
@@ -135,6 +136,7 @@ def rope_settings(config) -> tuple[float, dict]:
     return float(theta), merged
 
 
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # Architectures whose checkpoints hold qkv_proj and gate_up_proj themselves (PEFT adapters target those too).

@@ -73,11 +73,10 @@ def test_chunked_prefill_and_preemption_keep_outputs_exact(family, moe_dirs, ref
 
 
 def test_layers_are_sparse_or_dense_as_configured(moe_dirs):
-    from kubeinfer.engine.model_executor.models.llama import MLP
-    from kubeinfer.engine.model_executor.models.moe import SparseMoeBlock
+    from kubeinfer.engine.model_executor.models.moe import DenseMLP, SparseMoeBlock
 
     layers = LLM(moe_dirs["qwen3_moe"], block_size=4).engine.runner.model.model.layers
-    assert [type(layer.mlp) for layer in layers] == [SparseMoeBlock, MLP, SparseMoeBlock]
+    assert [type(layer.mlp) for layer in layers] == [SparseMoeBlock, DenseMLP, SparseMoeBlock]
     experts = layers[0].mlp.experts
     assert tuple(experts.gate_up_proj.shape) == (8, 96, 64) and tuple(experts.down_proj.shape) == (8, 64, 48)
     qwen2 = LLM(moe_dirs["qwen2_moe"], block_size=4).engine.runner.model.model.layers[0].mlp

@@ -19,7 +19,7 @@ from torch import nn
 from ...config import ModelSpec
 from ..layers.fused_moe.layer import FusedMoE
 from ..layers.fused_moe.router import softmax_topk, topk_softmax
-from .llama import CausalLM, DecoderLayer
+from .llama import MLP, CausalLM, DecoderLayer
 
 # Per-expert checkpoint tensors: (the experts' module, expert, projection). w1/w3/w2 are Mixtral's gate/up/down.
 _PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
@@ -83,6 +83,13 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+class DenseMLP(MLP):
+    """A dense layer of an MoE model: adapters target the attention projections only (lora/adapter.py)."""
+
+    def forward(self, x, lora=None):
+        return super().forward(x, None)
+
+
 class MoEDecoderLayer(DecoderLayer):
     """The Llama layer with the sparse block in place of the MLP on the model's sparse layers."""
 
@@ -91,6 +98,8 @@ class MoEDecoderLayer(DecoderLayer):
         settings: MoESettings = spec.moe
         if settings.sparse_layers is None or layer_idx in settings.sparse_layers:
             self.mlp = SparseMoeBlock(spec.hidden_size, settings)
+        else:
+            self.mlp = DenseMLP(spec, layer_idx)
 
 
 class MoECausalLM(CausalLM):
