@@ -142,3 +142,17 @@ def test_expert_weights_on_a_dense_layer_are_refused(moe_dirs, tmp_path):
     save_file(tensors, str(tmp_path / "bad" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="that layer is dense"):
         LLM(str(tmp_path / "bad"), block_size=4)
+
+
+def test_moe_architectures_are_registered_and_listed(capsys):
+    import json
+
+    from kubeinfer.cli import main
+    from kubeinfer.engine.model_executor.models.moe import MoECausalLM
+    from kubeinfer.engine.model_executor.models.registry import model_class
+
+    names = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+    assert all(issubclass(model_class(name), MoECausalLM) for name in names)
+    assert main(["models", "--format", "json"]) == 0
+    rows = {r["architecture"]: r for r in json.loads(capsys.readouterr().out)}
+    assert set(names) <= set(rows) and rows["GptOssForCausalLM"]["quantized"] == "mxfp4"
