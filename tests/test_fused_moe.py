@@ -154,8 +154,8 @@ def test_grouped_path_runs_one_matmul_pair_per_active_expert(monkeypatch):
     from kubeinfer.engine.model_executor.layers.fused_moe import grouped
 
     calls = []
-    real = grouped.F.linear
-    monkeypatch.setattr(grouped.F, "linear", lambda *a: calls.append(1) or real(*a))
+    real = grouped._product
+    monkeypatch.setattr(grouped, "_product", lambda *a: calls.append(1) or real(*a))
     gate_up, down, _, _ = random_experts(6, False)
     ids = torch.tensor([[0, 4], [4, 7], [7, 0]] * 67)[:200]
     weights = torch.full(ids.shape, 0.5)
@@ -163,3 +163,18 @@ def test_grouped_path_runs_one_matmul_pair_per_active_expert(monkeypatch):
     got = grouped_experts(x, gate_up, down, weights, ids, silu_and_mul)
     assert len(calls) == 6
     torch.testing.assert_close(got[:3], reference(x[:3], gate_up, down, weights[:3], ids[:3], silu_and_mul))
+
+
+def test_grouped_path_through_openblas_in_small_steps():
+    """In a small CPU step (layers/cpu_blas.py) the experts' float32 products go to OpenBLAS: same results."""
+    from kubeinfer.engine.model_executor.layers.cpu_blas import openblas_active, small_step
+
+    gate_up, down, b1, b2 = random_experts(7, True)
+    weights, ids = uneven_routing(13, 8)
+    x = torch.randn(13, H)
+    activation = clamped_swiglu(1.702, 7.0)
+    with small_step(True):
+        assert openblas_active()
+        got = grouped_experts(x, gate_up, down, weights, ids, activation, b1, b2)
+    torch.testing.assert_close(got, reference(x, gate_up, down, weights, ids, activation, b1, b2),
+                               atol=1e-5, rtol=1e-5)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
-import torch.nn.functional as F
+
+from ..cpu_blas import openblas_active
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
@@ -19,17 +21,38 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order inside a group
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    groups = [(e, slice(start - n, start)) for e, n, start in zip(range(len(counts)), counts, _ends(counts)) if n]
     tokens = order // top_k
     gathered = x.index_select(0, tokens)
-    out = torch.empty_like(gathered)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        h = F.linear(gathered[rows], gate_up[expert], None if gate_up_bias is None else gate_up_bias[expert])
-        out[rows] = F.linear(activation(h), down[expert], None if down_bias is None else down_bias[expert])
-        start += count
+    # Two products per active expert, each written in place into its rows; the activation once over all rows.
+    h = gathered.new_empty(gathered.shape[0], gate_up.shape[1])
+    for expert, rows in groups:
+        _product(gathered[rows], gate_up[expert], h[rows], None if gate_up_bias is None else gate_up_bias[expert])
+    act = activation(h)
+    out = gathered.new_empty(gathered.shape[0], down.shape[1])
+    for expert, rows in groups:
+        _product(act[rows], down[expert], out[rows], None if down_bias is None else down_bias[expert])
     out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
     # Added back in expert order per token: the order transformers' eager experts add them in.
     return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def _ends(counts: list[int]) -> list[int]:
+    ends, total = [], 0
+    for n in counts:
+        total += n
+        ends.append(total)
+    return ends
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out = x @ weight.T (+ bias), in place. In a small CPU step float32 products go to OpenBLAS, as the dense
+    projections do there (layers/cpu_blas.py: torch runs on one thread then)."""
+    if openblas_active() and x.dtype == torch.float32:
+        np.matmul(x.numpy(), weight.detach().numpy().T, out=out.numpy())
+        if bias is not None:
+            out.add_(bias)
+    elif bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)
