@@ -155,4 +155,4 @@ def test_moe_architectures_are_registered_and_listed(capsys):
     assert all(issubclass(model_class(name), MoECausalLM) for name in names)
     assert main(["models", "--format", "json"]) == 0
     rows = {r["architecture"]: r for r in json.loads(capsys.readouterr().out)}
-    assert set(names) <= set(rows) and rows["GptOssForCausalLM"]["quantized"] == "mxfp4"
+    assert set(names) <= set(rows) and rows["GptOssForCausalLM"]["quantized"] == "fp8, mxfp4"

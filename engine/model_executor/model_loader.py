@@ -55,6 +55,11 @@ def inspect_model_dir(model_dir: str | os.PathLike, quantization: str | None = N
         quant = resolve_quantization(config, quantization)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
+    if quant is not None and type(quant).__name__ == "Mxfp4Config" and "mxfp4" not in architecture.quantized:
+        served_by = [a.name for a in ARCHITECTURES.values() if "mxfp4" in a.quantized]
+        raise ModelLoadError(f"this checkpoint is quantized with 'mxfp4', which kubeinfer serves for "
+                             f"{', '.join(served_by)} (its experts) only; for {architecture.name} it serves "
+                             f"{architecture.quantized}")
     if architecture.text_only:  # the language model of a multimodal checkpoint: its text config describes it
         config = config.get_text_config()
     return ModelFiles(path, config, architecture.name, _weight_files(path), eos_token_ids, quant)

@@ -42,7 +42,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", "Mixtral (MoE)", lora=True,
                  sliding_window="all layers"),
     Architecture("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "gpt-oss (MoE)", lora=True,
-                 sliding_window="per layer", quantized="mxfp4"),
+                 sliding_window="per layer", quantized="fp8, mxfp4"),
 )}
 
 
