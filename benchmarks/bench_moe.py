@@ -144,7 +144,8 @@ def main() -> None:
                f"--repeats {args.repeats} --dtype {args.dtype}")
     body = "\n".join([
         f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, transformers {__import__('transformers').__version__}, {args.dtype} for all.",
+        f"{torch.get_num_threads()} threads, transformers {__import__('transformers').__version__}, "
+        f"{args.dtype} for all.",
         f"Model: random-init Qwen3-MoE, {params / 1e6:.1f}M parameters, {active / 1e6:.1f}M active per token "
         f"({MODEL_SHAPE['num_layers']} layers, hidden {MODEL_SHAPE['hidden_size']}, {experts} experts of "
         f"{MODEL_SHAPE['moe_intermediate_size']}, top-{MODEL_SHAPE['num_experts_per_tok']}: Qwen3-30B-A3B's "

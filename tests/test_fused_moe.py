@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from test_triton_kernels import DEVICES  # also sets TRITON_INTERPRET=1 without CUDA, before triton loads
 
-from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts
 from kubeinfer.engine.model_executor.layers.fused_moe.activation import clamped_swiglu, silu_and_mul
+from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
 from kubeinfer.engine.model_executor.layers.fused_moe.router import softmax_topk, topk_softmax
 

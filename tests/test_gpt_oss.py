@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_engine_correctness import MAX_TOKENS, PROMPTS
-from test_moe_models import hf_model, hf_references, run
+from test_moe_models import hf_references, run
 from test_triton_kernels import DEVICES
 from test_triton_windows import SEQUENCES, reference
 

@@ -61,8 +61,9 @@ def moe_spec(tmp_path_factory):
     return ModelSpec(AutoConfig.from_pretrained(path), "Qwen2MoeForCausalLM")
 
 
-@pytest.mark.parametrize("module", ["model.layers.1.mlp.experts.3.gate_proj", "model.layers.0.mlp.shared_expert.up_proj",
-                                    "model.layers.0.mlp.gate", "model.layers.0.block_sparse_moe.experts.0.w1"])
+@pytest.mark.parametrize("module", ["model.layers.1.mlp.experts.3.gate_proj",
+                                    "model.layers.0.mlp.shared_expert.up_proj", "model.layers.0.mlp.gate",
+                                    "model.layers.0.block_sparse_moe.experts.0.w1"])
 def test_adapters_on_expert_weights_are_refused_naming_the_module(module, moe_spec, tmp_path):
     from kubeinfer.engine.lora.adapter import load_adapter
 

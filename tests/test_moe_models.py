@@ -111,7 +111,8 @@ def test_stacked_checkpoint_layout_loads_the_same(moe_dirs, references, tmp_path
             stacked[key] = tensor
     for layer in range(2):
         prefix = f"model.layers.{layer}.block_sparse_moe.experts"
-        w = {name: torch.stack([tensors[f"{prefix}.{e}.{name}.weight"] for e in range(8)]) for name in ("w1", "w2", "w3")}
+        w = {name: torch.stack([tensors[f"{prefix}.{e}.{name}.weight"] for e in range(8)])
+             for name in ("w1", "w2", "w3")}
         stacked[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat([w["w1"], w["w3"]], dim=1).contiguous()
         stacked[f"model.layers.{layer}.mlp.experts.down_proj"] = w["w2"].contiguous()
     save_file(stacked, str(tmp_path / "stacked" / "model.safetensors"), metadata={"format": "pt"})

@@ -13,7 +13,8 @@ from test_reasoning import ASK, steered, streamed
 
 from kubeinfer.engine.entrypoints.openai.reasoning_parsers import REASONING_PARSERS, ReasoningStream
 
-HARMONY = "<|channel|>analysis<|message|>Two plus three is five.<|end|><|start|>assistant<|channel|>final<|message|>5<|return|>"
+HARMONY = ("<|channel|>analysis<|message|>Two plus three is five.<|end|>"
+           "<|start|>assistant<|channel|>final<|message|>5<|return|>")
 # gpt-oss's template in miniature: system and user turns as harmony messages, then the assistant's start.
 HARMONY_TEMPLATE = ("<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
                     "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"

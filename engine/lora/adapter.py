@@ -35,7 +35,8 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 _KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight")
 
 # A module nested under a layer's MLP: a mixture of experts' `mlp.experts.3.gate_proj`, `mlp.shared_expert.up_proj`.
-_MOE_KEY = re.compile(r"base_model\.model\.(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.\w+\.[\w.]+?)\.lora_[AB]\.weight")
+_MOE_KEY = re.compile(r"base_model\.model\.(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.\w+\.[\w.]+?)"
+                      r"\.lora_[AB]\.weight")
 
 # Config switches whose adapters compute something other than x @ A.T @ B.T added to the output.
 _UNSUPPORTED = {
@@ -205,7 +206,8 @@ def _parse_key(key: str, num_layers: int, shapes: dict) -> tuple[int, str, str, 
     moe = _MOE_KEY.fullmatch(key)
     if "down_proj" not in shapes and (moe or (match and match.group(3) in ("mlp", "block_sparse_moe"))):
         module = moe.group(1) if moe else match.group(1)
-        raise LoRALoadError(f"adapter weight {key!r} targets {module}, an MLP weight (experts, router, shared or dense MLP) of this "
+        raise LoRALoadError(f"adapter weight {key!r} targets {module}, an MLP weight (experts, router, shared or "
+                            f"dense MLP) of this "
                             f"mixture-of-experts model; kubeinfer serves LoRA on its attention projections only "
                             f"({', '.join(shapes)})")
     if not match:

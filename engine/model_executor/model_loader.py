@@ -161,7 +161,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                 continue
             if special is not None:
                 try:
-                    filled = special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization) if k in handles else None)
+                    filled = special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization)
+                                     if k in handles else None)
                 except ValueError as error:
                     raise ModelLoadError(f"{file.name}: {error}") from None
                 if filled is not None:

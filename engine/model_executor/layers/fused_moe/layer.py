@@ -32,8 +32,8 @@ class FusedMoE(nn.Module):
         inter = self.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, inter), requires_grad=False)
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * inter), requires_grad=False) if bias else None
-        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False) if bias else None
+        self.gate_up_proj_bias = _parameter(num_experts, 2 * inter) if bias else None
+        self.down_proj_bias = _parameter(num_experts, hidden_size) if bias else None
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.activation = silu_and_mul if swiglu_limit is None else clamped_swiglu(swiglu_alpha, swiglu_limit)
         self.fused = False  # the Triton kernels (set by the model's use_triton_kernels)
@@ -54,7 +54,7 @@ class FusedMoE(nn.Module):
 
     @torch.no_grad()
     def load_gate_or_up(self, which: str, expert: int | None, tensor: torch.Tensor, bias: bool = False) -> None:
-        """which: "gate" or "up"; tensor [I, H] (or [I] for a bias), or [E, ...] for every expert when expert is None."""
+        """which: "gate" or "up"; tensor [I, H] (or [I] for a bias); [E, ...] for every expert when expert is None."""
         half = {"gate": 0, "up": 1}[which]
         target = self.gate_up_proj_bias if bias else self.gate_up_proj
         target = target if expert is None else target[expert]
@@ -82,6 +82,10 @@ class FusedMoE(nn.Module):
         rows = self._rows()
         _check_full(tensor, -1, self.intermediate_size * self.tp_size, "down")
         _copy(target, tensor.narrow(-1, rows.start, self.intermediate_size), "down")
+
+
+def _parameter(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 def _copy(target: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
