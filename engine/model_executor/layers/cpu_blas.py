@@ -62,11 +62,6 @@ def _openblas_forward(layer: nn.Linear, torch_forward):
     return forward
 
 
-def openblas_active() -> bool:
-    """Whether this thread is in a small step, where float32 products go to OpenBLAS (the MoE experts' too)."""
-    return getattr(_step, "active", False)
-
-
 @contextmanager
 def small_step(enabled: bool):
     """Within: projections go to OpenBLAS and torch runs on one thread (see the module docstring)."""

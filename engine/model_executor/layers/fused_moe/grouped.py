@@ -6,10 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
-
-from ..cpu_blas import openblas_active
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
@@ -46,13 +43,10 @@ def _ends(counts: list[int]) -> list[int]:
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """out = x @ weight.T (+ bias), in place. In a small CPU step float32 products go to OpenBLAS, as the dense
-    projections do there (layers/cpu_blas.py: torch runs on one thread then)."""
-    if openblas_active() and x.dtype == torch.float32:
-        np.matmul(x.numpy(), weight.detach().numpy().T, out=out.numpy())
-        if bias is not None:
-            out.add_(bias)
-    elif bias is None:
+    """out = x @ weight.T (+ bias), in place. torch's own product even in a small CPU step, where the dense
+    projections go to OpenBLAS (layers/cpu_blas.py): an expert's few rows gain nothing from OpenBLAS's threads,
+    and hundreds of its calls a step cost more than torch's one-thread products (measured on this machine)."""
+    if bias is None:
         torch.mm(x, weight.t(), out=out)
     else:
         torch.addmm(bias, x, weight.t(), out=out)
