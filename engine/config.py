@@ -88,9 +88,13 @@ class ModelSpec:
         self.max_position_embeddings = config.max_position_embeddings
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.qkv_bias = architecture == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        if architecture == "Qwen2MoeForCausalLM":  # Qwen2-MoE names its q/k/v biases qkv_bias
+            self.qkv_bias = bool(getattr(config, "qkv_bias", True))
         self.o_bias = architecture != "Qwen2ForCausalLM" and bool(getattr(config, "attention_bias", False))
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.qk_norm = architecture == "Qwen3ForCausalLM"
+        self.qk_norm = architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        self.moe = None  # the MoE families' MoESettings (models/moe.py), set by their model class
+        self.is_moe = architecture in MOE_ARCHITECTURES  # LoRA then targets the attention projections only
         # q/k/v and gate/up already fused in the checkpoint (Phi-3): loaded, and adapted by LoRA, as they are
         self.fused_checkpoint = architecture in FUSED_CHECKPOINT_ARCHITECTURES
         # Each layer's window (None: full attention); `sliding_window` is the window when all layers share one.
@@ -110,7 +114,7 @@ def _layer_windows(config, architecture: str) -> list[int | None]:
     without, every layer is when the config has a window (Mistral, Phi-3)."""
     num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not getattr(config, "use_sliding_window", False):
+    if architecture in QWEN_ARCHITECTURES and not getattr(config, "use_sliding_window", False):
         window = None  # Qwen configs carry a window they do not use
     if not window:
         return [None] * num_layers
@@ -131,6 +135,9 @@ def rope_settings(config) -> tuple[float, dict]:
         merged["rope_type"] = merged.pop("type")
     return float(theta), merged
 
+
+MOE_ARCHITECTURES = ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # Architectures whose checkpoints hold qkv_proj and gate_up_proj themselves (PEFT adapters target those too).
 FUSED_CHECKPOINT_ARCHITECTURES = ("Phi3ForCausalLM",)

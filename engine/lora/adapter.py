@@ -34,6 +34,10 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 # PEFT saves `base_model.model.` + the module's name in the CausalLM + `.lora_A.weight`.
 _KEY = re.compile(r"base_model\.model\.(model\.layers\.(\d+)\.(\w+)\.(\w+))\.lora_([AB])\.weight")
 
+# A module nested under a layer's MLP: a mixture of experts' `mlp.experts.3.gate_proj`, `mlp.shared_expert.up_proj`.
+_MOE_KEY = re.compile(r"base_model\.model\.(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.\w+\.[\w.]+?)"
+                      r"\.lora_[AB]\.weight")
+
 # Config switches whose adapters compute something other than x @ A.T @ B.T added to the output.
 _UNSUPPORTED = {
     "use_dora": "DoRA adapters (use_dora) are not supported; merge the DoRA weights or retrain without it",
@@ -41,7 +45,8 @@ _UNSUPPORTED = {
     "modules_to_save": "adapters with modules_to_save (fully retrained modules) are not supported; "
                        "retrain with modules_to_save=None",
     "lora_bias": "adapters with a LoRA bias (lora_bias=True) are not supported",
-    "target_parameters": "adapters targeting parameters (target_parameters) are not supported",
+    "target_parameters": "adapters targeting parameters (target_parameters, e.g. a mixture of experts' stacked "
+                         "experts) are not supported",
     "trainable_token_indices": "adapters with trainable tokens (trainable_token_indices) are not supported",
     "layer_replication": "adapters with layer_replication are not supported",
 }
@@ -86,6 +91,8 @@ def module_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each projection an adapter may target."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     hidden, inter = spec.hidden_size, spec.intermediate_size
+    if spec.is_moe:  # the MLPs are experts (and a router): adapters on them are refused (_parse_key)
+        return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden)}
     if spec.fused_checkpoint:
         return {"qkv_proj": (hidden, q + 2 * kv), "o_proj": (q, hidden), "gate_up_proj": (hidden, 2 * inter),
                 "down_proj": (inter, hidden)}
@@ -196,6 +203,13 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 def _parse_key(key: str, num_layers: int, shapes: dict) -> tuple[int, str, str, str]:
     """(layer, module, module's name in the model, "A"/"B") of one saved tensor."""
     match = _KEY.fullmatch(key)
+    moe = _MOE_KEY.fullmatch(key)
+    if "down_proj" not in shapes and (moe or (match and match.group(3) in ("mlp", "block_sparse_moe"))):
+        module = moe.group(1) if moe else match.group(1)
+        raise LoRALoadError(f"adapter weight {key!r} targets {module}, an MLP weight (experts, router, shared or "
+                            f"dense MLP) of this "
+                            f"mixture-of-experts model; kubeinfer serves LoRA on its attention projections only "
+                            f"({', '.join(shapes)})")
     if not match:
         raise LoRALoadError(f"unsupported adapter weight {key!r}: kubeinfer serves LoRA on the "
                             f"{', '.join(shapes)} projections of the decoder layers only")
@@ -213,8 +227,9 @@ def _check_targets(config: dict, found: set[str], shapes: dict) -> None:
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(shapes))
         if unknown:
+            moe = "" if "down_proj" in shapes else " (a mixture of experts: adapters on its experts are refused)"
             raise LoRALoadError(f"adapter targets {', '.join(unknown)}, which kubeinfer cannot serve on this base "
-                                f"model; supported target modules: {', '.join(shapes)}")
+                                f"model{moe}; supported target modules: {', '.join(shapes)}")
         missing = sorted(found - set(targets))
         if missing:
             raise LoRALoadError(f"adapter weights include {', '.join(missing)}, which adapter_config.json's "

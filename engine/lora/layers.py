@@ -38,6 +38,7 @@ def fused_parts(spec: ModelSpec) -> dict[str, list[tuple[str, int, int]]]:
     for ours, theirs, _ in sorted(FUSED_WEIGHTS, key=lambda w: w[2]):
         parts.setdefault(ours, []).append(theirs if not spec.fused_checkpoint else ours)
     parts = {ours: list(dict.fromkeys(names)) for ours, names in parts.items()}  # a fused checkpoint: one part
+    parts = {ours: names for ours, names in parts.items() if all(n in shapes for n in names)}  # MoE: attention only
     layout = {}
     for ours, names in parts.items():
         offset, layout[ours] = 0, []

@@ -55,6 +55,11 @@ def inspect_model_dir(model_dir: str | os.PathLike, quantization: str | None = N
         quant = resolve_quantization(config, quantization)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
+    if quant is not None and type(quant).__name__ == "Mxfp4Config" and "mxfp4" not in architecture.quantized:
+        served_by = [a.name for a in ARCHITECTURES.values() if "mxfp4" in a.quantized]
+        raise ModelLoadError(f"this checkpoint is quantized with 'mxfp4', which kubeinfer serves for "
+                             f"{', '.join(served_by)} (its experts) only; for {architecture.name} it serves "
+                             f"{architecture.quantized}")
     if architecture.text_only:  # the language model of a multimodal checkpoint: its text config describes it
         config = config.get_text_config()
     return ModelFiles(path, config, architecture.name, _weight_files(path), eos_token_ids, quant)
@@ -134,6 +139,10 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             if f".{ours}." in name:
                 expected[name] = 3 if ours == "qkv_proj" else 2
     loaded: dict[str, int] = {}
+    # MoE models load expert tensors themselves: stacked whatever the checkpoint's layout (models/moe.py)
+    special = getattr(model, "load_special_weight", None)
+    if special is not None:
+        expected.update((name, count) for name, count in model.expected_loads().items() if name in params)
     # --quantization fp8 on a float checkpoint: the decoder's projections (not embeddings, lm_head or norms)
     at_load = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"} \
         if getattr(quantization, "at_load", False) else set()
@@ -150,6 +159,16 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                 continue
             if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
                 continue
+            if special is not None:
+                try:
+                    filled = special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization)
+                                     if k in handles else None)
+                except ValueError as error:
+                    raise ModelLoadError(f"{file.name}: {error}") from None
+                if filled is not None:
+                    for name, count in filled.items():
+                        loaded[name] = loaded.get(name, 0) + count
+                    continue
             name, shard = (ours, None) if model.checkpoint_fused else _target(ours)
             if name not in params:
                 raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")

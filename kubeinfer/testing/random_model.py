@@ -23,6 +23,9 @@ from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # The families added in wave 3, by their name here -> transformers' model_type.
 NEW_FAMILIES = {"gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
+# Mixtures of experts: 8 experts, top-2, expert sizes unlike the hidden size (a transposed load shows).
+MOE_FAMILIES = {"qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
+NEW_FAMILIES.update(MOE_FAMILIES)
 ALL_FAMILIES = FAMILIES + tuple(NEW_FAMILIES)
 
 # Fixed order, so the ids are known even when no tokenizer is built: pad=0, bos=1, eos=2.
@@ -131,9 +134,24 @@ def _family_defaults(family: str, fields: dict[str, Any]) -> dict[str, Any]:
             extra["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": theta},
                                         "full_attention": {**fields["rope_parameters"], "rope_theta": 40 * theta}}
         return extra
+    if family in MOE_FAMILIES:
+        return _moe_defaults(family, head_dim)
     if family == "granite":  # away from 1, so that a multiplier left out shows
         return dict(embedding_multiplier=1.5, residual_multiplier=0.7, attention_multiplier=0.4, logits_scaling=2.0)
     return {}
+
+
+def _moe_defaults(family: str, head_dim: int) -> dict[str, Any]:
+    top_k = dict(num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        return dict(num_experts=8, moe_intermediate_size=48, norm_topk_prob=True, head_dim=head_dim, **top_k)
+    if family == "qwen2_moe":
+        return dict(num_experts=8, moe_intermediate_size=48, shared_expert_intermediate_size=80, **top_k)
+    if family == "mixtral":
+        return dict(num_local_experts=8, **top_k)
+    # gpt-oss: a low swiglu_limit so that the clamps bite at this init scale; alternating windowed/full layers
+    return dict(num_local_experts=8, head_dim=head_dim, swiglu_limit=1.5, sliding_window=6,
+                **top_k)
 
 
 @torch.no_grad()
@@ -144,7 +162,9 @@ def _randomize(model: torch.nn.Module, initializer_range: float, generator: torc
         if name.endswith("norm.weight"):  # input/post_attention layernorm, final norm, q_norm, k_norm
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             param.copy_(1.0 + 0.2 * noise)
-        elif name.endswith(".bias"):  # qwen2 q/k/v projections
+        elif name.endswith(("sinks", "router.weight", "mlp.gate.weight")):  # MoE routers, attention sinks
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float32))
+        elif name.endswith((".bias", "_bias")):  # qwen2 q/k/v projections; gpt-oss's experts
             noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             param.copy_(initializer_range * noise)
 

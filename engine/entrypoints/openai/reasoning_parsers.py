@@ -5,6 +5,7 @@ names): the thinking goes to `message.reasoning` (`delta.reasoning` when streame
   * `deepseek_r1` (DeepSeek-R1 and its distills, QwQ, templates that open `<think>` in the prompt):
     everything up to `</think>` is thinking, with or without a `<think>` of its own; a reply that never
     closes its thinking is all thinking.
+  * `gpt_oss` (gpt-oss's harmony channels): harmony_reasoning.py.
   * `qwen3` (Qwen3, whose `enable_thinking` chat_template_kwarg decides): a reply that starts with
     `<think>` thinks until `</think>`; any other reply is all answer (thinking was off).
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .harmony_reasoning import HarmonyReasoningParser
 from .tool_stream import open_tag_prefix
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -24,6 +26,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 class ReasoningParser:
     name: str
     thinks_without_open_tag: bool  # deepseek_r1: the template already opened <think>
+    keeps_special_tokens: bool = False  # the reply is read with its special tokens (harmony's headers)
 
     def split(self, text: str, finished: bool) -> tuple[str, str]:
         """(reasoning, content) of the reply so far; both grow by appending as the reply grows."""
@@ -40,13 +43,14 @@ class ReasoningParser:
         return reasoning, content
 
 
-REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", True), "qwen3": ReasoningParser("qwen3", False)}
+REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", True), "qwen3": ReasoningParser("qwen3", False),
+                     "gpt_oss": HarmonyReasoningParser()}
 
 
 @dataclass
 class ReasoningStream:
     """What one streamed choice has sent of its reasoning and of its content."""
-    parser: ReasoningParser
+    parser: ReasoningParser | HarmonyReasoningParser
     sent_reasoning: int = 0
 
     def update(self, text: str, finished: bool) -> tuple[str, str]:

@@ -38,6 +38,8 @@ def tool_plan(state: ServerState, body: ChatCompletionRequest, params) -> ToolPl
         raise APIError(400, str(error), param_of(str(error)) or "tools") from error
     if plan is not None and plan.parser in KEEPS_SPECIAL_TOKENS:
         params.skip_special_tokens = False  # the format's tag is a special token
+    if getattr(state.reasoning_parser, "keeps_special_tokens", False):
+        params.skip_special_tokens = False  # harmony's channel headers are special tokens (gpt_oss)
     constraint = plan.constraint() if plan else None
     if constraint is not None:
         if params.structured_outputs is not None:

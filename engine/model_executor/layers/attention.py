@@ -113,9 +113,10 @@ class AttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]. Returns [T, H, D].
-        `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
+        `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+        `sinks` [H]: a learned logit per head joins the softmax's denominator, attending to nothing (gpt-oss)."""
         raise NotImplementedError
 
 
@@ -154,10 +155,10 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, length: int)
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None, sinks=None):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if softcap:  # SDPA cannot cap scores: every sequence through the eager path
-            return self._softcapped(q, k_cache, v_cache, meta, scale, softcap)
+        if softcap or sinks is not None:  # SDPA cannot cap scores or add sinks: every sequence through the eager path
+            return self._eager(q, k_cache, v_cache, meta, scale, softcap, sinks)
         nd = meta.num_decodes
         if nd == meta.num_seqs:  # decodes only: their output is the whole output
             return self._decode(q, k_cache, v_cache, meta, scale)
@@ -219,9 +220,9 @@ class TorchAttentionBackend(AttentionBackend):
 
 
     @staticmethod
-    def _softcapped(q, k_cache, v_cache, meta, scale, softcap):
-        """Attention with capped scores, one sequence at a time, in the order of operations transformers' eager
-        attention uses (scores * scale, capped, masked, softmax in fp32)."""
+    def _eager(q, k_cache, v_cache, meta, scale, softcap, sinks):
+        """Attention with capped scores or sinks, one sequence at a time, in the order of operations transformers'
+        eager attention uses (scores * scale, capped, masked, softmax in fp32 over the scores and the sink)."""
         out = torch.empty_like(q)
         for seq in range(meta.num_seqs):
             start, end = meta.query_start_loc[seq], meta.query_start_loc[seq + 1]
@@ -232,9 +233,14 @@ class TorchAttentionBackend(AttentionBackend):
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
             query = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             scores = torch.matmul(query, keys.transpose(2, 3)) * scale
-            scores = torch.tanh(scores / softcap) * softcap
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
             scores = scores + meta.chunk_mask(seq, num_queries, scores.dtype, q.device)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            if sinks is None:
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            else:
+                sink = sinks.float().view(1, -1, 1, 1).expand(1, -1, num_queries, 1)
+                probs = torch.softmax(torch.cat([scores.float(), sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
             out[start:end] = torch.matmul(probs, values).squeeze(0).transpose(0, 1)
         return out
 

@@ -22,7 +22,12 @@ def _yarn_inv_freq(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float
     factor = s["factor"]
     old_len = s.get("original_max_position_embeddings")
     beta_fast, beta_slow = s.get("beta_fast", 32), s.get("beta_slow", 1)
-    attention_factor = s.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:  # DeepSeek-style configs give mscale and mscale_all_dim; the paper's default otherwise
+        def mscale(weight: float = 1.0) -> float:
+            return 0.1 * weight * math.log(factor) + 1.0 if factor > 1 else 1.0
+        both = s.get("mscale") and s.get("mscale_all_dim")
+        attention_factor = mscale(s["mscale"]) / mscale(s["mscale_all_dim"]) if both else mscale()
 
     def correction_dim(num_rotations: float) -> float:
         return dim * math.log(old_len / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))

@@ -66,11 +66,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, out_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr,
-        seq_offset, scale_log2, window, softcap,
+        seq_offset, scale_log2, window, softcap, sinks_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        UPCAST: tl.constexpr, SOFTCAP: tl.constexpr):
+        UPCAST: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr):
     # A tile's BLOCK_M rows are BLOCK_Q queries x GROUP_PAD heads (the padding heads are masked off).
     seq = seq_offset + tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -124,6 +124,12 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
+    if SINKS:  # the head's sink logit joins the denominator (in log2 units), attending to nothing
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_final = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_final)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_final)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -132,7 +138,8 @@ def _paged_attention_kernel(
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, context_lens: torch.Tensor, *, first_seq: int, num_seqs: int,
                     max_query_len: int, scale: float, sliding_window: int | None = None,
-                    softcap: float | None = None, out: torch.Tensor | None = None, block_m: int | None = None,
+                    softcap: float | None = None, sinks: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    block_m: int | None = None,
                     block_n: int = 64) -> torch.Tensor:
     """Attention of sequences first_seq .. first_seq + num_seqs - 1 of a flat batch.
 
@@ -141,7 +148,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Writes the rows of those sequences into `out` ([T, H, D], allocated when None) and returns it.
     `block_m` rows per program (queries x heads of a group; default 64, or 16 when every sequence has
     one query) and `block_n` keys per inner step; both powers of two >= 16. `softcap`: scores become
-    softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+    softcap * tanh(scores / softcap) before the softmax (Gemma 2). `sinks` [H]: a logit per head in the
+    softmax's denominator (gpt-oss).
     """
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -165,11 +173,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q, out, k_cache, v_cache, block_tables, query_start_loc, context_lens,
         # log2(e): softmax in exp2 (applied after the cap when there is one)
         first_seq, scale if softcap else scale * 1.4426950408889634, sliding_window or NO_WINDOW, float(softcap or 0.0),
+        sinks if sinks is not None else q,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=max(block_n, MIN_DOT),
         HEAD_DIM=head_dim, DIM_PAD=max(triton.next_power_of_2(head_dim), MIN_DOT), BLOCK_SIZE=k_cache.shape[1],
-        UPCAST=must_upcast(q), SOFTCAP=bool(softcap))
+        UPCAST=must_upcast(q), SOFTCAP=bool(softcap), SINKS=sinks is not None)
     return out
 
 
@@ -187,14 +196,14 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None, sinks=None):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         nd, num_seqs = meta.num_decodes, meta.num_seqs
         if meta.query_start_tensor is None:
             raise ValueError("the triton backend needs AttentionMetadata.query_start_tensor")
         args = (q, k_cache, v_cache, meta.block_tables, meta.query_start_tensor, meta.context_lens_tensor)
-        common = dict(scale=scale, sliding_window=meta.sliding_window, softcap=softcap, out=out)
+        common = dict(scale=scale, sliding_window=meta.sliding_window, softcap=softcap, sinks=sinks, out=out)
         if nd:
             paged_attention(*args, first_seq=0, num_seqs=nd, max_query_len=1, **common)
         if num_seqs > nd:

@@ -34,6 +34,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  sliding_window="all layers"),
     Architecture("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", "OLMo 2", lora=True, sliding_window="no"),
     Architecture("GraniteForCausalLM", "granite", "GraniteForCausalLM", "Granite", lora=True, sliding_window="no"),
+    # Mixtures of experts (models/moe.py): LoRA on the attention projections; adapters on experts are refused
+    Architecture("Qwen2MoeForCausalLM", "qwen_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE (MoE)", lora=True,
+                 sliding_window="per layer"),
+    Architecture("Qwen3MoeForCausalLM", "qwen_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE (MoE)", lora=True,
+                 sliding_window="per layer"),
+    Architecture("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", "Mixtral (MoE)", lora=True,
+                 sliding_window="all layers"),
+    Architecture("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "gpt-oss (MoE)", lora=True,
+                 sliding_window="per layer", quantized="fp8, mxfp4"),
 )}
 
 

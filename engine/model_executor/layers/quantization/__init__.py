@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from .errors import QuantizationError
 
-SERVED = ("fp8",)
+SERVED = ("fp8", "mxfp4")  # mxfp4: gpt-oss expert weights (mxfp4.py)
 # vLLM's other method names (and the common quant_method values of Hugging Face configs): known, not served yet.
-NOT_YET_SERVED = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "mxfp4", "bitsandbytes", "gguf",
+NOT_YET_SERVED = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "gguf",
                   "fbgemm_fp8", "modelopt", "modelopt_fp4", "torchao", "hqq", "aqlm", "quark", "experts_int8",
                   "ptpc_fp8", "eetq", "higgs", "bitnet", "fp_quant", "auto-round", "vptq", "spqr", "quanto")
 
@@ -40,6 +40,8 @@ def resolve_quantization(config, requested: str | None):
         raise QuantizationError(f"this checkpoint is quantized with {method or '(no quant_method)'!r} "
                                 f"(config.json quantization_config), which kubeinfer does not serve yet; it serves "
                                 f"{', '.join(SERVED)} (see `kubeinfer models`)")
+    if method == "mxfp4" or requested == "mxfp4":
+        return _mxfp4(qc, method)
     from .fp8 import Fp8Config  # torch only where weights are loaded
     if requested is not None and method is None:  # a float checkpoint: fp8 (the one served) quantizes at load
         return Fp8Config(block_size=None, at_load=True)
@@ -47,3 +49,12 @@ def resolve_quantization(config, requested: str | None):
         raise QuantizationError(f"quantization: {requested!r} does not match the checkpoint's method {method!r} "
                                 "(config.json quantization_config); leave --quantization out or name that method")
     return None if method is None else Fp8Config.from_dict(qc)
+
+
+def _mxfp4(qc: dict | None, method: str | None):
+    """MXFP4 checkpoints (gpt-oss) are dequantized at load; there is no MXFP4 quantization of float weights."""
+    if method != "mxfp4":
+        raise QuantizationError(f"quantization: 'mxfp4' names checkpoints stored in MXFP4 (gpt-oss's); this one is "
+                                f"{method or 'not quantized'}; leave --quantization out")
+    from .mxfp4 import Mxfp4Config
+    return Mxfp4Config.from_dict(qc)

@@ -1,0 +1,52 @@
+"""The experts of one MoE layer on the CPU (and the reference the fused kernel is checked against): the
+(token, choice) pairs sorted by expert, each active expert's tokens gathered into one block and run through
+its two matmuls at once, the results weighted and summed back per token. The only Python loop is over the
+experts that received tokens, never over tokens."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
+                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights, topk_ids [T, k]; activation: [n, 2I] -> [n, I].
+    Returns [T, H]: sum over each token's k experts of weight * expert(x)."""
+    num_tokens, top_k = topk_ids.shape
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order inside a group
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    groups = [(e, slice(start - n, start)) for e, n, start in zip(range(len(counts)), counts, _ends(counts)) if n]
+    tokens = order // top_k
+    gathered = x.index_select(0, tokens)
+    # Two products per active expert, each written in place into its rows; the activation once over all rows.
+    h = gathered.new_empty(gathered.shape[0], gate_up.shape[1])
+    for expert, rows in groups:
+        _product(gathered[rows], gate_up[expert], h[rows], None if gate_up_bias is None else gate_up_bias[expert])
+    act = activation(h)
+    out = gathered.new_empty(gathered.shape[0], down.shape[1])
+    for expert, rows in groups:
+        _product(act[rows], down[expert], out[rows], None if down_bias is None else down_bias[expert])
+    out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
+    # Added back in expert order per token: the order transformers' eager experts add them in.
+    return torch.zeros_like(x).index_add_(0, tokens, out)
+
+
+def _ends(counts: list[int]) -> list[int]:
+    ends, total = [], 0
+    for n in counts:
+        total += n
+        ends.append(total)
+    return ends
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """out = x @ weight.T (+ bias), in place. torch's own product even in a small CPU step, where the dense
+    projections go to OpenBLAS (layers/cpu_blas.py): an expert's few rows gain nothing from OpenBLAS's threads,
+    and hundreds of its calls a step cost more than torch's one-thread products (measured on this machine)."""
+    if bias is None:
+        torch.mm(x, weight.t(), out=out)
+    else:
+        torch.addmm(bias, x, weight.t(), out=out)

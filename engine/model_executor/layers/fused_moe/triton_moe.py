@@ -1,0 +1,114 @@
+"""The fused experts for the GPU: the step's (token, choice) pairs sorted by expert and each expert's group
+padded to a whole tile (`align_by_expert`, torch ops with static shapes, so a CUDA graph can capture them),
+then two grouped GEMMs: one over every expert's gate/up weights (bias in its epilogue), the activation, one
+over the down weights with the bias and the routing weight applied in the epilogue. Each program computes a
+BLOCK_M x BLOCK_N tile whose rows all belong to one expert; padding rows read nothing and write nothing.
+Finally the k results of each token are summed.
+
+Maths is fp32 with ieee dots in the interpreter and for fp32 weights; half precision feeds tensor cores.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ....triton_utils import MIN_DOT, must_upcast
+from .activation import clamped_swiglu, silu_and_mul
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+                         N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm, stride_bias_e,
+                         A_ROWS_PER_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[pair] = A[row of pair] @ B[expert].T (+ bias[expert]) (* weight[pair]) for each tile of sorted pairs.
+    A's row is the token (pair // top_k) when A_ROWS_PER_TOKEN is top_k (the first GEMM reads the hidden
+    states), the pair itself when it is 1 (the second reads the first's output)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n, pid % num_n
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + rows)
+    row_ok = pairs < num_pairs
+    a_rows = (pairs // A_ROWS_PER_TOKEN).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    b_base = b_ptr + expert * stride_be
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(b_base + cols[None, :] * stride_bn + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc += tl.dot(a, b, input_precision="ieee")
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if MUL_WEIGHT:
+        acc *= tl.load(weights_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(sorted pair ids [P] padded with the sentinel T*k, the expert of each BLOCK_M tile [P / block_m], the
+    padded length [1]) where P = T*k + E*(block_m - 1) bounds any padding: fixed by the shapes alone."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = torch.cumsum(padded, 0)
+    ends = torch.cumsum(counts, 0)
+    order = torch.argsort(flat, stable=True)
+    experts_sorted = flat[order]
+    rank = torch.arange(num_pairs, device=device) - (ends - counts)[experts_sorted]
+    capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids[(padded_ends - padded)[experts_sorted] + rank] = order.to(torch.int32)
+    tile_starts = torch.arange(0, capacity, block_m, device=device)
+    expert_ids = torch.searchsorted(padded_ends, tile_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, expert_ids, padded_ends[-1:].to(torch.int32)
+
+
+def _gemm(a, b, out, bias, weights, sorted_ids, expert_ids, num_padded, rows_per_token, block_m):
+    n, k = b.shape[1], b.shape[2]
+    block_n = min(64, max(MIN_DOT, triton.next_power_of_2(n)))
+    block_k = min(64, max(MIN_DOT, triton.next_power_of_2(k)))
+    grid = (expert_ids.shape[0] * triton.cdiv(n, block_n),)
+    _grouped_gemm_kernel[grid](
+        a, b, out, bias if bias is not None else b, weights if weights is not None else out, sorted_ids, expert_ids,
+        num_padded, n, k, out.shape[0], a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0, A_ROWS_PER_TOKEN=rows_per_token, HAS_BIAS=bias is not None,
+        MUL_WEIGHT=weights is not None, UPCAST=must_upcast(a), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None, swiglu_limit: float | None = None,
+                  swiglu_alpha: float = 1.702, block_m: int | None = None) -> torch.Tensor:
+    """As grouped.grouped_experts: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_* [T, k] -> [T, H]."""
+    num_tokens, top_k = topk_ids.shape
+    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+        raise ValueError("fused_experts needs a contiguous last dimension on x and the expert weights")
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    if block_m is None:  # decode-sized steps: most experts get a token or two, so small tiles pad least
+        block_m = MIN_DOT if num_tokens * top_k <= 64 * gate_up.shape[0] else 64
+    sorted_ids, expert_ids, num_padded = align_by_expert(topk_ids, gate_up.shape[0], block_m)
+    pairs = num_tokens * top_k
+    h = torch.empty(pairs, gate_up.shape[1], dtype=x.dtype, device=x.device)
+    _gemm(x, gate_up, h, gate_up_bias, None, sorted_ids, expert_ids, num_padded, top_k, block_m)
+    act = silu_and_mul(h) if swiglu_limit is None else clamped_swiglu(swiglu_alpha, swiglu_limit)(h)
+    out = torch.empty(pairs, down.shape[1], dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    _gemm(act.contiguous(), down, out, down_bias, weights, sorted_ids, expert_ids, num_padded, 1, block_m)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)

@@ -1,0 +1,188 @@
+"""What the mixture-of-experts families share: the sparse block (router, stacked experts, an optional shared
+expert with its sigmoid gate), the decoder layer that holds it in place of the dense MLP on its sparse
+layers, and the loading of expert weights into the stacked tensors from either checkpoint layout: one tensor
+per expert and projection (the Hub's: `experts.{e}.gate_proj.weight`, Mixtral's `experts.{e}.w1.weight`) or
+already stacked (`experts.gate_up_proj`, as transformers 5 keeps them in memory).
+
+The families (qwen_moe.py, mixtral.py, gpt_oss.py) say how their config names these with `MoESettings`.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...config import ModelSpec
+from ..layers.fused_moe.layer import FusedMoE
+from ..layers.fused_moe.router import softmax_topk, topk_softmax
+from .llama import MLP, CausalLM, DecoderLayer
+
+# Per-expert checkpoint tensors: (the experts' module, expert, projection). w1/w3/w2 are Mixtral's gate/up/down.
+_PER_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight")
+_STACKED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+_SHARED = re.compile(r"(model\.layers\.\d+\.mlp\.shared_expert)\.(gate_proj|up_proj)\.weight")
+_PROJECTION = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    router: str = "softmax_topk"  # or "topk_softmax" (gpt-oss)
+    renormalize: bool = False  # the k weights rescaled to sum to one (Mixtral always; Qwen by norm_topk_prob)
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # gpt-oss's clamped SwiGLU
+    swiglu_alpha: float = 1.702
+    shared_expert_size: int = 0  # Qwen2-MoE's shared expert (0: none)
+    sparse_layers: tuple[int, ...] | None = None  # None: every layer
+
+
+class SharedExpert(nn.Module):
+    """Qwen2-MoE's dense expert every token also goes through, scaled by sigmoid(gate(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden_size: int, settings: MoESettings, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.settings = settings
+        self.gate = nn.Linear(hidden_size, settings.num_experts, bias=settings.router_bias)  # the router
+        self.experts = FusedMoE(settings.num_experts, hidden_size, settings.intermediate_size,
+                                bias=settings.expert_bias, swiglu_limit=settings.swiglu_limit,
+                                swiglu_alpha=settings.swiglu_alpha, tp_rank=tp_rank, tp_size=tp_size)
+        if settings.shared_expert_size:
+            self.shared_expert = SharedExpert(hidden_size, settings.shared_expert_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; adapters never apply here (refused at load: lora/adapter.py)."""
+        logits = self.gate(x)
+        s = self.settings
+        if s.router == "topk_softmax":
+            weights, ids = topk_softmax(logits, s.top_k)
+        else:
+            weights, ids = softmax_topk(logits, s.top_k, s.renormalize)
+        out = self.experts(x, weights, ids)
+        if s.shared_expert_size:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DenseMLP(MLP):
+    """A dense layer of an MoE model: adapters target the attention projections only (lora/adapter.py)."""
+
+    def forward(self, x, lora=None):
+        return super().forward(x, None)
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """The Llama layer with the sparse block in place of the MLP on the model's sparse layers."""
+
+    def __init__(self, spec: ModelSpec, backend, rotary, layer_idx: int) -> None:
+        super().__init__(spec, backend, rotary, layer_idx)
+        settings: MoESettings = spec.moe
+        if settings.sparse_layers is None or layer_idx in settings.sparse_layers:
+            self.mlp = SparseMoeBlock(spec.hidden_size, settings)
+        else:
+            self.mlp = DenseMLP(spec, layer_idx)
+
+
+class MoECausalLM(CausalLM):
+    """A CausalLM whose sparse layers hold stacked experts; subclasses give `moe_settings(config)`."""
+    layer_class = MoEDecoderLayer
+
+    def __init__(self, spec: ModelSpec, backend, max_positions: int) -> None:
+        spec.moe = self.moe_settings(spec.config)
+        super().__init__(spec, backend, max_positions)
+
+    @staticmethod
+    def moe_settings(config) -> MoESettings:
+        raise NotImplementedError
+
+    def experts_modules(self) -> dict[str, FusedMoE]:
+        return {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
+
+    def expected_loads(self) -> dict[str, int]:
+        """Slices each stacked parameter needs: one per expert and projection (a stacked tensor counts for all)."""
+        counts = {}
+        for name, moe in self.experts_modules().items():
+            counts[f"{name}.gate_up_proj"] = counts[f"{name}.gate_up_proj_bias"] = 2 * moe.num_experts
+            counts[f"{name}.down_proj"] = counts[f"{name}.down_proj_bias"] = moe.num_experts
+        return counts
+
+    def load_special_weight(self, name: str, key: str, read: Callable[[str], torch.Tensor | None]) -> dict | None:
+        """Load checkpoint tensor `key` (our name `name`) when it is an expert or shared-expert weight; returns
+        {parameter: slices filled}, or None to leave the tensor to the common loader."""
+        if match := _PER_EXPERT.fullmatch(name):
+            module, expert, projection = match.group(1), int(match.group(2)), match.group(3)
+            moe = self._experts(module, name)
+            projection = _PROJECTION.get(projection, projection)
+            tensor = read(key)
+            if projection == "down_proj":
+                moe.load_down(expert, tensor)
+                return {f"{module}.down_proj": 1}
+            moe.load_gate_or_up(projection.removesuffix("_proj"), expert, tensor)
+            return {f"{module}.gate_up_proj": 1}
+        if match := _STACKED.fullmatch(name):
+            return self.load_stacked(match.group(1), match.group(2), bool(match.group(3)), read(key))
+        if match := _SHARED.fullmatch(name):  # the shared expert's own intermediate size, not the config's
+            shared = self.get_submodule(match.group(1))
+            half = 0 if match.group(2) == "gate_proj" else 1
+            _fill(shared.gate_up_proj.weight.narrow(0, half * shared.intermediate_size, shared.intermediate_size),
+                  read(key), name)
+            return {f"{match.group(1)}.gate_up_proj.weight": 1}
+        return None
+
+    def load_stacked(self, module: str, projection: str, bias: bool, tensor: torch.Tensor) -> dict:
+        """An [E, ...] tensor of every expert in our layout ([E, 2I, H] gate then up; [E, H, I])."""
+        moe = self._experts(module, f"{module}.{projection}")
+        suffix = "_bias" if bias else ""
+        if projection == "down_proj":
+            moe.load_down(None, tensor, bias=bias)
+            return {f"{module}.down_proj{suffix}": moe.num_experts}
+        moe.load_gate_up(None, tensor, bias=bias)
+        return {f"{module}.gate_up_proj{suffix}": 2 * moe.num_experts}
+
+    def _experts(self, module: str, name: str) -> FusedMoE:
+        try:
+            moe = self.get_submodule(module)
+        except AttributeError:
+            moe = None
+        if not isinstance(moe, FusedMoE):
+            raise ValueError(f"unexpected expert weight {name!r}: that layer is dense in this config "
+                             "(mlp_only_layers / decoder_sparse_step), the checkpoint does not match it")
+        return moe
+
+    def use_triton_kernels(self) -> None:
+        super().use_triton_kernels()
+        for moe in self.experts_modules().values():
+            moe.fused = True
+
+
+def _fill(target: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+def sparse_layers(config) -> tuple[int, ...]:
+    """Qwen's rule: layer i is sparse unless listed in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    dense = set(getattr(config, "mlp_only_layers", None) or [])
+    return tuple(i for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
