@@ -21,19 +21,19 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
-    Architecture("LlamaForCausalLM", "llama", "CausalLM", "Llama", lora=True, sliding_window="no"),
-    Architecture("MistralForCausalLM", "llama", "CausalLM", "Mistral", lora=True, sliding_window="all layers"),
-    Architecture("Qwen2ForCausalLM", "llama", "CausalLM", "Qwen2", lora=True, sliding_window="per layer"),
-    Architecture("Qwen3ForCausalLM", "llama", "CausalLM", "Qwen3", lora=True, sliding_window="per layer"),
-    Architecture("Gemma2ForCausalLM", "gemma", "Gemma2ForCausalLM", "Gemma 2", lora=True, sliding_window="per layer"),
+    Architecture("LlamaForCausalLM", "llama", "CausalLM", "Llama", lora=True, sliding_window="no", tensor_parallel=True),
+    Architecture("MistralForCausalLM", "llama", "CausalLM", "Mistral", lora=True, sliding_window="all layers", tensor_parallel=True),
+    Architecture("Qwen2ForCausalLM", "llama", "CausalLM", "Qwen2", lora=True, sliding_window="per layer", tensor_parallel=True),
+    Architecture("Qwen3ForCausalLM", "llama", "CausalLM", "Qwen3", lora=True, sliding_window="per layer", tensor_parallel=True),
+    Architecture("Gemma2ForCausalLM", "gemma", "Gemma2ForCausalLM", "Gemma 2", lora=True, sliding_window="per layer", tensor_parallel=True),
     Architecture("Gemma3ForCausalLM", "gemma", "Gemma3ForCausalLM", "Gemma 3 (text)", lora=True,
-                 sliding_window="per layer"),
+                 sliding_window="per layer", tensor_parallel=True),
     Architecture("Gemma3ForConditionalGeneration", "gemma", "Gemma3TextOnly", "Gemma 3 (text only; no images)",
                  lora=False, sliding_window="per layer", text_only=True),
     Architecture("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", "Phi-3, Phi-4-mini", lora=True,
-                 sliding_window="all layers"),
+                 sliding_window="all layers", tensor_parallel=True),
     Architecture("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", "OLMo 2", lora=True, sliding_window="no"),
-    Architecture("GraniteForCausalLM", "granite", "GraniteForCausalLM", "Granite", lora=True, sliding_window="no"),
+    Architecture("GraniteForCausalLM", "granite", "GraniteForCausalLM", "Granite", lora=True, sliding_window="no", tensor_parallel=True),
 )}
 
 

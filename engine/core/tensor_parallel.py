@@ -1,0 +1,90 @@
+"""Rank 0's side of a tensor-parallel group: start the node's other ranks, meet every rank (torch.distributed
+and the step channel), hand them each step, watch them, and end them.
+
+The serving process is rank 0 and keeps the scheduler, the sampler and the API; every other rank holds
+its slice of the model and KV cache and runs what rank 0 sends (core/tp_worker.py). With several nodes,
+node 0's process is rank 0 and the others run `kubeinfer serve --headless` (tp_worker.run_headless)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import EngineConfig, ModelSpec
+from ..distributed.failure_watch import FailureWatch, RankFailedError
+from ..distributed.launch import RankPlan, start_local_ranks
+from ..distributed.parallel_state import destroy_group, init_group
+from ..distributed.step_channel import StepSender, free_port
+from ..model_executor.models.registry import ARCHITECTURES
+
+logger = logging.getLogger(__name__)
+
+
+def rank_ports(config: EngineConfig) -> tuple[int, int]:
+    """(torch.distributed's rendezvous port, the step channel's): the master port and the one after it."""
+    port = config.master_port or free_port(config.master_addr)
+    return port, port + 1
+
+
+class TensorParallelGroup:
+    def __init__(self, config: EngineConfig, spec: ModelSpec, device: torch.device) -> None:
+        world = config.world_size
+        if not ARCHITECTURES[spec.architecture].tensor_parallel:
+            supported = ", ".join(a.name for a in ARCHITECTURES.values() if a.tensor_parallel)
+            raise ValueError(f"tensor parallelism is not supported on {spec.architecture} yet; it runs on {supported}")
+        spec.for_rank(0, world)  # a model that does not split evenly is refused before any process starts
+        self.config, self.processes, self.world_size = config, [], world
+        dist_port, step_port = rank_ports(config)
+        self.sender = StepSender("0.0.0.0" if config.nnodes > 1 else config.master_addr, step_port)
+        plans = [RankPlan(rank, rank, world, config.master_addr, dist_port, self.sender.port)
+                 for rank in range(1, config.tensor_parallel_size)]
+        from .tp_worker import run_worker
+
+        try:
+            self.processes = start_local_ranks(run_worker, config, plans)
+            logger.info("tensor parallel: %d ranks (%d per node on %d nodes); waiting for them to join",
+                        world, config.tensor_parallel_size, config.nnodes)
+            init_group(0, world, 0, config.master_addr, dist_port, device, config.distributed_timeout)
+            self.sender.accept(list(range(1, world)), config.distributed_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.watch = FailureWatch(self.sender.connections, self._describe)
+        self.watch.start()
+
+    def send(self, message: tuple) -> None:
+        """Hand a message (a step, a KV cache size, an adapter's slot) to every other rank."""
+        if self.watch.reason is not None:
+            raise RankFailedError(self.watch.reason)
+        try:
+            self.sender.send(message)
+        except OSError as error:
+            raise RankFailedError(f"a tensor-parallel rank is unreachable: {error}") from error
+
+    def step_failed(self, error: Exception) -> RankFailedError:
+        reason = self.watch.reason or f"the tensor-parallel step failed on rank 0: {type(error).__name__}: {error}"
+        self.watch.fail(reason)
+        return RankFailedError(reason)
+
+    def _describe(self, rank: int) -> str:
+        process = self.processes[rank - 1] if 0 < rank <= len(self.processes) else None
+        if process is None:
+            return "its connection closed"
+        process.join(timeout=1)
+        return "still running" if process.exitcode is None else f"exit code {process.exitcode}"
+
+    def shutdown(self) -> None:
+        """A clean end: the other ranks are told to stop and exit 0."""
+        watch = getattr(self, "watch", None)
+        if watch is not None:
+            watch.stop()
+            try:
+                self.sender.send(("stop",))
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+        self.sender.close()
+        destroy_group()
