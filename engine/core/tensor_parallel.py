@@ -74,17 +74,23 @@ class TensorParallelGroup:
         return "still running" if process.exitcode is None else f"exit code {process.exitcode}"
 
     def shutdown(self) -> None:
-        """A clean end: the other ranks are told to stop and exit 0."""
+        """A clean end tells the other ranks to stop (they exit 0). After a failure they are not told: their
+        connection to rank 0 closes and they exit non-zero, as a failed group must."""
         watch = getattr(self, "watch", None)
+        failed = watch is None or watch.reason is not None
         if watch is not None:
             watch.stop()
+        if not failed:
             try:
                 self.sender.send(("stop",))
             except OSError:
-                pass
+                failed = True
+        if failed:
+            self.sender.close()
         for process in self.processes:
             process.join(timeout=10)
             if process.is_alive():
                 process.terminate()
+                process.join(timeout=5)
         self.sender.close()
         destroy_group()

@@ -1,0 +1,110 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks): greedy outputs of LLM(tensor_parallel_size=2) equal to
+transformers' for the supported families (mixed batch, prefix cache on, chunked prefill and forced
+preemption in one engine), LoRA equal to PEFT, the KV budget per rank, a model whose heads do not divide
+refused by name, and two "nodes" on loopback (`--headless`) giving the same tokens.
+The served path (openai client, a killed rank) is in test_tensor_parallel_serve.py."""
+import subprocess
+import sys
+
+import pytest
+from lora_helpers import MAX_TOKENS as LORA_MAX_TOKENS
+from lora_helpers import mixed_batch
+from test_engine_correctness import MAX_TOKENS, PROMPTS
+from test_model_families import VARIANTS, hf_references, run
+from server_harness import free_port
+
+from kubeinfer.engine import LLM, SamplingParams
+
+# family -> (random_model family, its switches): KV heads 2 (split) or 1 (replicated on both ranks)
+MODELS = {
+    "llama-kv-replicated": ("llama", dict(num_kv_heads=1)),
+    "qwen2": ("qwen2", {}),
+    "gemma3": ("gemma3", VARIANTS["gemma3"]),
+    "llama": ("llama", {}),
+    "mistral": ("mistral", dict(sliding_window=8)),
+    "qwen3": ("qwen3", {}),
+    "gemma2": ("gemma2", VARIANTS["gemma2"]),
+    "phi3": ("phi3", VARIANTS["phi3"]),
+    "granite": ("granite", VARIANTS["granite"]),
+}
+DEFAULT_SUITE = ("llama-kv-replicated", "qwen2", "gemma3")  # split and replicated KV heads, biases, windows, tying
+
+
+@pytest.fixture(scope="module")
+def tp_dirs(tmp_path_factory):
+    from kubeinfer.testing.random_model import build_random_model
+
+    root = tmp_path_factory.mktemp("tp_models")
+    cache = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            family, switches = MODELS[name]
+            cache[name] = str(build_random_model(root / name, family, tokenizer=False, seed=40, **switches))
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in MODELS])
+def test_greedy_outputs_equal_transformers(name, tp_dirs):
+    model_dir = tp_dirs(name)
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=14, max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        reference = hf_references(model_dir)
+        assert run(llm) == reference  # chunked prefill, and preemption: 14 blocks of 4 cannot hold the batch
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert run(llm) == reference  # again, the prompts' blocks now cached
+        assert llm.engine.block_manager.prefix_hits > 0
+    finally:
+        llm.shutdown()
+
+
+def test_each_rank_holds_its_own_kv_heads(tp_dirs):
+    """The KV budget is per rank: with the same bytes, two ranks holding half the heads hold twice the blocks."""
+    one = LLM(tp_dirs("qwen2"), block_size=4, kv_cache_memory_bytes=1 << 20).engine
+    two = LLM(tp_dirs("qwen2"), block_size=4, kv_cache_memory_bytes=1 << 20, tensor_parallel_size=2)
+    try:
+        assert two.engine.num_kv_blocks == 2 * one.num_kv_blocks
+        assert two.engine.runner.kv_caches[0][0].shape[2] == one.spec.num_kv_heads // 2
+    finally:
+        two.shutdown()
+
+
+def test_lora_outputs_equal_peft(lora_base_dir, lora_adapters, lora_base_reference):
+    """A and B cut like the layers they modify; one slot, so adapters are swapped in on every rank mid-batch."""
+    prompts, loras, expected = mixed_batch(lora_adapters, lora_base_reference)
+    llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4, tensor_parallel_size=2)
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=LORA_MAX_TOKENS, ignore_eos=True)] * len(prompts)
+        outputs = llm.generate(prompts, params, lora_request=loras)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    finally:
+        llm.shutdown()
+
+
+def test_heads_that_do_not_divide_are_refused_by_name(tp_dirs):
+    with pytest.raises(ValueError, match=r"number of attention heads \(4\) is not divisible by the tensor parallel "
+                                         r"size \(3\)"):
+        LLM(tp_dirs("qwen2"), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="async_scheduling is not supported with tensor parallelism"):
+        LLM(tp_dirs("qwen2"), tensor_parallel_size=2, async_scheduling=True)
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_give_the_same_tokens(tp_dirs):
+    """Node 1 runs `kubeinfer serve --headless`; node 0 (here) is rank 0: one rank per node, TP over both."""
+    model_dir, port = tp_dirs("qwen2"), free_port()
+    follower = subprocess.Popen([sys.executable, "-m", "kubeinfer.cli", "serve", model_dir, "--headless",
+                                 "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                                 "--master-port", str(port), "--tensor-parallel-size", "1"])
+    try:
+        llm = LLM(model_dir, block_size=4, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        try:
+            assert run(llm) == hf_references(model_dir)
+        finally:
+            llm.shutdown()
+        assert follower.wait(timeout=30) == 0  # told to stop: a clean end
+    finally:
+        if follower.poll() is None:
+            follower.kill()
