@@ -46,6 +46,7 @@ class TensorParallelGroup:
                         world, config.tensor_parallel_size, config.nnodes)
             init_group(0, world, 0, config.master_addr, dist_port, device, config.distributed_timeout)
             self.sender.accept(list(range(1, world)), config.distributed_timeout)
+            self.sender.send(("config", config))  # followers on other nodes build from rank 0's settings
         except BaseException:
             self.shutdown()
             raise

@@ -3,6 +3,7 @@
 that the group's failure is seen (rank 0 dies with it) and Kubernetes restarts the pod."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -39,7 +40,11 @@ def serve_rank(config: EngineConfig, plan: RankPlan) -> int:
         init_group(plan.rank, plan.world_size, plan.local_rank, plan.master_addr, plan.dist_port, device,
                    config.distributed_timeout)
         channel = StepReceiver(plan.master_addr, plan.step_port, plan.rank, config.distributed_timeout)
-        runner = build_rank_runner(config, plan, device)
+        kind, leader = channel.recv()
+        if kind != "config":
+            raise RuntimeError(f"rank 0 sent {kind!r} before its configuration")
+        # Rank 0's settings (block size, dtype, LoRA slots...) whatever this node's flags say; its own model path.
+        runner = build_rank_runner(dataclasses.replace(leader, model=config.model), plan, device)
         follow(runner, channel)
     except ConnectionError:
         logger.critical("rank 0 is gone; exiting")
