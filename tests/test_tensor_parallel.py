@@ -26,6 +26,8 @@ MODELS = {
     "gemma2": ("gemma2", VARIANTS["gemma2"]),
     "phi3": ("phi3", VARIANTS["phi3"]),
     "granite": ("granite", VARIANTS["granite"]),
+    "olmo2": ("olmo2", VARIANTS["olmo2"]),
+    "olmo2-kv-replicated": ("olmo2", dict(num_kv_heads=1)),  # its k norm spans a head held by both ranks
 }
 DEFAULT_SUITE = ("llama-kv-replicated", "qwen2", "gemma3")  # split and replicated KV heads, biases, windows, tying
 
@@ -56,6 +58,19 @@ def test_greedy_outputs_equal_transformers(name, tp_dirs):
         assert llm.engine.scheduler.num_preemptions > 0
         assert run(llm) == reference  # again, the prompts' blocks now cached
         assert llm.engine.block_manager.prefix_hits > 0
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_gemma3_multimodal_checkpoint_serves_its_text_model(tp_dirs, tmp_path):
+    from kubeinfer.testing.random_model import save_gemma3_multimodal
+
+    text_dir = tp_dirs("gemma3")
+    save_gemma3_multimodal(text_dir, tmp_path / "mm")
+    llm = LLM(str(tmp_path / "mm"), block_size=4, tensor_parallel_size=2)
+    try:
+        assert run(llm) == hf_references(text_dir)
     finally:
         llm.shutdown()
 

@@ -29,10 +29,10 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("Gemma3ForCausalLM", "gemma", "Gemma3ForCausalLM", "Gemma 3 (text)", lora=True,
                  sliding_window="per layer", tensor_parallel=True),
     Architecture("Gemma3ForConditionalGeneration", "gemma", "Gemma3TextOnly", "Gemma 3 (text only; no images)",
-                 lora=False, sliding_window="per layer", text_only=True),
+                 lora=False, sliding_window="per layer", text_only=True, tensor_parallel=True),
     Architecture("Phi3ForCausalLM", "phi3", "Phi3ForCausalLM", "Phi-3, Phi-4-mini", lora=True,
                  sliding_window="all layers", tensor_parallel=True),
-    Architecture("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", "OLMo 2", lora=True, sliding_window="no"),
+    Architecture("Olmo2ForCausalLM", "olmo2", "Olmo2ForCausalLM", "OLMo 2", lora=True, sliding_window="no", tensor_parallel=True),
     Architecture("GraniteForCausalLM", "granite", "GraniteForCausalLM", "Granite", lora=True, sliding_window="no", tensor_parallel=True),
 )}
 
