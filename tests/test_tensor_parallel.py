@@ -123,3 +123,50 @@ def test_two_nodes_on_loopback_give_the_same_tokens(tp_dirs):
     finally:
         if follower.poll() is None:
             follower.kill()
+
+
+def test_one_rank_runs_no_collective_and_no_process(tp_dirs):
+    """TP=1 is the single-device engine: plain modules' products, no group, no other process."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    llm = LLM(tp_dirs("qwen2"), block_size=4)
+    assert llm.engine.ranks is None and llm.engine.runner.ranks is None
+    assert not dist.is_initialized() and not multiprocessing.active_children()
+    assert all(getattr(m, "tp_size", 1) == 1 for m in llm.engine.runner.model.modules())
+
+
+def test_a_rank_that_dies_fails_the_next_step_for_good(tp_dirs):
+    from kubeinfer.engine.core.errors import StepFailedError, is_unrecoverable
+
+    llm = LLM(tp_dirs("qwen2"), block_size=4, tensor_parallel_size=2)
+    try:
+        [rank1] = llm.engine.ranks.processes
+        rank1.kill()
+        rank1.join(timeout=10)
+        with pytest.raises(StepFailedError) as failure:
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+        assert is_unrecoverable(failure.value.cause)
+        assert "tensor-parallel rank 1 is gone (exit code -9)" in str(failure.value.cause)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_answering_fails_the_step_after_the_timeout(tp_dirs):
+    import os
+    import signal
+
+    from kubeinfer.engine.core.errors import StepFailedError, is_unrecoverable
+
+    llm = LLM(tp_dirs("qwen2"), block_size=4, tensor_parallel_size=2, distributed_timeout=5)
+    [rank1] = llm.engine.ranks.processes
+    try:
+        os.kill(rank1.pid, signal.SIGSTOP)
+        with pytest.raises(StepFailedError) as failure:
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+        assert is_unrecoverable(failure.value.cause)
+    finally:
+        rank1.kill()
+        llm.shutdown()

@@ -12,7 +12,7 @@ import torch
 
 from ..config import EngineConfig, ModelSpec
 from ..distributed.failure_watch import FailureWatch, RankFailedError
-from ..distributed.launch import RankPlan, start_local_ranks
+from ..distributed.launch import RankPlan, cpu_threads_per_rank, start_local_ranks
 from ..distributed.parallel_state import destroy_group, init_group
 from ..distributed.step_channel import StepSender, free_port
 from ..model_executor.models.registry import ARCHITECTURES
@@ -21,9 +21,11 @@ logger = logging.getLogger(__name__)
 
 
 def rank_ports(config: EngineConfig) -> tuple[int, int]:
-    """(torch.distributed's rendezvous port, the step channel's): the master port and the one after it."""
-    port = config.master_port or free_port(config.master_addr)
-    return port, port + 1
+    """(torch.distributed's rendezvous port, the step channel's): the master port and the one after it, which
+    the other nodes know; on one node without a master port, free ones (0: the system picks)."""
+    if config.master_port is None:
+        return free_port(config.master_addr), 0
+    return config.master_port, config.master_port + 1
 
 
 class TensorParallelGroup:
@@ -33,7 +35,14 @@ class TensorParallelGroup:
             supported = ", ".join(a.name for a in ARCHITECTURES.values() if a.tensor_parallel)
             raise ValueError(f"tensor parallelism is not supported on {spec.architecture} yet; it runs on {supported}")
         spec.for_rank(0, world)  # a model that does not split evenly is refused before any process starts
+        if device.type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
+            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs on this "
+                             f"node, and torch sees {torch.cuda.device_count()}")
         self.config, self.processes, self.world_size = config, [], world
+        # On the CPU the node's ranks share its cores: rank 0 takes its share too (given back at shutdown).
+        self._threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(cpu_threads_per_rank(config.tensor_parallel_size))
         dist_port, step_port = rank_ports(config)
         self.sender = StepSender("0.0.0.0" if config.nnodes > 1 else config.master_addr, step_port)
         plans = [RankPlan(rank, rank, world, config.master_addr, dist_port, self.sender.port)
@@ -60,10 +69,12 @@ class TensorParallelGroup:
         try:
             self.sender.send(message)
         except OSError as error:
-            raise RankFailedError(f"a tensor-parallel rank is unreachable: {error}") from error
+            raise self.step_failed(error) from error
 
     def step_failed(self, error: Exception) -> RankFailedError:
-        reason = self.watch.reason or f"the tensor-parallel step failed on rank 0: {type(error).__name__}: {error}"
+        # A collective fails as soon as a peer's socket drops; the watch names the rank a moment later.
+        self.watch.failed.wait(timeout=1.0)
+        reason = self.watch.reason or f"a tensor-parallel step failed: {type(error).__name__}: {error}"
         self.watch.fail(reason)
         return RankFailedError(reason)
 
@@ -95,3 +106,4 @@ class TensorParallelGroup:
                 process.join(timeout=5)
         self.sender.close()
         destroy_group()
+        torch.set_num_threads(self._threads)

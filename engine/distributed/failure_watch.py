@@ -24,6 +24,7 @@ class FailureWatch:
         self._connections = connections
         self._describe = describe
         self.reason: str | None = None
+        self.failed = threading.Event()  # set with `reason`
         self.on_failure: list[Callable[[str], None]] = []
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="tp-failure-watch", daemon=True)
@@ -56,6 +57,7 @@ class FailureWatch:
         if self.reason is not None:
             return
         self.reason = reason
+        self.failed.set()
         logger.critical("%s", reason)
         for callback in self.on_failure:
             try:
