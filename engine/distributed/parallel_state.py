@@ -38,6 +38,8 @@ def init_group(rank: int, size: int, local_rank: int, master_addr: str, master_p
                timeout_s: float) -> None:
     """Join the group (blocks until all `size` ranks have); `timeout_s` bounds every collective after it."""
     global _group
+    if dist.is_initialized():  # torch.distributed has one default group per process
+        raise ValueError("this process already runs a tensor-parallel engine; shut it down first (LLM.shutdown())")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
