@@ -172,3 +172,23 @@ def test_a_rank_that_stops_answering_fails_the_step_after_the_timeout(tp_dirs):
     finally:
         rank1.kill()
         llm.shutdown()
+
+
+@pytest.mark.slow  # ~90 s: the Triton attention kernels in Triton's CPU interpreter
+def test_decode_graphs_on_every_rank_keep_outputs_exact(tp_dirs):
+    """The CUDA-graph path per rank (each rank captures its own, collectives inside), with the CPU's stand-in for
+    capture (test_cuda_graphs.py): decode steps replay every rank's static buffers; rank 1 returns its vocabulary
+    slice into buffers of that width, rank 0 the gathered logits."""
+    from kubeinfer.engine.model_executor.cuda_graphs import replay_eagerly
+
+    llm = LLM(tp_dirs("gemma3"), block_size=4, max_num_seqs=8, tensor_parallel_size=2, attention_backend="triton")
+    try:
+        llm.engine.ranks.send(("graphs", 8, True))
+        llm.engine.runner.capture_decode_graphs(8, capture=replay_eagerly)
+        replays = []
+        run_graph = llm.engine.runner.graphs.run
+        llm.engine.runner.graphs.run = lambda *a: replays.append(1) or run_graph(*a)
+        assert run(llm) == hf_references(tp_dirs("gemma3"))
+        assert replays  # decode steps went through the graphs
+    finally:
+        llm.shutdown()

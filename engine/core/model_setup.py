@@ -135,7 +135,7 @@ def _capture_decode_graphs(runner: ModelRunner, config: EngineConfig, device: to
         logger.info("CUDA graphs off: the %s attention backend runs eagerly", runner.backend.name)
         return
     started = time.monotonic()
-    send(("graphs", config.max_num_seqs))  # every rank records its own graphs, collectives included
+    send(("graphs", config.max_num_seqs, False))  # every rank records its own graphs, collectives included
     runner.capture_decode_graphs(config.max_num_seqs)
     logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", runner.graphs.sizes,
                 time.monotonic() - started)

@@ -15,6 +15,7 @@ from ..distributed.launch import RankPlan, cpu_threads_per_rank, start_local_ran
 from ..distributed.parallel_state import init_group
 from ..distributed.step_channel import StepReceiver
 from ..lora.pool import LoRAPool
+from ..model_executor.cuda_graphs import capture_cuda_graph, replay_eagerly
 from ..model_executor.layers.attention_selector import check_attention_backend
 from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
 from ..model_executor.model_runner import ModelRunner
@@ -84,8 +85,9 @@ def follow(runner: ModelRunner, channel: StepReceiver) -> None:
         elif kind == "kv_cache":
             runner.num_window_blocks = args[1]
             runner.allocate_kv_cache(*args)
-        elif kind == "graphs":
-            runner.capture_decode_graphs(*args)
+        elif kind == "graphs":  # (max_num_seqs, replay eagerly: the graph path's stand-in off the GPU, for tests)
+            max_num_seqs, eagerly = args
+            runner.capture_decode_graphs(max_num_seqs, capture=replay_eagerly if eagerly else capture_cuda_graph)
         elif kind == "stop":
             return
         else:

@@ -125,12 +125,19 @@ class ModelRunner:
                              "attention_backend='triton', or enforce_eager=True")
         graphs = DecodeGraphs(self.model, self.kv_caches, sizes=capture_sizes(max_num_seqs),
                               max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-                              vocab_size=self.spec.vocab_size, device=self.device, sliding_window=self.sliding_window,
+                              vocab_size=self._logits_width(), device=self.device, sliding_window=self.sliding_window,
                               lora_pool=self.lora_pool,
                               window_group=self.window_group(self.spec) if self.window_pool else None)
         with torch.inference_mode():
             graphs.capture(capture)
         self.graphs = graphs
+
+    def _logits_width(self) -> int:
+        """Columns of the logits the model returns: the vocabulary, or on a tensor-parallel rank other than 0 its
+        own slice of it (only rank 0 gathers the whole)."""
+        if self.spec.tp_rank == 0:
+            return self.spec.vocab_size
+        return min(self.model.lm_head.out_features, self.spec.vocab_size)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """Host lists for the step's tokens, and the sequences that sample a token after it."""
