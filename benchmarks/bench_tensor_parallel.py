@@ -4,8 +4,9 @@ the step hand-off alone (pickling a step's inputs and sending them to the other 
 On the CPU (gloo, 2 ranks sharing this machine's cores) TP cannot be faster: the ranks split the same cores
 and add an all-reduce per layer; the figure to watch is the overhead per step. TP=1 runs with as many torch
 threads as each TP rank gets (`--threads`, default: cores / TP), so that the two differ by the split and its
-collectives, not by the threads (a loaded machine makes torch's spinning thread pool very slow otherwise). On a machine with several
-GPUs (`--device cuda --tp N`, the `bench-gpu` case in docs/gpu.md), TP=N against TP=1 is the real measure.
+collectives, not by the threads (a loaded machine makes torch's spinning thread pool very slow otherwise).
+On a machine with several GPUs (`--device cuda --tp N`, the `bench-gpu` case in docs/gpu.md), TP=N against
+TP=1 is the real measure.
 
     python benchmarks/bench_tensor_parallel.py [--device cpu] [--tp 2] [--batches 1,32] [--steps 30]
 """

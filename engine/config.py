@@ -70,7 +70,8 @@ class EngineConfig:
             raise ValueError("nnodes > 1 needs master_addr and master_port (--master-addr, --master-port): "
                              "where the nodes meet")
         if not isinstance(self.distributed_timeout, (int, float)) or self.distributed_timeout <= 0:
-            raise ValueError(f"distributed_timeout must be a positive number of seconds, got {self.distributed_timeout!r}")
+            raise ValueError("distributed_timeout must be a positive number of seconds, "
+                             f"got {self.distributed_timeout!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -9,9 +9,8 @@ import sys
 import pytest
 from lora_helpers import MAX_TOKENS as LORA_MAX_TOKENS
 from lora_helpers import mixed_batch
-from test_engine_correctness import MAX_TOKENS, PROMPTS
-from test_model_families import VARIANTS, hf_references, run
 from server_harness import free_port
+from test_model_families import VARIANTS, hf_references, run
 
 from kubeinfer.engine import LLM, SamplingParams
 

@@ -26,16 +26,16 @@ from ..sequence import ScheduledBatch, Sequence
 from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.speculator import Speculator
 from .async_scheduling import StepPipeline
-from .engine_adapters import EngineAdapters
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from .engine_adapters import EngineAdapters
 from .errors import StepFailedError
 from .kv_event_publisher import KVEventsConfig, KVEventStream
 from .model_setup import build_block_manager, build_runner, draft_files
-from .tensor_parallel import TensorParallelGroup
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Completion, Request, check_prompt_length, prompt_tokens
 from .scheduler import Scheduler, SchedulerConfig
+from .tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 # At DEBUG, every 100 steps: the mean time of each phase of a step (see model_executor/step_timer).

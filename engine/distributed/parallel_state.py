@@ -23,15 +23,8 @@ _group = TPGroup()
 
 
 def tp_group() -> TPGroup:
+    """This process's place in its group (rank 0 of 1 outside any)."""
     return _group
-
-
-def tp_rank() -> int:
-    return _group.rank
-
-
-def tp_size() -> int:
-    return _group.size
 
 
 def init_group(rank: int, size: int, local_rank: int, master_addr: str, master_port: int, device: torch.device,
@@ -69,12 +62,3 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_group.size)] if _group.rank == 0 else None
     dist.gather(x, parts, dst=0)
     return torch.cat(parts, dim=-1) if parts is not None else x
-
-
-def split_evenly(total: int, what: str, size: int | None = None) -> int:
-    """Each rank's share of `total`; refused, naming both numbers, when it does not divide."""
-    size = size or _group.size
-    if total % size:
-        raise ValueError(f"{what} ({total}) is not divisible by the tensor parallel size ({size}); "
-                         f"choose a --tensor-parallel-size that divides {total}")
-    return total // size
