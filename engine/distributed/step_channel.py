@@ -31,7 +31,8 @@ class StepSender:
                 conn, _ = self._server.accept()
             except TimeoutError:
                 missing = sorted(set(ranks) - set(self.connections))
-                raise TimeoutError(f"tensor-parallel ranks {missing} did not connect within {timeout_s:.0f} s") from None
+                raise TimeoutError(f"tensor-parallel ranks {missing} did not connect within {timeout_s:.0f} s "
+                                   "(--distributed-timeout)") from None
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(None)
             rank = _HEADER.unpack(_read_exactly(conn, _HEADER.size))[0]
