@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -41,13 +42,16 @@ def test_served_tokens_then_a_killed_rank_fails_the_server(family, model_dirs, h
         assert completion.choices[0].token_ids == expected
 
         [rank1] = rank_processes(server.pid)
-        stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=400, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        next(iter(stream))  # the request is running on both ranks
-        os.kill(rank1, signal.SIGKILL)
-        with pytest.raises(openai.APIError):
-            for chunk in stream:
-                pass
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(httpx.post, url + "/v1/completions", json=body, timeout=60)
+            deadline = time.monotonic() + 30
+            while 'vllm:num_requests_running{model_name="tiny"} 1.0' not in httpx.get(url + "/metrics").text:
+                assert time.monotonic() < deadline and not in_flight.done()
+                time.sleep(0.02)
+            os.kill(rank1, signal.SIGKILL)  # while the request runs on both ranks
+            failed = in_flight.result()
+        assert failed.status_code == 503 and failed.json()["error"]["type"] == "ServiceUnavailableError"
         try:  # the server may already be gone: it exits as soon as the engine dies
             health = httpx.get(url + "/health")
             assert health.status_code == 503 and "tensor-parallel rank 1 is gone" in health.json()["error"]["message"]
