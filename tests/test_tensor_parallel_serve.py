@@ -27,10 +27,11 @@ def rank_processes(pid: int) -> list[int]:
 def test_served_tokens_then_a_killed_rank_fails_the_server(family, model_dirs, hf_models):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "kubeinfer.cli", "serve", model_dirs[family], "--host", "127.0.0.1",
-                               "--port", str(port), "--served-model-name", "tiny", "--tensor-parallel-size", "2",
-                               "--distributed-timeout", "20"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = subprocess.Popen([sys.executable, "-m", "kubeinfer.cli", "serve", model_dirs[family], "--host",
+                               "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
+                               "--tensor-parallel-size", "2", "--distributed-timeout", "20"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert wait_healthy(url, server, time.monotonic() + 90), "server never became healthy"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
