@@ -64,3 +64,32 @@ def test_served_tokens_then_a_killed_rank_fails_the_server(family, model_dirs, h
     finally:
         if server.poll() is None:
             server.kill()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_idle_turns_health_503_and_ends_the_server(model_dirs):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "kubeinfer.cli", "serve", model_dirs["qwen2"], "--host",
+                               "127.0.0.1", "--port", str(port), "--tensor-parallel-size", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert wait_healthy(url, server, time.monotonic() + 90), "server never became healthy"
+        [rank1] = rank_processes(server.pid)
+        os.kill(rank1, signal.SIGKILL)
+        deadline, health = time.monotonic() + 10, None
+        while time.monotonic() < deadline:  # the failure watch notices at once; the server exits right after
+            try:
+                health = httpx.get(url + "/health")
+            except httpx.TransportError:
+                break
+            if health.status_code == 503:
+                break
+            time.sleep(0.01)
+        if health is not None and health.status_code == 503:
+            assert "tensor-parallel rank 1 is gone (exit code -9)" in health.json()["error"]["message"]
+        assert server.wait(timeout=30) == 1
+        assert "tensor-parallel rank 1 is gone (exit code -9)" in server.stdout.read().decode()
+    finally:
+        if server.poll() is None:
+            server.kill()
