@@ -76,13 +76,23 @@ def test_gemma3_multimodal_checkpoint_serves_its_text_model(tp_dirs, tmp_path):
         llm.shutdown()
 
 
-def test_each_rank_holds_its_own_kv_heads(tp_dirs):
-    """The KV budget is per rank: with the same bytes, two ranks holding half the heads hold twice the blocks."""
+def test_each_rank_holds_its_own_kv_heads_and_a_dead_rank_fails_the_engine(tp_dirs):
+    """The KV budget is per rank: with the same bytes, two ranks holding half the heads hold twice the blocks.
+    Then rank 1 dies: the next step fails for good, naming it (the engine dies; a server exits non-zero)."""
+    from kubeinfer.engine.core.errors import StepFailedError, is_unrecoverable
+
     one = LLM(tp_dirs("qwen2"), block_size=4, kv_cache_memory_bytes=1 << 20).engine
     two = LLM(tp_dirs("qwen2"), block_size=4, kv_cache_memory_bytes=1 << 20, tensor_parallel_size=2)
     try:
         assert two.engine.num_kv_blocks == 2 * one.num_kv_blocks
         assert two.engine.runner.kv_caches[0][0].shape[2] == one.spec.num_kv_heads // 2
+        [rank1] = two.engine.ranks.processes
+        rank1.kill()
+        rank1.join(timeout=10)
+        with pytest.raises(StepFailedError) as failure:
+            two.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+        assert is_unrecoverable(failure.value.cause)
+        assert "tensor-parallel rank 1 is gone (exit code -9)" in str(failure.value.cause)
     finally:
         two.shutdown()
 
@@ -136,22 +146,6 @@ def test_one_rank_runs_no_collective_and_no_process(tp_dirs):
     assert llm.engine.ranks is None and llm.engine.runner.ranks is None
     assert not dist.is_initialized() and not multiprocessing.active_children()
     assert all(getattr(m, "tp_size", 1) == 1 for m in llm.engine.runner.model.modules())
-
-
-def test_a_rank_that_dies_fails_the_next_step_for_good(tp_dirs):
-    from kubeinfer.engine.core.errors import StepFailedError, is_unrecoverable
-
-    llm = LLM(tp_dirs("qwen2"), block_size=4, tensor_parallel_size=2)
-    try:
-        [rank1] = llm.engine.ranks.processes
-        rank1.kill()
-        rank1.join(timeout=10)
-        with pytest.raises(StepFailedError) as failure:
-            llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
-        assert is_unrecoverable(failure.value.cause)
-        assert "tensor-parallel rank 1 is gone (exit code -9)" in str(failure.value.cause)
-    finally:
-        llm.shutdown()
 
 
 @pytest.mark.slow
