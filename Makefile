@@ -46,12 +46,16 @@ bench: setup
 	$(PY) benchmarks/bench_spec_decode.py
 	$(PY) benchmarks/bench_window_kv.py
 	$(PY) benchmarks/bench_security_limits.py
+	$(PY) benchmarks/bench_tensor_parallel.py
 
 # On a GPU machine, whose own python has CUDA torch and no registry access: install kubeinfer into it
 # first with `python3 -m pip install --no-deps --no-build-isolation -e .`
 GPU_PYTHON ?= python3
 bench-gpu:
 	$(GPU_PYTHON) benchmarks/bench_gpu.py
+	@gpus=$$($(GPU_PYTHON) -c 'import torch; print(torch.cuda.device_count())'); \
+	if [ "$$gpus" -ge 2 ]; then $(GPU_PYTHON) benchmarks/bench_tensor_parallel.py --device cuda --tp $$gpus; \
+	else echo "bench-gpu: one GPU, tensor parallelism not measured (benchmarks/bench_tensor_parallel.py)"; fi
 
 # The GPU path's tests, compiled kernels and captured graphs included (their CUDA cases skip without a GPU).
 GPU_TESTS := tests/test_triton_kernels.py tests/test_triton_fused.py tests/test_cuda_graphs.py tests/test_kv_cache_sizing.py \

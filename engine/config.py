@@ -2,6 +2,7 @@
 (ModelSpec), as vLLM keeps its configs in one place below the engine's layers. No torch here."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 from dataclasses import dataclass
 
@@ -46,6 +47,14 @@ class EngineConfig:
     # off by default, as in vLLM (`--async-scheduling`). On a CPU it only delays outputs by a step.
     async_scheduling: bool = False
 
+    # Tensor parallelism (engine/distributed/): ranks per node; the group spans nnodes x tensor_parallel_size ranks.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0  # this node's place; node 0 runs the scheduler, the others follow it (--headless)
+    master_addr: str = "127.0.0.1"  # node 0's address, where the group meets
+    master_port: int | None = None  # None: a free port (one node only)
+    distributed_timeout: float = 60.0  # seconds a rank may stay silent in a step before the engine dies
+
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
@@ -53,8 +62,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                     "max_loras", "max_lora_rank"):
+                     "max_loras", "max_lora_rank", "tensor_parallel_size", "nnodes"):
             positive(name)
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("nnodes > 1 needs master_addr and master_port (--master-addr, --master-port): "
+                             "where the nodes meet")
+        if not isinstance(self.distributed_timeout, (int, float)) or self.distributed_timeout <= 0:
+            raise ValueError("distributed_timeout must be a positive number of seconds, "
+                             f"got {self.distributed_timeout!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -63,9 +80,29 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.world_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling is not supported with tensor parallelism yet; drop --async-scheduling")
+        if self.world_size > 1 and self.speculative_config:
+            raise ValueError("speculative decoding is not supported with tensor parallelism yet; "
+                             "drop --speculative-config or use --tensor-parallel-size 1")
         if self.attention_backend is None:
             on_gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
             self.attention_backend = "triton" if on_gpu else "torch"
+
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the tensor-parallel group, over all nodes."""
+        return self.tensor_parallel_size * self.nnodes
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a projection split across tensor-parallel ranks: its size in the checkpoint, and the run
+    of it (start, size) this rank holds."""
+    total: int
+    start: int
+    size: int
 
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")  # hidden_act values the models implement
@@ -106,6 +143,50 @@ class ModelSpec:
         self.hidden_act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None) or "silu"
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {self.hidden_act!r}; supported: {sorted(ACTIVATIONS)}")
+        # Tensor parallelism (for_rank): this rank's share; the totals stay on the model-wide spec.
+        self.tp_rank, self.tp_size = 0, 1
+        self.total_heads, self.total_kv_heads = self.num_heads, self.num_kv_heads
+        self.total_intermediate_size = self.intermediate_size
+
+    def for_rank(self, rank: int, size: int) -> ModelSpec:
+        """The spec of one rank's slice of the model: its attention heads, KV heads (one each, replicated,
+        when there are fewer KV heads than ranks) and MLP columns. Refuses sizes that do not divide."""
+        if size == 1:
+            return self
+        def share(total: int, what: str) -> int:
+            if total % size:
+                raise ValueError(f"the model's {what} ({total}) is not divisible by the tensor parallel size "
+                                 f"({size}); choose a --tensor-parallel-size that divides {total}")
+            return total // size
+        local = copy.copy(self)
+        local.tp_rank, local.tp_size = rank, size
+        local.num_heads = share(self.num_heads, "number of attention heads")
+        if self.num_kv_heads >= size:
+            local.num_kv_heads = share(self.num_kv_heads, "number of KV heads")
+        elif size % self.num_kv_heads:
+            raise ValueError(f"the model's number of KV heads ({self.num_kv_heads}) neither divides nor is divisible "
+                             f"by the tensor parallel size ({size}); choose a size that {self.num_kv_heads} divides")
+        else:
+            local.num_kv_heads = 1
+        local.intermediate_size = share(self.intermediate_size, "intermediate_size")
+        return local
+
+    def qkv_parts(self) -> list[Part]:
+        """q, k and v of this rank: its query heads, and its KV heads (the one it shares, when replicated)."""
+        d = self.head_dim
+        kv = Part(self.total_kv_heads * d, self.kv_head_start() * d, self.num_kv_heads * d)
+        return [Part(self.total_heads * d, self.tp_rank * self.num_heads * d, self.num_heads * d), kv, kv]
+
+    def gate_up_parts(self) -> list[Part]:
+        """gate and up of this rank: its columns of each (down_proj takes the same as its input)."""
+        part = Part(self.total_intermediate_size, self.tp_rank * self.intermediate_size, self.intermediate_size)
+        return [part, part]
+
+    def kv_head_start(self) -> int:
+        """The first of this rank's KV heads in the checkpoint's order (a replicated head: the one it shares)."""
+        if self.total_kv_heads >= self.tp_size:
+            return self.tp_rank * self.num_kv_heads
+        return self.tp_rank * self.total_kv_heads // self.tp_size
 
 
 def _layer_windows(config, architecture: str) -> list[int | None]:

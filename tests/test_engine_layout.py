@@ -11,8 +11,9 @@ import pytest
 ENGINE = Path(__file__).parents[1] / "engine"
 PACKAGE = "kubeinfer.engine"
 # Top to bottom; a module may import its own layer or any layer below. The shared modules at the
-# engine's top level (config, sampling_params, sequence, triton_utils) are the bottom layer.
-LAYERS = ("entrypoints", "core", "spec_decode", "model_executor", "structured_output", "lora", "")
+# engine's top level (config, sampling_params, sequence, triton_utils) are the bottom layer; distributed (the
+# tensor-parallel group and its collectives) sits just above it, under the layers that split a model.
+LAYERS = ("entrypoints", "core", "spec_decode", "model_executor", "structured_output", "lora", "distributed", "")
 MAX_LINES = 300
 GENERATED = {"entrypoints/grpc/proto/engine_pb2.py", "entrypoints/grpc/proto/engine_pb2_grpc.py"}
 

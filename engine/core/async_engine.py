@@ -75,6 +75,10 @@ class AsyncEngine:
         if self.engine.kv_events is not None:  # after the loop: its last step's events go out
             self.engine.kv_events.shutdown()
 
+    def fail(self, reason: str) -> None:
+        """Kill the engine from another thread (a tensor-parallel rank died): the loop dies on its next command."""
+        self._commands.put(("die", reason))
+
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -194,6 +198,8 @@ class AsyncEngine:
         elif kind == "abort" and self.engine.abort(payload):
             for observer in self.abort_observers:
                 observer(payload)
+        elif kind == "die" and self.death is None:
+            self._die(payload)
         elif kind == "adapter":
             lora_id = payload[0]
             error = self._adapter_reader.finish(*payload)

@@ -18,6 +18,8 @@ def is_unrecoverable(error: BaseException) -> bool:
     """Errors after which the device (and so every later step) is unusable: CUDA errors are sticky."""
     import torch
 
+    if getattr(error, "unrecoverable", False):  # e.g. a tensor-parallel rank died (distributed/failure_watch.py)
+        return True
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8 raises it for CUDA errors
     if accelerator_error is not None and isinstance(error, accelerator_error):
         return True

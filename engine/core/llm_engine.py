@@ -19,7 +19,6 @@ import torch
 
 from ..config import EngineConfig, ModelSpec
 from ..lora.manager import LoRAManager
-from ..lora.request import LoRARequest
 from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
 from ..model_executor.step_timer import StepProfileLog
 from ..sampling_params import SamplingParams
@@ -28,6 +27,7 @@ from ..spec_decode.config import SpeculativeConfig
 from ..spec_decode.speculator import Speculator
 from .async_scheduling import StepPipeline
 from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokenizer
+from .engine_adapters import EngineAdapters
 from .errors import StepFailedError
 from .kv_event_publisher import KVEventsConfig, KVEventStream
 from .model_setup import build_block_manager, build_runner, draft_files
@@ -35,13 +35,14 @@ from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Completion, Request, check_prompt_length, prompt_tokens
 from .scheduler import Scheduler, SchedulerConfig
+from .tensor_parallel import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 # At DEBUG, every 100 steps: the mean time of each phase of a step (see model_executor/step_timer).
 profile_logger = logging.getLogger("kubeinfer.engine.step_profile")
 
 
-class LLMEngine:
+class LLMEngine(EngineAdapters):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         speculative = SpeculativeConfig.parse(config.speculative_config)  # refused before any model work
@@ -61,15 +62,22 @@ class LLMEngine:
                              f"({self.spec.max_position_embeddings})")
         self.eos_token_ids = frozenset(files.eos_token_ids)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        # Tensor parallelism: the other ranks start and join here, before any weight is read
+        self.ranks = TensorParallelGroup(config, self.spec, self.device) if config.world_size > 1 else None
         self.lora = (LoRAManager(self.spec, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank,
-                                 max_cpu_loras=config.max_cpu_loras, device=self.device, dtype=self.dtype)
-                     if config.enable_lora else None)
+                                 max_cpu_loras=config.max_cpu_loras, device=self.device, dtype=self.dtype,
+                                 ranks=self.ranks) if config.enable_lora else None)
         pool = self.lora.pool if self.lora else None
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         draft = (draft_files(speculative.model, self.max_model_len, self.tokenizer)
                  if speculative and speculative.model else None)
-        self.runner, self.num_kv_blocks, draft_runner = build_runner(config, files, self.spec, self.device, self.dtype,
-                                                                     self.max_model_len, pool, budget, draft)
+        try:
+            self.runner, self.num_kv_blocks, draft_runner = build_runner(config, files, self.spec, self.device,
+                                                                         self.dtype, self.max_model_len, pool, budget,
+                                                                         draft, self.ranks)
+        except BaseException:
+            self.shutdown()
+            raise
         self.block_manager = build_block_manager(config, self.spec, self.runner, self.num_kv_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
                                                    config.scheduling_policy), self.block_manager, pool)
@@ -99,6 +107,12 @@ class LLMEngine:
         logger.info("engine ready: %s (%s) on %s, %s%s, %d KV blocks of %d tokens", config.model, files.architecture,
                     self.device, self.dtype, f" ({files.quantization.describe()})" if files.quantization else "",
                     self.num_kv_blocks, config.block_size)
+
+    def shutdown(self) -> None:
+        """End the other tensor-parallel ranks (they exit 0); nothing to do on one device."""
+        if self.ranks is not None:
+            self.ranks.shutdown()
+            self.ranks = None
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
@@ -173,40 +187,11 @@ class LLMEngine:
         self._retire_unloaded_adapters()
         return True
 
-    # -- LoRA adapters (engine thread) ---------------------------------------------------------------
-    def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
-        """Register an adapter so requests may use it; reads and validates its files unless `adapter`
-        (from `self.lora.read`, done off this thread) is given. Raises ValueError / LoRALoadError."""
-        if self.lora is None:
-            raise ValueError("LoRA is not enabled; create the engine with enable_lora=True (--enable-lora)")
-        self.lora.register(lora_request, adapter)
-
-    def remove_lora(self, lora_name: str) -> LoRARequest:
-        """Unregister by name; requests in flight on it finish first. KeyError if unknown."""
-        request = self.lora.find(lora_name) if self.lora else None
-        if request is None:
-            raise KeyError(lora_name)
-        return self.lora.unregister(request.lora_int_id, self._adapters_in_use())
-
-    def _lora_name(self, lora_id: int) -> str | None:
-        request = self.lora.registered.get(lora_id) if self.lora else None
-        return request.lora_name if request else None
-
     def reset_prefix_cache(self) -> None:
         """Forget the cached blocks no request holds (engine thread); subscribers get AllBlocksCleared."""
         self.block_manager.reset_prefix_cache()
         if self.kv_events is not None:
             self.kv_events.flush()
-
-    def list_loras(self) -> list[LoRARequest]:
-        return sorted(self.lora.registered.values(), key=lambda r: r.lora_int_id) if self.lora else []
-
-    def _adapters_in_use(self) -> set[int]:
-        return self.scheduler.running_adapters() | self.scheduler.waiting_adapters()
-
-    def _retire_unloaded_adapters(self) -> None:
-        if self.lora is not None and self.lora.retiring:
-            self.lora.retire_idle(self._adapters_in_use())
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished() or self.outputs.has_deferred
@@ -291,10 +276,3 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
-
-    def lora_adapter_names(self) -> tuple[list[str], list[str]]:
-        """(adapters of running requests, adapters of waiting requests), for vllm:lora_requests_info."""
-        if self.lora is None:
-            return [], []
-        return self.lora.names(self.scheduler.running_adapters()), self.lora.names(self.scheduler.waiting_adapters())
-

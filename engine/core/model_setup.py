@@ -18,7 +18,7 @@ from ..model_executor.model_loader import ModelFiles, inspect_model_dir
 from ..model_executor.model_runner import ModelRunner
 from .block_manager import BlockManager
 from .kv_cache_sizing import GiB, kv_cache_bytes, measure_gpu, num_kv_blocks, out_of_memory_says
-
+from .tensor_parallel import TensorParallelGroup
 from .window_blocks import HybridBlockManager
 
 logger = logging.getLogger(__name__)
@@ -44,22 +44,27 @@ def draft_files(model_dir: str, max_model_len: int, target_tokenizer) -> ModelFi
 
 
 def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, pool: LoRAPool | None, step_tokens: int, draft: ModelFiles | None = None
-                 ) -> tuple[ModelRunner, int, ModelRunner | None]:
+                 max_model_len: int, pool: LoRAPool | None, step_tokens: int, draft: ModelFiles | None = None,
+                 ranks: TensorParallelGroup | None = None) -> tuple[ModelRunner, int, ModelRunner | None]:
     """The loaded runner, its KV cache allocated (and decode graphs captured), its block count, and the
-    draft model's runner (with its KV cache) when `draft` is given."""
+    draft model's runner (with its KV cache) when `draft` is given. With tensor parallelism (`ranks`) this is
+    rank 0's slice; the other ranks do each step of the set-up when told, and take rank 0's block count."""
     backend = check_attention_backend(config.attention_backend, device)
     draft_runner = None
+    send = ranks.send if ranks is not None else (lambda message: None)
 
     def load() -> ModelRunner:
         nonlocal draft_runner
         runner = ModelRunner(files, device=device, dtype=dtype, max_model_len=max_model_len,
-                             block_size=config.block_size, attention_backend=backend, lora_pool=pool)
+                             block_size=config.block_size, attention_backend=backend, lora_pool=pool,
+                             tp_size=config.world_size)
+        runner.ranks = ranks
         if draft is not None:
             draft_runner = ModelRunner(draft, device=device, dtype=dtype, max_model_len=max_model_len,
                                        block_size=config.block_size, attention_backend=backend)
         return runner
 
+    spec = spec.for_rank(0, config.world_size)  # a rank's KV cache holds its own KV heads
     window = ModelRunner.window_group(spec)
     num_windowed = sum(w is not None for w in spec.layer_windows) if window else 0
     per_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, dtype, spec.num_layers - num_windowed)
@@ -78,6 +83,7 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
             def load_and_profile() -> ModelRunner:
                 runner = load()
                 with out_of_memory_says("the profiling step", "lower --max-num-batched-tokens or --max-num-seqs"):
+                    send(("profile", step_tokens, config.max_num_seqs))
                     runner.profile_run(step_tokens, config.max_num_seqs)
                 return runner
 
@@ -94,12 +100,13 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
         else:
             blocks = num_kv_blocks(kv_bytes, per_block, block_size=config.block_size, max_model_len=max_model_len)
     runner.num_window_blocks = window_blocks
+    send(("kv_cache", blocks, window_blocks))  # the same block count on every rank: rank 0's
     with out_of_memory_says("allocating the KV cache", "lower --gpu-memory-utilization or --num-kv-blocks"):
         runner.allocate_kv_cache(blocks, window_blocks)
         if draft_runner is not None:
             draft_runner.allocate_kv_cache(blocks)
     with out_of_memory_says("capturing CUDA graphs", "pass --enforce-eager, or lower --max-num-seqs"):
-        _capture_decode_graphs(runner, config, device)
+        _capture_decode_graphs(runner, config, device, send)
     return runner, blocks, draft_runner
 
 
@@ -121,13 +128,14 @@ def build_block_manager(config: EngineConfig, spec: ModelSpec, runner: ModelRunn
                               config.enable_prefix_caching)
 
 
-def _capture_decode_graphs(runner: ModelRunner, config: EngineConfig, device: torch.device) -> None:
+def _capture_decode_graphs(runner: ModelRunner, config: EngineConfig, device: torch.device, send) -> None:
     if device.type != "cuda" or config.enforce_eager:
         return
     if not runner.backend.supports_cuda_graphs:
         logger.info("CUDA graphs off: the %s attention backend runs eagerly", runner.backend.name)
         return
     started = time.monotonic()
+    send(("graphs", config.max_num_seqs, False))  # every rank records its own graphs, collectives included
     runner.capture_decode_graphs(config.max_num_seqs)
     logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s", runner.graphs.sizes,
                 time.monotonic() - started)

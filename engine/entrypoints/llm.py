@@ -14,14 +14,21 @@ class LLM:
     def __init__(self, model: str, device: str = "cpu", dtype: str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 64, block_size: int = 16, num_kv_blocks: int | None = None,
                  enable_prefix_caching: bool = True, enable_lora: bool = False, max_loras: int = 4,
-                 max_lora_rank: int = 64, max_cpu_loras: int | None = None, seed: int = 0, **kwargs) -> None:
+                 max_lora_rank: int = 64, max_cpu_loras: int | None = None, seed: int = 0,
+                 tensor_parallel_size: int = 1, **kwargs) -> None:
+        """`tensor_parallel_size`: ranks (processes, one per GPU on CUDA) the model is split across; this process
+        is rank 0 and starts the others. `shutdown()` (or the end of the process) ends them."""
         config = EngineConfig(model=str(model), device=device, dtype=dtype, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, block_size=block_size, num_kv_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching, enable_lora=enable_lora,
                               max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                              seed=seed, **kwargs)
+                              seed=seed, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.engine = LLMEngine(config)
         self._next_id = 0
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel ranks this LLM started (a no-op on one device)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

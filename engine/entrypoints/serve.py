@@ -22,6 +22,8 @@ import uvicorn
 from kubeinfer.http_guard import add_http_limit_arguments, guard_from_args
 from kubeinfer.http_server import server_config
 
+from .parallel_args import add_parallel_arguments, serve_headless
+
 logger = logging.getLogger("kubeinfer.serve")
 
 
@@ -112,10 +114,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="threads that tokenize prompts and render chat templates, off the event loop")
     add_http_limit_arguments(parser, max_concurrent_requests=1024)
     parser.add_argument("--log-level", default="info")
+    add_parallel_arguments(parser)
 
 
 def build_state(args: argparse.Namespace):
-    from ..config import EngineConfig
     from ..core.async_engine import AsyncEngine
     from ..core.llm_engine import LLMEngine
     from ..lora.request import LoRARequest
@@ -125,32 +127,45 @@ def build_state(args: argparse.Namespace):
     if bool(args.lora_placement_file) != bool(args.lora_catalog_dir):
         raise SystemExit("kubeinfer serve: --lora-placement-file and --lora-catalog-dir go together")
     try:  # a bad flag, model directory or GPU memory budget: one line that says what to change
-        config = EngineConfig(model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
-                              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-                              seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules or args.lora_placement_file),
-                              max_loras=args.max_loras,
-                              max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                              attention_backend=args.attention_backend,
-                              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                              scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
-                              kv_events_config=args.kv_events_config,
-                              async_output_processing=args.async_output_processing,
-                              async_scheduling=args.async_scheduling, quantization=args.quantization)
-        engine = LLMEngine(config)
+        engine = LLMEngine(engine_config(args, lora_modules))
     except ValueError as error:
         raise SystemExit(f"kubeinfer serve: {error}") from None
     for lora_id, (name, path) in enumerate(lora_modules, start=1):
         try:
             engine.add_lora(LoRARequest(name, lora_id, path))
         except ValueError as error:  # LoRALoadError included: say which module and what to fix
+            engine.shutdown()
             raise SystemExit(f"kubeinfer serve: --lora-modules {name}={path}: {error}") from None
-    return ServerState(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests),
+    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    if engine.ranks is not None:  # a rank that dies while the server idles kills the engine at once
+        engine.ranks.watch.on_failure.append(async_engine.fail)
+    return ServerState(async_engine,
                        args.served_model_name or args.model, args.model, api_key=args.api_key,
                        lora_dirs=list(args.allowed_lora_dirs), tool_call_parser=args.tool_call_parser,
                        reasoning_parser=args.reasoning_parser, max_prompt_chars=args.max_prompt_chars,
                        tokenizer_pool_size=args.tokenizer_pool_size)
+
+
+def engine_config(args: argparse.Namespace, lora_modules: list[tuple[str, str]]):
+    """The EngineConfig the flags describe (ValueError on a bad one)."""
+    from ..config import EngineConfig
+
+    return EngineConfig(model=args.model, device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
+                        seed=args.seed, enable_lora=args.enable_lora or bool(lora_modules or args.lora_placement_file),
+                        max_loras=args.max_loras,
+                        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                        attention_backend=args.attention_backend,
+                        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                        scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
+                        kv_events_config=args.kv_events_config,
+                        async_output_processing=args.async_output_processing,
+                        async_scheduling=args.async_scheduling, quantization=args.quantization,
+                        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+                        node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                        distributed_timeout=args.distributed_timeout)
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:
@@ -242,6 +257,7 @@ async def serve(args: argparse.Namespace) -> int:
         if placement is not None:
             placement.cancel()
         state.async_engine.shutdown()
+        state.async_engine.engine.shutdown()  # the other tensor-parallel ranks: exit 0, or non-zero after a failure
     if state.async_engine.death is not None:
         logger.critical("exiting: the engine died (%s)", state.async_engine.death)
         return 1
@@ -252,5 +268,10 @@ def main(args: argparse.Namespace) -> int:
     from .termination_log import termination_message_on_failure
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("KUBEINFER_LOG_LEVEL", args.log_level.upper())  # the tensor-parallel ranks' level
     with termination_message_on_failure():  # a failed start's reason reaches the pod's status
+        if args.headless:
+            return serve_headless(args, engine_config)
+        if args.node_rank > 0:
+            raise SystemExit("kubeinfer serve: --node-rank > 0 runs a follower node: add --headless")
         return asyncio.run(serve(args))

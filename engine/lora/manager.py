@@ -23,10 +23,14 @@ from .request import LoRARequest
 
 class LoRAManager:
     def __init__(self, spec: ModelSpec, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, ranks=None) -> None:
+        """`ranks`: rank 0's tensor-parallel group (core/tensor_parallel.py): the pool holds rank 0's slice of each
+        adapter, and each slot write is sent to the other ranks, which write theirs."""
         self.spec, self.max_lora_rank, self.dtype = spec, max_lora_rank, dtype
+        on_write = None if ranks is None else (lambda slot, adapter: ranks.send(("lora", slot, adapter)))
         self.pool = LoRAPool(spec, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                             device=device, dtype=dtype, loader=self._reread)
+                             device=device, dtype=dtype, loader=self._reread, tp_size=ranks.world_size if ranks else 1,
+                             on_write=on_write)
         self.registered: dict[int, LoRARequest] = {}  # by lora_int_id
         self.retiring: dict[int, LoRARequest] = {}  # unloaded, still used by sequences in flight
         self._generations: dict[int, int] = {}  # lora_int_id -> its registration's generation

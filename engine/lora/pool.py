@@ -19,6 +19,7 @@ import torch
 
 from ..config import ModelSpec
 from .adapter import LoRAAdapter, module_shapes
+from .tp_slices import rank_slice
 
 
 class LoRAPoolError(RuntimeError):
@@ -35,13 +36,17 @@ class _Entry:
 class LoRAPool:
     def __init__(self, spec: ModelSpec, *, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 loader: Callable[[int], LoRAAdapter] | None = None) -> None:
+                 loader: Callable[[int], LoRAAdapter] | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 on_write: Callable[[int, LoRAAdapter], None] | None = None) -> None:
+        """With tensor parallelism, the pool holds rank `tp_rank`'s slice of each adapter (lora/tp_slices.py);
+        `on_write(slot, adapter)` tells the other ranks to write theirs into the same slot."""
         max_cpu_loras = max_loras if max_cpu_loras is None else max_cpu_loras
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be positive, got {max_loras} and {max_lora_rank}")
         if max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be at least max_loras ({max_loras})")
-        self.spec = spec
+        spec = spec.for_rank(tp_rank, tp_size)
+        self.spec, self.on_write = spec, on_write
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.loader = loader
         self.device = torch.device(device)
@@ -193,12 +198,19 @@ class LoRAPool:
         self.rank_table[:, slot] = 0
         return slot
 
-    @torch.no_grad()
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        if self.on_write is not None:
+            self.on_write(slot, adapter)
+        self.write_slot(slot, adapter)
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy this rank's slice of the adapter into `slot` (the other ranks call it for rank 0's writes)."""
         for layer, module in self.slot_targets[slot] - adapter.weights.keys():
             self.lora_a[layer][module][slot].zero_()
             self.lora_b[layer][module][slot].zero_()
         for (layer, module), w in adapter.weights.items():
+            w = rank_slice(w, module, self.spec)
             a, b = self.lora_a[layer][module][slot], self.lora_b[layer][module][slot]
             a[:w.rank].copy_(w.a)
             a[w.rank:].zero_()

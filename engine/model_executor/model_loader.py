@@ -114,8 +114,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, config, device: torch.device)
 
 
 def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int, device: torch.device,
-               dtype: torch.dtype) -> CausalLM:
-    spec = ModelSpec(files.config, files.architecture)
+               dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1) -> CausalLM:
+    """With tensor parallelism (`tp_size` > 1), this rank's slice of the model."""
+    spec = ModelSpec(files.config, files.architecture).for_rank(tp_rank, tp_size)
     with torch.device("meta"):
         model = model_class(files.architecture)(spec, backend, max_positions)
     model = model.to_empty(device=device).to(dtype)
@@ -127,12 +128,14 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     _load_weights(model, files.weight_files, files.quantization)
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
         model.use_triton_kernels()
-    model.openblas_small_steps = use_openblas_for_small_steps(model)  # the CPU's small-step matmuls; not the GPU
+    # The CPU's small-step matmuls; not the GPU. Not with tensor parallelism: its ranks share the cores.
+    model.openblas_small_steps = tp_size == 1 and use_openblas_for_small_steps(model)
     return model.eval()
 
 
 def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) -> None:
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     expected = {name: 1 for name in params}
     for ours, _, _ in () if model.checkpoint_fused else FUSED_WEIGHTS:  # complete when all its slices arrived
         for name in params:
@@ -172,10 +175,18 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             name, shard = (ours, None) if model.checkpoint_fused else _target(ours)
             if name not in params:
                 raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
-            tensor = _read(key, f, handles, quantization)
+            module = modules[name.rpartition(".")[0]]
+            if hasattr(module, "weight_pieces") and quantization is None and not _stored_as_fp8(f, key):
+                tensor = LazySlice(f, key)  # a split layer reads only its rank's slice
+            else:  # quantized weights are dequantized whole (their scales cover the whole tensor), then cut
+                tensor = _read(key, f, handles, quantization)
             if name in at_load:
                 tensor = fp8.dequantize(*fp8.quantize_per_channel(tensor), quantization, key)
-            _copy_into(params[name], tensor, shard, model, name)
+            if hasattr(module, "weight_pieces"):
+                for target, piece in module.weight_pieces(params[name], tensor, shard):
+                    _copy_checked(target, piece, name, shard)
+            else:
+                _copy_into(params[name], tensor, shard, model, name)
             loaded[name] = loaded.get(name, 0) + 1
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
     if model.spec.tie_word_embeddings:
@@ -222,7 +233,27 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, mod
             else:
                 offsets, sizes = [0, spec.intermediate_size], [spec.intermediate_size] * 2
             target = param.narrow(0, offsets[shard], sizes[shard])
-        if target.shape != tensor.shape:
-            raise ModelLoadError(f"weight {name} (slice {shard}) has shape {tuple(tensor.shape)}, "
-                                 f"the config implies {tuple(target.shape)}")
+        _copy_checked(target, tensor, name, shard)
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, name: str, shard: int | None) -> None:
+    if target.shape != tensor.shape:
+        raise ModelLoadError(f"weight {name} (slice {shard}) has shape {tuple(tensor.shape)}, "
+                             f"the config implies {tuple(target.shape)}")
+    with torch.no_grad():
         target.copy_(tensor)
+
+
+def _stored_as_fp8(f, key: str) -> bool:
+    return f.get_slice(key).get_dtype().startswith("F8")
+
+
+class LazySlice:
+    """A checkpoint tensor not yet read: `narrow` reads only the rows or columns asked for."""
+
+    def __init__(self, f, key: str) -> None:
+        self._slice = f.get_slice(key)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ..device_copy import on_device
@@ -20,41 +18,10 @@ from .layers.attention_selector import get_attention_backend
 from .model_loader import ModelFiles, load_model
 from .models.registry import ARCHITECTURES
 from .sampler import SampleResult, grammar_bitmask, sample
+from .step_inputs import BlockTableBuffer, StepInputs
 from .step_timer import StepTimer
 
-
-@dataclass
-class StepInputs:
-    """One step's tokens laid end to end (decodes first), as host lists."""
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # flat KV-cache slot of each token
-    query_start_loc: list[int] = field(default_factory=lambda: [0])
-    context_lens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
-    logits_indices: list[int] = field(default_factory=list)  # rows whose logits sample a token
-    num_decodes: int = 0
-    # Async scheduling: (input row, row of the previous step's sampled ids) for each token not known on the host
-    pending: list[tuple[int, int]] = field(default_factory=list)
-    # Models with a window pool (core/window_blocks.py): the windowed layers' slots and block tables
-    window_slots: list[int] = field(default_factory=list)
-    window_tables: list[list[int]] = field(default_factory=list)
-
-    def add(self, tokens: list[int], start: int, block_table: list[int], block_size: int) -> None:
-        """One sequence's tokens at positions start.., their slots by its block table."""
-        end = start + len(tokens)
-        self.input_ids.extend(tokens)
-        self.positions.extend(range(start, end))
-        self.slots.extend(block_table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        self.query_start_loc.append(self.query_start_loc[-1] + len(tokens))
-        self.context_lens.append(end)
-        self.block_tables.append(block_table)
-
-    def add_window(self, num_tokens: int, start: int, window_table: list[int], block_size: int) -> None:
-        """The same tokens' slots in the window pool (after `add`)."""
-        self.window_slots.extend(window_table[p // block_size] * block_size + p % block_size
-                                 for p in range(start, start + num_tokens))
-        self.window_tables.append(window_table)
+__all__ = ["BlockTableBuffer", "ModelRunner", "StepInputs"]
 
 
 class ModelRunner:
@@ -62,7 +29,9 @@ class ModelRunner:
     `allocate_kv_cache` sizes the cache, `capture_decode_graphs` (optional, CUDA) records decode steps."""
 
     def __init__(self, files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
-                 block_size: int, attention_backend: str = "torch", lora_pool: LoRAPool | None = None) -> None:
+                 block_size: int, attention_backend: str = "torch", lora_pool: LoRAPool | None = None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        """`tp_rank` of `tp_size`: which slice of the model this process holds (tensor parallelism)."""
         if lora_pool is not None and not ARCHITECTURES[files.architecture].lora:
             with_lora = ", ".join(a.name for a in ARCHITECTURES.values() if a.lora)
             raise ValueError(f"LoRA adapters are not supported on {files.architecture} yet (`kubeinfer models` lists "
@@ -73,7 +42,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.backend = get_attention_backend(attention_backend)
-        self.model = load_model(files, self.backend, max_model_len, device, dtype)
+        self.model = load_model(files, self.backend, max_model_len, device, dtype, tp_rank, tp_size)
         self.spec = self.model.spec
         self.sliding_window = self.spec.sliding_window
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -91,6 +60,9 @@ class ModelRunner:
         # The engine sets it with deferred text: `execute` may return before the sampled ids are on the host.
         self.defer_token_copy = False
         self._previous_ids: torch.Tensor | None = None  # the step's `previous_ids` (async scheduling)
+        # Rank 0 of a tensor-parallel group (core/tensor_parallel.py): `send(message)` hands each step's inputs
+        # to the other ranks before this one runs it; `step_failed(error)` is what a failed step raises.
+        self.ranks = None
 
     @staticmethod
     def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
@@ -153,12 +125,19 @@ class ModelRunner:
                              "attention_backend='triton', or enforce_eager=True")
         graphs = DecodeGraphs(self.model, self.kv_caches, sizes=capture_sizes(max_num_seqs),
                               max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-                              vocab_size=self.spec.vocab_size, device=self.device, sliding_window=self.sliding_window,
+                              vocab_size=self._logits_width(), device=self.device, sliding_window=self.sliding_window,
                               lora_pool=self.lora_pool,
                               window_group=self.window_group(self.spec) if self.window_pool else None)
         with torch.inference_mode():
             graphs.capture(capture)
         self.graphs = graphs
+
+    def _logits_width(self) -> int:
+        """Columns of the logits the model returns: the vocabulary, or on a tensor-parallel rank other than 0 its
+        own slice of it (only rank 0 gathers the whole)."""
+        if self.spec.tp_rank == 0:
+            return self.spec.vocab_size
+        return min(self.model.lm_head.out_features, self.spec.vocab_size)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """Host lists for the step's tokens, and the sequences that sample a token after it."""
@@ -218,18 +197,7 @@ class ModelRunner:
         masks = (self._mask_thread.submit(grammar_bitmask, sampling_seqs, self.spec.vocab_size)
                  if any(seq.grammar is not None for seq in sampling_seqs) else None)
         lora_slots = self._adapter_slots(batch)
-        if self._graph_can_run(inputs, lora_slots):
-            timer.mark("prepare")  # the graph's own copies into its static inputs count as forward
-            fill = (lambda ids: self._fill_pending(ids, inputs)) if inputs.pending else None
-            rows = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.context_lens,
-                                   inputs.block_tables, lora_slots, fill, inputs.window_slots or None,
-                                   inputs.window_tables or None)
-            # Every row samples in the usual decode step (no index tensor to copy to the device then); a
-            # prompt's one-token middle chunk computes but does not sample.
-            logits = rows if len(inputs.logits_indices) == rows.shape[0] else rows[inputs.logits_indices]
-        else:
-            lora = None if lora_slots is None else LoRAContext.build(self.lora_pool, _per_token(lora_slots, batch))
-            logits = self._run_eager(inputs, lora)
+        logits = self.run_model(inputs, None if lora_slots is None else _per_token(lora_slots, batch))
         timer.mark("forward")
         if not sampling_seqs:
             return [], SampleResult([], [])
@@ -240,6 +208,30 @@ class ModelRunner:
             result = sample(logits, sampling_seqs, masks, defer_copy=self.defer_token_copy)
         timer.mark("sample")
         return sampling_seqs, result
+
+    def run_model(self, inputs: StepInputs, token_slots: list[int] | None) -> torch.Tensor:
+        """The logits of the rows that sample; `token_slots`: each token's adapter slot (None: no adapters).
+        The other ranks of a tensor-parallel group run the same call on the inputs rank 0 sends them."""
+        if self.ranks is None:
+            return self._run_model(inputs, token_slots)
+        self.ranks.send(("step", inputs, token_slots))
+        try:
+            return self._run_model(inputs, token_slots)
+        except Exception as error:  # the ranks are out of step now: the group cannot go on
+            raise self.ranks.step_failed(error) from error
+
+    def _run_model(self, inputs: StepInputs, token_slots: list[int] | None) -> torch.Tensor:
+        if self._graph_can_run(inputs, token_slots):  # decodes only: one token per sequence
+            self.timer.mark("prepare")  # the graph's own copies into its static inputs count as forward
+            fill = (lambda ids: self._fill_pending(ids, inputs)) if inputs.pending else None
+            rows = self.graphs.run(inputs.input_ids, inputs.positions, inputs.slots, inputs.context_lens,
+                                   inputs.block_tables, token_slots, fill, inputs.window_slots or None,
+                                   inputs.window_tables or None)
+            # Every row samples in the usual decode step (no index tensor to copy to the device then); a
+            # prompt's one-token middle chunk computes but does not sample.
+            return rows if len(inputs.logits_indices) == rows.shape[0] else rows[inputs.logits_indices]
+        lora = None if token_slots is None else LoRAContext.build(self.lora_pool, token_slots)
+        return self._run_eager(inputs, lora)
 
     def _graph_can_run(self, inputs: StepInputs, lora_slots: list[int] | None) -> bool:
         """Decode-only steps no larger than the largest graph, with adapters only where graphs for them exist."""
@@ -279,22 +271,3 @@ class ModelRunner:
 def _per_token(per_sequence: list[int], batch: ScheduledBatch) -> list[int]:
     """Each sequence's value repeated for each of its tokens in the step."""
     return [value for value, (_, num_new) in zip(per_sequence, batch.entries) for _ in range(num_new)]
-
-
-class BlockTableBuffer:
-    """The step's block tables as one zero-padded [sequences, longest table] host tensor, written into memory
-    kept from step to step: one numpy row write per sequence where a tensor per sequence cost ~5 us each
-    (0.3 ms a step at batch 64). The tensor returned is valid until the next `fill`."""
-
-    def __init__(self) -> None:
-        self._memory = np.zeros(0, dtype=np.int64)
-
-    def fill(self, tables: list[list[int]]) -> torch.Tensor:
-        rows, width = len(tables), max(len(t) for t in tables)
-        if self._memory.size < rows * width:
-            self._memory = np.zeros(max(rows * width, 2 * self._memory.size), dtype=np.int64)
-        out = self._memory[:rows * width].reshape(rows, width)
-        out.fill(0)
-        for row, table in zip(out, tables):
-            row[:len(table)] = table
-        return torch.from_numpy(out)

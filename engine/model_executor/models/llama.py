@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config import ModelSpec
+from ...config import ModelSpec, Part
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.layernorm import RMSNorm
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.rotary_embedding import RotaryEmbedding
+from ..layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 if TYPE_CHECKING:
     from ...lora.layers import LoRAContext
@@ -40,8 +42,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        # Tensor parallelism: the spec is this rank's (its heads); q/k/v split by head, o_proj by input.
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, spec.qkv_parts(), bias=spec.qkv_bias)
+        heads = Part(spec.total_heads * self.head_dim, spec.tp_rank * self.q_size, self.q_size)
+        self.o_proj = RowParallelLinear(heads, spec.hidden_size, spec.o_bias, spec.tp_size)
         self.q_norm = norm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
         self.k_norm = norm(self.head_dim, spec.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -87,8 +91,9 @@ class MLP(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.intermediate_size = spec.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        parts = spec.gate_up_parts()  # this rank's columns of gate and of up; down_proj takes them as input
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, parts, bias=spec.mlp_bias)
+        self.down_proj = RowParallelLinear(parts[0], spec.hidden_size, spec.mlp_bias, spec.tp_size)
         self.activation = ACTIVATIONS[spec.hidden_act]
 
     def forward(self, x, lora: LoRAContext | None = None):
@@ -98,9 +103,13 @@ class MLP(nn.Module):
 
 
 def _project(linear: nn.Linear, x: torch.Tensor, lora: LoRAContext | None, layer: int, module: str) -> torch.Tensor:
-    """The base projection, plus each token's own adapter delta when the step has adapters."""
-    out = linear(x)
-    return out if lora is None else lora.apply(out, x, layer, module)
+    """The base projection, plus each token's own adapter delta when the step has adapters. A row-parallel
+    projection's delta joins its partial sum before the ranks' shares are added (A is split like its input)."""
+    if lora is None:
+        return linear(x)
+    if isinstance(linear, RowParallelLinear) and linear.tp_size > 1:
+        return linear.reduce(lora.apply(linear.partial(x), x, layer, module))
+    return lora.apply(linear(x), x, layer, module)
 
 
 class DecoderLayer(nn.Module):
@@ -130,7 +139,7 @@ class DecoderModel(nn.Module):
         """rotaries: each layer's (Gemma 3's local and global layers have their own)."""
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, spec.tp_rank, spec.tp_size)
         self.layers = nn.ModuleList(layer_class(spec, backend, rotaries[i], i) for i in range(spec.num_layers))
         self.norm = norm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary = rotaries[0]
@@ -148,7 +157,7 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.model = DecoderModel(spec, backend, self.make_rotaries(spec, max_positions), self.layer_class,
                                   self.norm_class)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(spec.hidden_size, spec.vocab_size, spec.tp_rank, spec.tp_size)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...config import ModelSpec
+from ...config import ModelSpec, Part
+from ...distributed.parallel_state import all_reduce
 from ..layers.layernorm import RMSNorm
 from ..layers.rotary_embedding import RotaryEmbedding
 from .llama import MLP, Attention, CausalLM, _project
@@ -22,11 +23,33 @@ class Olmo2RMSNorm(RMSNorm):
         return (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
 
 
+class Olmo2ProjectionNorm(Olmo2RMSNorm):
+    """The norm of a whole q or k projection, of which a tensor-parallel rank holds `part`: the mean square is
+    the mean over ranks of each rank's (a KV head replicated on r ranks counts r times, as it is r times
+    in the sum too), so one all-reduce of a [tokens, 1] column makes it the whole projection's."""
+
+    def __init__(self, part: Part, eps: float, tp_size: int) -> None:
+        super().__init__(part.size, eps)
+        self.part, self.tp_size = part, tp_size
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super()._norm(x)
+        xf = x.float()
+        mean_square = all_reduce(xf.pow(2).mean(-1, keepdim=True)) / self.tp_size
+        out = xf * torch.rsqrt(mean_square + self.eps)
+        return out.to(x.dtype) * self.weight if x.dtype == torch.float32 else (self.weight * out).to(x.dtype)
+
+    def weight_pieces(self, param: torch.Tensor, source, shard: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(param, source.narrow(0, self.part.start, self.part.size))]
+
+
 class Olmo2Attention(Attention):
     def __init__(self, spec: ModelSpec, backend, rotary: RotaryEmbedding, layer_idx: int) -> None:
         super().__init__(spec, backend, rotary, layer_idx, qk_norm=False)
-        self.q_norm = Olmo2RMSNorm(self.q_size, spec.rms_norm_eps)
-        self.k_norm = Olmo2RMSNorm(self.kv_size, spec.rms_norm_eps)
+        q, k, _ = spec.qkv_parts()
+        self.q_norm = Olmo2ProjectionNorm(q, spec.rms_norm_eps, spec.tp_size)
+        self.k_norm = Olmo2ProjectionNorm(k, spec.rms_norm_eps, spec.tp_size)
 
     def forward(self, x, positions, kv_cache, meta, lora=None):
         qkv = _project(self.qkv_proj, x, lora, self.layer_idx, "qkv_proj")

@@ -1,0 +1,64 @@
+"""This process's place in the tensor-parallel group, and the two collectives the layers need.
+
+One group per engine: every rank holds a slice of every layer. Outside a group (the default, and every
+single-device engine) the rank is 0 of 1 and no collective runs: `all_reduce` and `gather_last_dim`
+return their input. The group is gloo on the CPU and NCCL on CUDA (torch.distributed)."""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0  # the rank within its node: its GPU on CUDA
+
+
+_group = TPGroup()
+
+
+def tp_group() -> TPGroup:
+    """This process's place in its group (rank 0 of 1 outside any)."""
+    return _group
+
+
+def init_group(rank: int, size: int, local_rank: int, master_addr: str, master_port: int, device: torch.device,
+               timeout_s: float) -> None:
+    """Join the group (blocks until all `size` ranks have); `timeout_s` bounds every collective after it."""
+    global _group
+    if dist.is_initialized():  # torch.distributed has one default group per process
+        raise ValueError("this process already runs a tensor-parallel engine; shut it down first (LLM.shutdown())")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _group = TPGroup(rank, size, local_rank)
+
+
+def destroy_group() -> None:
+    global _group
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _group = TPGroup()
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of each rank's `x`, in place (row-parallel projections, vocab-parallel embedding)."""
+    if _group.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0: the ranks' `x` side by side along the last dimension (their vocabulary slices of the logits);
+    other ranks: their own `x` (they sample nothing)."""
+    if _group.size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_group.size)] if _group.rank == 0 else None
+    dist.gather(x, parts, dst=0)
+    return torch.cat(parts, dim=-1) if parts is not None else x
