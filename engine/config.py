@@ -47,7 +47,7 @@ class EngineConfig:
     # off by default, as in vLLM (`--async-scheduling`). On a CPU it only delays outputs by a step.
     async_scheduling: bool = False
 
-    # Tensor parallelism (engine/distributed/): ranks per node; the group spans nnodes x tensor_parallel_size ranks.
+    # Tensor parallelism (engine/distributed/): ranks in the whole group, as in vLLM; split evenly over nnodes.
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0  # this node's place; node 0 runs the scheduler, the others follow it (--headless)
@@ -66,6 +66,9 @@ class EngineConfig:
             positive(name)
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank!r}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} is the whole group's ranks and must "
+                             f"divide evenly over nnodes {self.nnodes} (each node runs the same number of ranks)")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("nnodes > 1 needs master_addr and master_port (--master-addr, --master-port): "
                              "where the nodes meet")
@@ -92,8 +95,13 @@ class EngineConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks in the tensor-parallel group, over all nodes."""
-        return self.tensor_parallel_size * self.nnodes
+        """Ranks in the tensor-parallel group, over all nodes (vLLM's `--tensor-parallel-size`)."""
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks (processes, one GPU each on CUDA) on each node of the group."""
+        return self.tensor_parallel_size // self.nnodes
 
 
 @dataclass(frozen=True)

@@ -19,23 +19,12 @@ LWS_CRD = Path(__file__).resolve().parents[2] / "shared" / "ref" / "leaderworker
 LWS_RESOURCE = {f"{LWS_API_VERSION}/{LWS_PLURAL}": kmock.ResourceInfo(
     kind="LeaderWorkerSet", namespaced=True, verbs={"create", "get", "list", "watch", "patch", "delete"},
     subresources={"status", "scale"})}
-# The engine's parallel flags (issue 31's engine half); added to the test parser only where the engine
-# on this branch does not have them yet, so the operator's command line is still read by the real parser.
-PARALLEL_FLAGS = {"--tensor-parallel-size": int, "--nnodes": int, "--node-rank": int, "--master-addr": str,
-                  "--master-port": int}
-
 
 def serve_parser(allow_abbrev: bool = True) -> argparse.ArgumentParser:
     from kubeinfer.engine.entrypoints.serve import add_serve_arguments
 
     parser = argparse.ArgumentParser(allow_abbrev=allow_abbrev, exit_on_error=False)
     add_serve_arguments(parser)
-    known = {option for action in parser._actions for option in action.option_strings}
-    for flag, kind in PARALLEL_FLAGS.items():
-        if flag not in known:
-            parser.add_argument(flag, type=kind)
-    if "--headless" not in known:
-        parser.add_argument("--headless", action="store_true")
     return parser
 
 

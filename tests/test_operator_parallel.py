@@ -127,7 +127,7 @@ def test_four_gpus_run_four_ranks_without_further_spelling():
     kubernetes_validate.validate(deployment, K8S, strict=True)
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     args = serve_parser().parse_args(container["args"][1:])
-    assert (args.tensor_parallel_size, args.device, args.nnodes, args.headless) == (4, "cuda", None, False)
+    assert (args.tensor_parallel_size, args.device, args.nnodes, args.headless) == (4, "cuda", 1, False)
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert "/dev/shm" in mounts  # NCCL's intra-node transport
@@ -341,7 +341,7 @@ def test_ranks_on_the_cpu_get_shared_memory_too():
 
 def test_the_gateway_never_routes_to_a_worker():
     """The gateway's own discovery, even by a bare model selector without the role label."""
-    from kubeinfer.gateway.discovery import endpoint_of
+    from kubeinfer.gateway.datastore.discovery import endpoint_of
 
     pods = _pods(TWO_NODES, ready={"llama-lws-0", "llama-lws-0-1"})
     leader, worker = pods[0], pods[1]

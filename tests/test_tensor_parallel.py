@@ -119,13 +119,14 @@ def test_heads_that_do_not_divide_are_refused_by_name(tp_dirs):
 
 @pytest.mark.slow
 def test_two_nodes_on_loopback_give_the_same_tokens(tp_dirs):
-    """Node 1 runs `kubeinfer serve --headless`; node 0 (here) is rank 0: one rank per node, TP over both."""
+    """Node 1 runs `kubeinfer serve --headless`; node 0 (here) is rank 0: one rank per node, TP over both
+    (`--tensor-parallel-size` counts the whole group, as vLLM's does)."""
     model_dir, port = tp_dirs("qwen2"), free_port()
     follower = subprocess.Popen([sys.executable, "-m", "kubeinfer.cli", "serve", model_dir, "--headless",
                                  "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-                                 "--master-port", str(port), "--tensor-parallel-size", "1"])
+                                 "--master-port", str(port), "--tensor-parallel-size", "2"])
     try:
-        llm = LLM(model_dir, block_size=4, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        llm = LLM(model_dir, block_size=4, tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
         try:
             assert run(llm) == hf_references(model_dir)
         finally:

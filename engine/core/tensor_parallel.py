@@ -35,24 +35,24 @@ class TensorParallelGroup:
             supported = ", ".join(a.name for a in ARCHITECTURES.values() if a.tensor_parallel)
             raise ValueError(f"tensor parallelism is not supported on {spec.architecture} yet; it runs on {supported}")
         spec.for_rank(0, world)  # a model that does not split evenly is refused before any process starts
-        if device.type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
-            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} needs that many GPUs on this "
-                             f"node, and torch sees {torch.cuda.device_count()}")
+        if device.type == "cuda" and torch.cuda.device_count() < config.ranks_per_node:
+            raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} over {config.nnodes} node(s) needs "
+                             f"{config.ranks_per_node} GPUs on this node, and torch sees {torch.cuda.device_count()}")
         self.config, self.processes, self.world_size = config, [], world
         # On the CPU the node's ranks share its cores: rank 0 takes its share too (given back at shutdown).
         self._threads = torch.get_num_threads()
         if device.type == "cpu":
-            torch.set_num_threads(cpu_threads_per_rank(config.tensor_parallel_size))
+            torch.set_num_threads(cpu_threads_per_rank(config.ranks_per_node))
         dist_port, step_port = rank_ports(config)
         self.sender = StepSender("0.0.0.0" if config.nnodes > 1 else config.master_addr, step_port)
         plans = [RankPlan(rank, rank, world, config.master_addr, dist_port, self.sender.port)
-                 for rank in range(1, config.tensor_parallel_size)]
+                 for rank in range(1, config.ranks_per_node)]
         from .tp_worker import run_worker
 
         try:
             self.processes = start_local_ranks(run_worker, config, plans)
             logger.info("tensor parallel: %d ranks (%d per node on %d nodes); waiting for them to join",
-                        world, config.tensor_parallel_size, config.nnodes)
+                        world, config.ranks_per_node, config.nnodes)
             init_group(0, world, 0, config.master_addr, dist_port, device, config.distributed_timeout)
             self.sender.accept(list(range(1, world)), config.distributed_timeout)
             self.sender.send(("config", config))  # followers on other nodes build from rank 0's settings

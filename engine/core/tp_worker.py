@@ -36,7 +36,7 @@ def serve_rank(config: EngineConfig, plan: RankPlan) -> int:
         device = torch.device("cuda", plan.local_rank)
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(cpu_threads_per_rank(config.tensor_parallel_size))
+        torch.set_num_threads(cpu_threads_per_rank(config.ranks_per_node))
     try:
         init_group(plan.rank, plan.world_size, plan.local_rank, plan.master_addr, plan.dist_port, device,
                    config.distributed_timeout)
@@ -96,7 +96,7 @@ def follow(runner: ModelRunner, channel: StepReceiver) -> None:
 
 def run_headless(config: EngineConfig) -> int:
     """A node other than 0 (`kubeinfer serve --headless`): its ranks, no API; returns the exit code."""
-    tp, first = config.tensor_parallel_size, config.node_rank * config.tensor_parallel_size
+    tp, first = config.ranks_per_node, config.node_rank * config.ranks_per_node
     dist_port, step_port = config.master_port, config.master_port + 1
     plans = [RankPlan(first + i, i, config.world_size, config.master_addr, dist_port, step_port) for i in range(tp)]
     children = start_local_ranks(run_worker, config, plans[1:])

@@ -11,8 +11,8 @@ logger = logging.getLogger("kubeinfer.serve")
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     """Tensor parallelism over the GPUs of a pod, and over pods (docs/tensor-parallel.md)."""
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                        help="ranks per node the model is split across (one process per GPU); the group spans "
-                             "--nnodes x this many ranks")
+                        help="ranks the model is split across, over all nodes as in vLLM (one process per GPU); "
+                             "each of the --nnodes nodes runs an equal share")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes (pods) the tensor-parallel group spans")
     parser.add_argument("--node-rank", type=int, default=0, help="this node's rank; nodes other than 0 run --headless")
     parser.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the group meets")
@@ -38,5 +38,5 @@ def serve_headless(args: argparse.Namespace, engine_config) -> int:
     except ValueError as error:
         raise SystemExit(f"kubeinfer serve: {error}") from None
     logger.info("headless node %d of %d: %d ranks following %s:%d", args.node_rank, args.nnodes,
-                args.tensor_parallel_size, args.master_addr, args.master_port)
+                config.ranks_per_node, args.master_addr, args.master_port)
     return run_headless(config)
