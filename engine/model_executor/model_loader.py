@@ -143,9 +143,9 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             f = stack.enter_context(safe_open(str(file), framework="pt"))
             handles.update((key, (f, file)) for key in f.keys())
         for key, (f, file) in handles.items():
-            if quantization is not None and fp8.is_scale_key(key):
+            if quantization is not None and quantization.auxiliary(key):
                 continue  # read with its weight
-            ours = model.checkpoint_name(key)
+            ours = model.checkpoint_name(key if quantization is None else quantization.weight_key(key))
             if ours is None or "rotary_emb.inv_freq" in ours:
                 continue
             if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
@@ -167,19 +167,15 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
 
 
 def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
-    """The tensor as the model uses it: an FP8 weight multiplied out by its scale (layers/quantization/fp8.py)."""
+    """The tensor as the model uses it: a quantized weight dequantized by its format (layers/quantization)."""
     tensor = f.get_tensor(key)
-    if not fp8.is_fp8(tensor):
-        return tensor
     if quantization is None:
-        raise ModelLoadError(f"weight {key!r} is stored as {tensor.dtype} but config.json has no quantization_config; "
-                             "kubeinfer cannot tell its scales")
-    scale_key = next((k for k in fp8.scale_keys(key) if k in handles), None)
-    if scale_key is None:
-        raise ModelLoadError(f"fp8 weight {key!r} has no scale in the checkpoint (expected "
-                             f"{' or '.join(fp8.scale_keys(key))}); the checkpoint is incomplete")
+        if fp8.is_fp8(tensor) or tensor.dtype in (torch.int8, torch.int32):
+            raise ModelLoadError(f"weight {key!r} is stored as {tensor.dtype} but config.json has no "
+                                 "quantization_config; kubeinfer cannot tell its scales")
+        return tensor
     try:
-        return fp8.dequantize(tensor, handles[scale_key][0].get_tensor(scale_key), quantization, key)
+        return quantization.read(key, tensor, lambda k: handles[k][0].get_tensor(k) if k in handles else None)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
 

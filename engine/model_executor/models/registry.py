@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from ..layers.quantization import SERVED as QUANTIZATION_METHODS
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -16,7 +18,8 @@ class Architecture:
     lora: bool  # adapters load and apply (checked against PEFT)
     sliding_window: str  # "no", "all layers" (when the config sets one) or "per layer" (by the config's layer_types)
     tensor_parallel: bool = False
-    quantized: str = "fp8"  # the quantization_config methods served (the loader dequantizes any family alike)
+    # the quantization_config methods served (the loader dequantizes any family alike)
+    quantized: str = ", ".join(QUANTIZATION_METHODS)
     text_only: bool = False  # a multimodal checkpoint served as its language model (its text_config)
 
 

@@ -1,0 +1,65 @@
+"""AWQ checkpoints (`quant_method: awq`, AutoAWQ's GEMM layout): per linear layer `qweight` [in, out / 8] int32
+(the transposed weight's unsigned 4-bit values, eight per word in AWQ's interleaved order, packing.AWQ_ORDER),
+`qzeros` [in / group_size, out / 8] packed alike, and `scales` [in / group_size, out]. The weight is
+(q - zero) * scale per group of `group_size` input rows; `zero_point: false` means a zero of 8. Served by
+dequantizing at load (float32, then the model dtype)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import packing
+from .errors import QuantizationError
+
+
+@dataclass(frozen=True)
+class AwqConfig:
+    method = "awq"
+    group_size: int
+    zero_point: bool
+
+    @classmethod
+    def from_dict(cls, qc: dict) -> "AwqConfig":
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        version = str(qc.get("version", "gemm")).lower()
+        if bits != 4:
+            raise QuantizationError(f"awq checkpoint with {bits}-bit weights: only 4-bit AWQ is served")
+        if version != "gemm":
+            raise QuantizationError(f"awq checkpoint in the {version!r} layout: only AutoAWQ's 'gemm' layout is served")
+        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        if group < 1:
+            raise QuantizationError(f"awq group_size must be positive, got {group}")
+        return cls(group, bool(qc.get("zero_point", True)))
+
+    def describe(self) -> str:
+        return f"awq int4 group {self.group_size}, weights dequantized to the model dtype"
+
+    @staticmethod
+    def auxiliary(key: str) -> bool:
+        return key.endswith((".qzeros", ".scales"))
+
+    @staticmethod
+    def weight_key(key: str) -> str:
+        return key[:-len("qweight")] + "weight" if key.endswith(".qweight") else key
+
+    def read(self, key: str, tensor: torch.Tensor, get) -> torch.Tensor:
+        if not key.endswith(".qweight"):
+            return tensor
+        module = key[:-len(".qweight")]
+        scales, zeros = get(f"{module}.scales"), get(f"{module}.qzeros")
+        if scales is None or (self.zero_point and zeros is None):
+            raise QuantizationError(f"awq weight {key!r} has no {'scales' if scales is None else 'qzeros'} "
+                                    "in the checkpoint")
+        values = packing.awq_unpack_columns(tensor)  # [in, out]
+        rows = values.shape[0]
+        groups = -(-rows // self.group_size)
+        if scales.shape != (groups, values.shape[1]):
+            raise QuantizationError(f"awq scales of {module} have shape {tuple(scales.shape)}; a {rows}-row qweight "
+                                    f"in groups of {self.group_size} needs {(groups, values.shape[1])}")
+        zero = packing.awq_unpack_columns(zeros).to(torch.float32) if self.zero_point else torch.full_like(
+            scales, 8, dtype=torch.float32)
+        if zero.shape != scales.shape:
+            raise QuantizationError(f"awq qzeros of {module} unpack to {tuple(zero.shape)}, not {tuple(scales.shape)}")
+        expand = lambda g: g.to(torch.float32).repeat_interleave(self.group_size, dim=0)[:rows]  # noqa: E731
+        return ((values.to(torch.float32) - expand(zero)) * expand(scales)).t().contiguous()
