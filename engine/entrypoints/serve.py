@@ -41,8 +41,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", "-q", default=None,
-                        help="fp8: the checkpoint must be an fp8 one (read from config.json when left out), or a float "
-                             "checkpoint is quantized at load (per channel); other methods are refused")
+                        help="fp8, compressed-tensors, awq (awq_marlin), gptq (gptq_marlin): must name the checkpoint's "
+                             "method (read from config.json when left out); fp8 on a float checkpoint quantizes it at "
+                             "load (per channel)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
+                        help="KV cache elements: auto (the model dtype) or 8-bit float with per-tensor scales (the "
+                             "checkpoint's k_scale/v_scale, else 1.0): twice a bf16 cache's blocks in the same memory")
     parser.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
                         help="attention kernels (default: triton on CUDA when installed, torch on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -137,7 +141,8 @@ def build_state(args: argparse.Namespace):
                               scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
                               kv_events_config=args.kv_events_config,
                               async_output_processing=args.async_output_processing,
-                              async_scheduling=args.async_scheduling, quantization=args.quantization)
+                              async_scheduling=args.async_scheduling, quantization=args.quantization,
+                              kv_cache_dtype=args.kv_cache_dtype)
         engine = LLMEngine(config)
     except ValueError as error:
         raise SystemExit(f"kubeinfer serve: {error}") from None

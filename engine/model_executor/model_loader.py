@@ -15,6 +15,7 @@ from ..config import FUSED_WEIGHTS, ModelSpec
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
 from .layers.quantization import QuantizationError, fp8, resolve_quantization
+from .layers.quantization.kv_cache_dtype import SCALE_KEY as KV_SCALE_KEY
 from .layers.rotary_embedding import RotaryEmbedding
 from .models.llama import CausalLM
 from .models.registry import ARCHITECTURES, UnsupportedArchitecture, model_class, resolve
@@ -143,8 +144,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             f = stack.enter_context(safe_open(str(file), framework="pt"))
             handles.update((key, (f, file)) for key in f.keys())
         for key, (f, file) in handles.items():
-            if quantization is not None and quantization.auxiliary(key):
-                continue  # read with its weight
+            if (quantization is not None and quantization.auxiliary(key)) or KV_SCALE_KEY.search(key):
+                continue  # read with its weight, or the KV cache's scales (read by kv_cache_dtype.py)
             ours = model.checkpoint_name(key if quantization is None else quantization.weight_key(key))
             if ours is None or "rotary_emb.inv_freq" in ours:
                 continue

@@ -1,5 +1,5 @@
 """AWQ checkpoints (`quant_method: awq`, AutoAWQ's GEMM layout): per linear layer `qweight` [in, out / 8] int32
-(the transposed weight's unsigned 4-bit values, eight per word in AWQ's interleaved order, packing.AWQ_ORDER),
+(the transposed weight's unsigned 4-bit values, eight per word in AWQ's interleaved order, packing.py's AWQ_ORDER),
 `qzeros` [in / group_size, out / 8] packed alike, and `scales` [in / group_size, out]. The weight is
 (q - zero) * scale per group of `group_size` input rows; `zero_point: false` means a zero of 8. Served by
 dequantizing at load (float32, then the model dtype)."""
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import packing
+from .packing import awq_unpack_columns
 from .errors import QuantizationError
 
 
@@ -51,13 +51,13 @@ class AwqConfig:
         if scales is None or (self.zero_point and zeros is None):
             raise QuantizationError(f"awq weight {key!r} has no {'scales' if scales is None else 'qzeros'} "
                                     "in the checkpoint")
-        values = packing.awq_unpack_columns(tensor)  # [in, out]
+        values = awq_unpack_columns(tensor)  # [in, out]
         rows = values.shape[0]
         groups = -(-rows // self.group_size)
         if scales.shape != (groups, values.shape[1]):
             raise QuantizationError(f"awq scales of {module} have shape {tuple(scales.shape)}; a {rows}-row qweight "
                                     f"in groups of {self.group_size} needs {(groups, values.shape[1])}")
-        zero = packing.awq_unpack_columns(zeros).to(torch.float32) if self.zero_point else torch.full_like(
+        zero = awq_unpack_columns(zeros).to(torch.float32) if self.zero_point else torch.full_like(
             scales, 8, dtype=torch.float32)
         if zero.shape != scales.shape:
             raise QuantizationError(f"awq qzeros of {module} unpack to {tuple(zero.shape)}, not {tuple(scales.shape)}")

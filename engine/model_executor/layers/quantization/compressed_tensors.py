@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import packing
+from .packing import unpack_columns, unpack_rows
 from .errors import QuantizationError
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
@@ -115,14 +115,14 @@ class CompressedTensorsConfig:
             if tensor.shape[0] != rows or tensor.shape[1] * 32 // scheme.num_bits < cols:
                 raise QuantizationError(f"packed weight {key!r} of shape {tuple(tensor.shape)} cannot hold "
                                         f"weight_shape {[rows, cols]} at {scheme.num_bits} bits")
-            values = packing.unpack_columns(tensor, scheme.num_bits, cols) - (1 << (scheme.num_bits - 1))
+            values = unpack_columns(tensor, scheme.num_bits, cols) - (1 << (scheme.num_bits - 1))
         else:
             values, rows, cols = tensor, tensor.shape[0], tensor.shape[1]
         zero = None if scheme.symmetric else get(f"{module}.weight_zero_point")
         if not scheme.symmetric and zero is None:
             raise QuantizationError(f"asymmetric weight {key!r} has no weight_zero_point in the checkpoint")
         if zero is not None and packed:
-            zero = packing.unpack_rows(zero, scheme.num_bits, rows) - (1 << (scheme.num_bits - 1))
+            zero = unpack_rows(zero, scheme.num_bits, rows) - (1 << (scheme.num_bits - 1))
         return dequantize(values, scale, zero, scheme, get(f"{module}.weight_g_idx"), key)
 
 

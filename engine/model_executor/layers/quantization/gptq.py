@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import packing
+from .packing import unpack_columns, unpack_rows
 from .errors import QuantizationError
 
 
@@ -53,7 +53,7 @@ class GptqConfig:
         if scales is None or zeros is None:
             raise QuantizationError(f"gptq weight {key!r} has no {'scales' if scales is None else 'qzeros'} "
                                     "in the checkpoint")
-        values = packing.unpack_rows(tensor, self.bits)  # [in, out]
+        values = unpack_rows(tensor, self.bits)  # [in, out]
         rows, cols = values.shape
         if g_idx is None:
             if self.desc_act:
@@ -63,7 +63,7 @@ class GptqConfig:
         if g_idx.numel() != rows or int(g_idx.max()) >= scales.shape[0] or scales.shape[1] != cols:
             raise QuantizationError(f"gptq scales {tuple(scales.shape)} or g_idx ({g_idx.numel()}) of {module} do "
                                     f"not fit its {rows}x{cols} weight (truncated or mismatched checkpoint)")
-        zero = packing.unpack_columns(zeros, self.bits, cols).to(torch.float32) + self.zero_offset
+        zero = unpack_columns(zeros, self.bits, cols).to(torch.float32) + self.zero_offset
         if zero.shape != scales.shape:
             raise QuantizationError(f"gptq qzeros of {module} unpack to {tuple(zero.shape)}, not {tuple(scales.shape)}")
         rows_group = g_idx.long()
