@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from quant_checkpoints import SHAPE
 from safetensors.torch import load_file, save_file
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata, TorchAttentionBackend
 from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import ScaledKVBackend
-from quant_checkpoints import SHAPE
 
 BOUNDS = {"fp8": (0.8, 0.6), "fp8_e4m3": (0.8, 0.6), "fp8_e5m2": (0.6, 1.6)}  # (share of equal tokens, nats)
 

@@ -13,10 +13,21 @@ References nobody here wrote:
   computes from the integers before it packs them: it checks the engine's unpacking and group lookup."""
 import pytest
 import torch
+from quant_checkpoints import (
+    SHAPE,
+    awq_pack,
+    awq_to_compressed_tensors,
+    ct_compress,
+    ct_scheme,
+    engine_greedy,
+    float_weights,
+    gptq_pack,
+    hf_compressed_tensors,
+    hf_greedy,
+    write_checkpoint,
+)
 
 from kubeinfer.engine import LLM
-from quant_checkpoints import (SHAPE, awq_pack, awq_to_compressed_tensors, ct_compress, ct_scheme, engine_greedy,
-                               float_weights, gptq_pack, hf_compressed_tensors, hf_greedy, write_checkpoint)
 
 CT_SCHEMES = {  # name: (format, bits, type, strategy, symmetric, group_size, W8A8)
     "w4a16_group_sym": ("pack-quantized", 4, "int", "group", True, 32, False),

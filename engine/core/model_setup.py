@@ -19,7 +19,6 @@ from ..model_executor.model_loader import ModelFiles, inspect_model_dir
 from ..model_executor.model_runner import ModelRunner
 from .block_manager import BlockManager
 from .kv_cache_sizing import GiB, kv_cache_bytes, measure_gpu, num_kv_blocks, out_of_memory_says
-
 from .window_blocks import HybridBlockManager
 
 logger = logging.getLogger(__name__)

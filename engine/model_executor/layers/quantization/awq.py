@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import awq_unpack_columns
 from .errors import QuantizationError
+from .packing import awq_unpack_columns
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class AwqConfig:
     zero_point: bool
 
     @classmethod
-    def from_dict(cls, qc: dict) -> "AwqConfig":
+    def from_dict(cls, qc: dict) -> AwqConfig:
         bits = int(qc.get("bits", qc.get("w_bit", 4)))
         version = str(qc.get("version", "gemm")).lower()
         if bits != 4:
@@ -61,5 +61,5 @@ class AwqConfig:
             scales, 8, dtype=torch.float32)
         if zero.shape != scales.shape:
             raise QuantizationError(f"awq qzeros of {module} unpack to {tuple(zero.shape)}, not {tuple(scales.shape)}")
-        expand = lambda g: g.to(torch.float32).repeat_interleave(self.group_size, dim=0)[:rows]  # noqa: E731
+        expand = lambda g: g.to(torch.float32).repeat_interleave(self.group_size, dim=0)[:rows]
         return ((values.to(torch.float32) - expand(zero)) * expand(scales)).t().contiguous()

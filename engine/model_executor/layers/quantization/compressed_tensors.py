@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import unpack_columns, unpack_rows
 from .errors import QuantizationError
+from .packing import unpack_columns, unpack_rows
 
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 AUXILIARY = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale",
@@ -50,7 +50,7 @@ class CompressedTensorsConfig:
     kv_cache_scheme: dict | None = None
 
     @classmethod
-    def from_dict(cls, qc: dict) -> "CompressedTensorsConfig":
+    def from_dict(cls, qc: dict) -> CompressedTensorsConfig:
         default_format = qc.get("format") or "dense"
         schemes = []
         for name, group in (qc.get("config_groups") or {}).items():

@@ -29,7 +29,7 @@ class Fp8Config:
     at_load: bool = False  # a float checkpoint quantized at load (--quantization fp8)
 
     @classmethod
-    def from_dict(cls, qc: dict) -> "Fp8Config":
+    def from_dict(cls, qc: dict) -> Fp8Config:
         scheme = str(qc.get("activation_scheme", "dynamic")).lower()
         if scheme != "dynamic":
             raise QuantizationError(f"fp8 checkpoint with activation_scheme {scheme!r}: only 'dynamic' is served yet")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import unpack_columns, unpack_rows
 from .errors import QuantizationError
+from .packing import unpack_columns, unpack_rows
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class GptqConfig:
     zero_offset: int  # 1 for checkpoint_format gptq (v1): stored zeros are one less
 
     @classmethod
-    def from_dict(cls, qc: dict) -> "GptqConfig":
+    def from_dict(cls, qc: dict) -> GptqConfig:
         bits = int(qc.get("bits", 4))
         if bits not in (2, 4, 8):
             raise QuantizationError(f"gptq checkpoint with {bits}-bit weights: 2, 4 and 8 bits are served")
