@@ -63,9 +63,9 @@ def test_start_up_log_states_weights_and_kv_bytes(float_dir, caplog):
         engine = LLM(str(float_dir), max_model_len=64, num_kv_blocks=16, kv_cache_dtype="fp8_e5m2").engine
     spec = engine.spec
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim  # one byte each
-    weights = sum(p.numel() * 4 for p in engine.runner.model.parameters()) / (1 << 30)
+    weights = sum(p.numel() * 4 for p in engine.runner.model.parameters()) / (1 << 20)
     assert f"KV cache float8_e5m2 {per_token} bytes per token, 16 blocks" in caplog.text
-    assert f"weights {weights:.3f} GiB" in caplog.text
+    assert f"weights {weights:.2f} MiB, KV cache" in caplog.text
 
 
 def test_checkpoint_kv_scales_are_applied(float_dir, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
@@ -112,11 +113,14 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
 
 def memory_summary(runner: ModelRunner, num_blocks: int) -> str:
     """What the start-up log says of memory, true for every weight format and cache type: the weights' bytes as
-    held (the parameters, tied ones once: a checkpoint dequantized at load counts at the model dtype), the KV
-    cache's bytes per token over all layers, and its blocks."""
-    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    held (the parameters, tied ones once: a checkpoint dequantized at load counts at the model dtype, a kept-
+    quantized layer its integers and scales), which linear layers are kept quantized, the KV cache's bytes per
+    token over all layers, and its blocks."""
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.device.type != "meta")
     per_token = sum(k.element_size() * k[0, 0].numel() + v.element_size() * v[0, 0].numel() for k, v in runner.kv_caches)
-    return (f"weights {weights / GiB:.3f} GiB, KV cache {str(runner.cache_dtype).removeprefix('torch.')} "
+    kernels = Counter(getattr(runner.model, "quant_kernels", {}).values())
+    kept = "".join(f", {n} linear layers {kernel}" for kernel, n in sorted(kernels.items()) if kernel != "dequantized")
+    return (f"weights {weights / (1 << 20):.2f} MiB{kept}, KV cache {str(runner.cache_dtype).removeprefix('torch.')} "
             f"{per_token} bytes per token, {num_blocks} blocks")
 
 

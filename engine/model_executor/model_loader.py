@@ -14,7 +14,7 @@ from safetensors import safe_open
 from ..config import FUSED_WEIGHTS, ModelSpec
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
-from .layers.quantization import QuantizationError, fp8, resolve_quantization
+from .layers.quantization import QuantizationError, fp8, linear_method, resolve_quantization
 from .layers.quantization.kv_cache_dtype import SCALE_KEY as KV_SCALE_KEY
 from .layers.rotary_embedding import RotaryEmbedding
 from .models.llama import CausalLM
@@ -135,6 +135,10 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             if f".{ours}." in name:
                 expected[name] = 3 if ours == "qkv_proj" else 2
     loaded: dict[str, int] = {}
+    # int8/int4 checkpoint weights kept quantized (layers/quantization/linear_method.py), per target and slice
+    weight = next(iter(params.values()))
+    keep = hasattr(quantization, "int_weight") and linear_method.keeps_quantized(weight.device, weight.dtype)
+    integers: dict[str, dict] = {}
     # --quantization fp8 on a float checkpoint: the decoder's projections (not embeddings, lm_head or norms)
     at_load = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"} \
         if getattr(quantization, "at_load", False) else set()
@@ -154,11 +158,16 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             name, shard = (ours, None) if model.checkpoint_fused else _target(ours)
             if name not in params:
                 raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
-            tensor = _read(key, f, handles, quantization)
-            if name in at_load:
-                tensor = fp8.dequantize(*fp8.quantize_per_channel(tensor), quantization, key)
-            _copy_into(params[name], tensor, shard, model, name)
+            parts = _int_weight(key, f, handles, quantization) if keep else None
+            if parts is not None:
+                integers.setdefault(name, {})[shard] = parts
+            else:
+                tensor = _read(key, f, handles, quantization)
+                if name in at_load:
+                    tensor = fp8.dequantize(*fp8.quantize_per_channel(tensor), quantization, key)
+                _copy_into(params[name], tensor, shard, model, name)
             loaded[name] = loaded.get(name, 0) + 1
+    _install_integers(model, params, integers, expected)
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
     if model.spec.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
@@ -179,6 +188,31 @@ def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
         return quantization.read(key, tensor, lambda k: handles[k][0].get_tensor(k) if k in handles else None)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
+
+
+def _int_weight(key: str, f, handles: dict, quantization):
+    try:
+        return quantization.int_weight(key, f.get_tensor(key), lambda k: handles[k][0].get_tensor(k) if k in handles
+                                       else None)
+    except QuantizationError as error:
+        raise ModelLoadError(str(error)) from None
+
+
+def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], expected: dict[str, int]) -> None:
+    """Kept-quantized weights onto their layers; a fused weight with a slice that had to be dequantized is
+    dequantized whole."""
+    whole = {}
+    for name, slices in integers.items():
+        if len(slices) == expected[name]:
+            weight = linear_method.IntWeight.cat([slices[k] for k in sorted(slices, key=lambda s: s or 0)])
+            if tuple(weight.values.shape) != tuple(params[name].shape):
+                raise ModelLoadError(f"weight {name} has shape {tuple(weight.values.shape)}, the config implies "
+                                     f"{tuple(params[name].shape)}")
+            whole[name] = weight
+        else:
+            for shard, part in slices.items():
+                _copy_into(params[name], part.dequantize(), shard, model, name)
+    model.quant_kernels = linear_method.install(model, whole, next(iter(params.values())).dtype)
 
 
 def _target(key: str) -> tuple[str, int | None]:

@@ -46,6 +46,23 @@ class AwqConfig:
     def read(self, key: str, tensor: torch.Tensor, get) -> torch.Tensor:
         if not key.endswith(".qweight"):
             return tensor
+        values, zero, scales = self._integers(key, tensor, get)
+        rows = values.shape[0]
+        expand = lambda g: g.to(torch.float32).repeat_interleave(self.group_size, dim=0)[:rows]
+        return ((values.to(torch.float32) - expand(zero)) * expand(scales)).t().contiguous()
+
+    def int_weight(self, key: str, tensor: torch.Tensor, get):
+        """The weight as signed integers [out, in] for a kept-quantized layer (linear_method.IntWeight)."""
+        from .linear_method import IntWeight
+
+        if not key.endswith(".qweight"):
+            return None
+        values, zero, scales = self._integers(key, tensor, get)
+        return IntWeight((values - 8).t().to(torch.int8).contiguous(), scales.t().to(torch.float32).contiguous(),
+                         (zero - 8).t().to(torch.int8).contiguous(), self.group_size, 4)
+
+    def _integers(self, key: str, tensor: torch.Tensor, get):
+        """Unsigned values [in, out], zeros and scales [in / group_size, out]."""
         module = key[:-len(".qweight")]
         scales, zeros = get(f"{module}.scales"), get(f"{module}.qzeros")
         if scales is None or (self.zero_point and zeros is None):
@@ -57,9 +74,7 @@ class AwqConfig:
         if scales.shape != (groups, values.shape[1]):
             raise QuantizationError(f"awq scales of {module} have shape {tuple(scales.shape)}; a {rows}-row qweight "
                                     f"in groups of {self.group_size} needs {(groups, values.shape[1])}")
-        zero = awq_unpack_columns(zeros).to(torch.float32) if self.zero_point else torch.full_like(
-            scales, 8, dtype=torch.float32)
+        zero = awq_unpack_columns(zeros) if self.zero_point else torch.full(scales.shape, 8, dtype=torch.int32)
         if zero.shape != scales.shape:
             raise QuantizationError(f"awq qzeros of {module} unpack to {tuple(zero.shape)}, not {tuple(scales.shape)}")
-        expand = lambda g: g.to(torch.float32).repeat_interleave(self.group_size, dim=0)[:rows]
-        return ((values.to(torch.float32) - expand(zero)) * expand(scales)).t().contiguous()
+        return values, zero, scales

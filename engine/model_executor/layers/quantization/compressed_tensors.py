@@ -99,10 +99,32 @@ class CompressedTensorsConfig:
 
     def read(self, key: str, tensor: torch.Tensor, get) -> torch.Tensor:
         """The float32 weight of `key` (a `weight_packed`, or a `weight` stored as int8/fp8); others as stored."""
+        parts = self._integers(key, tensor, get)
+        return tensor if parts is None else dequantize(*parts, key)
+
+    def int_weight(self, key: str, tensor: torch.Tensor, get):
+        """The weight as integers for a kept-quantized layer (linear_method.IntWeight): int4/int8 by group or
+        channel without g_idx; None for anything else (read() dequantizes it)."""
+        from .linear_method import IntWeight
+
+        parts = self._integers(key, tensor, get)
+        if parts is None or parts[3].type != "int" or parts[3].strategy not in ("group", "channel") or parts[4] is not None:
+            return None
+        values, scale, zero, scheme, _ = parts
+        rows, cols = values.shape
+        group = scheme.group_size if scheme.strategy == "group" else cols
+        groups = -(-cols // group)
+        if scale.numel() != rows * groups or (zero is not None and zero.numel() != rows * groups):
+            return None  # a broken checkpoint: read() says what is wrong
+        return IntWeight(values.to(torch.int8), scale.to(torch.float32).reshape(rows, groups),
+                         None if zero is None else zero.to(torch.int8).reshape(rows, groups), group, scheme.num_bits)
+
+    def _integers(self, key: str, tensor: torch.Tensor, get):
+        """(values, scale, zero, scheme, g_idx) of a quantized weight, or None for a float one."""
         module = key.rsplit(".", 1)[0]
         packed = key.endswith(".weight_packed")
         if not packed and tensor.is_floating_point() and tensor.element_size() > 1:
-            return tensor  # a float weight: ignored by the config, or not a linear layer
+            return None  # a float weight: ignored by the config, or not a linear layer
         scheme = self.scheme_of(module)
         scale = get(f"{module}.weight_scale")
         if scale is None:
@@ -123,7 +145,7 @@ class CompressedTensorsConfig:
             raise QuantizationError(f"asymmetric weight {key!r} has no weight_zero_point in the checkpoint")
         if zero is not None and packed:
             zero = unpack_rows(zero, scheme.num_bits, rows) - (1 << (scheme.num_bits - 1))
-        return dequantize(values, scale, zero, scheme, get(f"{module}.weight_g_idx"), key)
+        return values, scale, zero, scheme, get(f"{module}.weight_g_idx")
 
 
 def expand(grid: torch.Tensor, rows: int, cols: int, scheme: WeightScheme, g_idx, name: str) -> torch.Tensor:

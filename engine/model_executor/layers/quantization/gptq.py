@@ -48,6 +48,30 @@ class GptqConfig:
     def read(self, key: str, tensor: torch.Tensor, get) -> torch.Tensor:
         if not key.endswith(".qweight"):
             return tensor
+        values, zero, scales, g_idx = self._integers(key, tensor, get)
+        rows_group = g_idx.long()
+        w = (values.to(torch.float32) - zero.to(torch.float32).index_select(0, rows_group)) \
+            * scales.to(torch.float32).index_select(0, rows_group)
+        return w.t().contiguous()
+
+    def int_weight(self, key: str, tensor: torch.Tensor, get):
+        """Signed integers [out, in] for a kept-quantized layer, when every row's group is row // group_size
+        (act-order checkpoints whose g_idx is not are dequantized by read())."""
+        from .linear_method import IntWeight
+
+        if not key.endswith(".qweight"):
+            return None
+        values, zero, scales, g_idx = self._integers(key, tensor, get)
+        rows = values.shape[0]
+        size = rows if self.group_size == -1 else self.group_size
+        if not torch.equal(g_idx.long(), torch.arange(rows) // size) or zero.min() < 0 or zero.max() >= 1 << self.bits:
+            return None
+        offset = 1 << (self.bits - 1)
+        return IntWeight((values - offset).t().to(torch.int8).contiguous(), scales.t().to(torch.float32).contiguous(),
+                         (zero - offset).t().to(torch.int8).contiguous(), size, self.bits)
+
+    def _integers(self, key: str, tensor: torch.Tensor, get):
+        """Unsigned values [in, out], true zeros and scales [groups, out], g_idx [in]."""
         module = key[:-len(".qweight")]
         scales, zeros, g_idx = get(f"{module}.scales"), get(f"{module}.qzeros"), get(f"{module}.g_idx")
         if scales is None or zeros is None:
@@ -63,9 +87,7 @@ class GptqConfig:
         if g_idx.numel() != rows or int(g_idx.max()) >= scales.shape[0] or scales.shape[1] != cols:
             raise QuantizationError(f"gptq scales {tuple(scales.shape)} or g_idx ({g_idx.numel()}) of {module} do "
                                     f"not fit its {rows}x{cols} weight (truncated or mismatched checkpoint)")
-        zero = unpack_columns(zeros, self.bits, cols).to(torch.float32) + self.zero_offset
+        zero = unpack_columns(zeros, self.bits, cols) + self.zero_offset
         if zero.shape != scales.shape:
             raise QuantizationError(f"gptq qzeros of {module} unpack to {tuple(zero.shape)}, not {tuple(scales.shape)}")
-        rows_group = g_idx.long()
-        w = (values.to(torch.float32) - zero.index_select(0, rows_group)) * scales.to(torch.float32).index_select(0, rows_group)
-        return w.t().contiguous()
+        return values, zero, scales, g_idx
