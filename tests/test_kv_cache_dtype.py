@@ -130,3 +130,19 @@ def test_serve_flag_and_metric_label():
     info = next(f for f in families if f.name == "vllm:cache_config_info")  # the families before it need no more
     (sample,) = info.samples
     assert sample.labels == {"model_name": "m", "block_size": "16", "num_gpu_blocks": "7", "cache_dtype": "fp8"}
+
+
+@pytest.mark.parametrize("capability, name, refused", [((8, 0), "fp8", True), ((8, 0), "fp8_e4m3", True),
+                                                       ((8, 0), "fp8_e5m2", False), ((9, 0), "fp8", False)])
+def test_e4m3_on_the_triton_backend_needs_sm89(monkeypatch, capability, name, refused):
+    """Triton compiles float8 e4m3 only from sm_89 (tests/triton_compile_check.py skips it below): refused there."""
+    from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import check_kv_cache_dtype
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if refused:
+        with pytest.raises(ValueError, match="compute capability 8.9 or newer.*this one is 8.0: use --kv-cache-dtype "
+                                             "fp8_e5m2"):
+            check_kv_cache_dtype(name, "triton", torch.device("cuda"))
+    else:
+        check_kv_cache_dtype(name, "triton", torch.device("cuda"))
+    check_kv_cache_dtype(name, "torch", torch.device("cpu"))  # the CPU path takes every type

@@ -15,7 +15,8 @@ import torch
 from ..config import EngineConfig, ModelSpec
 from ..lora.pool import LoRAPool
 from ..model_executor.layers.attention_selector import check_attention_backend
-from ..model_executor.layers.quantization.kv_cache_dtype import cache_dtype, checkpoint_kv_scales, install_kv_scales
+from ..model_executor.layers.quantization.kv_cache_dtype import (cache_dtype, check_kv_cache_dtype,
+                                                                  checkpoint_kv_scales, install_kv_scales)
 from ..model_executor.model_loader import ModelFiles, inspect_model_dir
 from ..model_executor.model_runner import ModelRunner
 from .block_manager import BlockManager
@@ -52,6 +53,7 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
     backend = check_attention_backend(config.attention_backend, device)
     draft_runner = None
 
+    check_kv_cache_dtype(config.kv_cache_dtype, backend, device)
     kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
 
     def load() -> ModelRunner:

@@ -25,6 +25,15 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else KV_CACHE_TORCH_DTYPES[name]
 
 
+def check_kv_cache_dtype(name: str, backend: str, device: torch.device) -> None:
+    """Triton has no float8_e4m3 before compute capability 8.9 (Ada, Hopper): refused there, naming the way out."""
+    if name in ("fp8", "fp8_e4m3") and backend == "triton" and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"kv_cache_dtype {name} (float8 e4m3) needs a GPU of compute capability 8.9 or newer for "
+                             f"the triton attention kernels; this one is {major}.{minor}: use --kv-cache-dtype fp8_e5m2")
+
+
 def checkpoint_kv_scales(weight_files: list[Path]) -> dict[int, tuple[float, float]]:
     """{layer: (k_scale, v_scale)} from the checkpoint's per-layer scale tensors (a missing one is 1.0)."""
     from safetensors import safe_open
