@@ -7,6 +7,7 @@ with --kv-cache-dtype fp8 against bf16 in the same bytes. The checkpoints are wr
 installed here (it builds from source): see bench_decode_roofline.py --peer llama.cpp.
 
     python benchmarks/bench_quantized_decode.py [--tokens 64] [--repeats 3]
+    python benchmarks/bench_quantized_decode.py --kernels     # one layer's product per kernel (the CPU choice)
 """
 from __future__ import annotations
 
@@ -57,11 +58,55 @@ def decode_rate(model_dir: str, dtype: str, kernel: str | None, batch: int, toke
     return statistics.median(rates)
 
 
+def kernel_times(out: int = 8192, cols: int = 2048, calls: int = 30) -> None:
+    """Median ms of one [tokens, 2048] x [8192, 2048] product: F.linear against torch's weight-only int8 and int4
+    (group 128) products, float32 and bf16 activations: what linear_method.choose_kernel is based on."""
+    import time
+
+    def median_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out, cols, generator=gen)
+    q8 = torch.randint(-128, 128, (out, cols), generator=gen, dtype=torch.int8)
+    q4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (out, cols), generator=gen,
+                                                                          dtype=torch.int32), 1)
+    lines = ["| activations | tokens | `F.linear` ms | `_weight_int8pack_mm` ms | `_weight_int4pack_mm_for_cpu` ms |",
+             "|---|---|---|---|---|"]
+    for dtype in (torch.float32, torch.bfloat16):
+        w, scale = weight.to(dtype), torch.rand(out, dtype=dtype)
+        scales_zeros = torch.rand(cols // 128, out, 2, generator=gen).to(dtype)
+        for tokens in (1, 16):
+            x = torch.randn(tokens, cols, generator=gen).to(dtype)
+            row = [median_ms(lambda: torch.nn.functional.linear(x, w)),
+                   median_ms(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scale)),
+                   median_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4, 128, scales_zeros))]
+            print(dtype, tokens, " ".join(f"{t:.2f}" for t in row))
+            lines.append(f"| {str(dtype).removeprefix('torch.')} | {tokens} | " + " | ".join(f"{t:.2f}" for t in row) + " |")
+    body = "\n".join([f"Command: `python benchmarks/bench_quantized_decode.py --kernels`. Machine: {platform.machine()}, "
+                      f"{os.cpu_count()} cores (shared with other jobs while measured), torch {torch.__version__}, "
+                      f"{torch.get_num_threads()} threads. One [tokens, {cols}] x [{out}, {cols}] product, median of "
+                      f"{calls} calls.", "", *lines, "",
+                      "The engine's choice on the CPU (layers/quantization/linear_method.py) follows: float32 models "
+                      "keep int weights dequantized; bf16 models run int4 through torch's product."])
+    update_results("quantized-kernels", "Quantized weights: one layer's product per CPU kernel", body)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--kernels", action="store_true", help="time one layer's product per kernel instead")
     args = parser.parse_args()
+    if args.kernels:
+        kernel_times()
+        return
     root = Path(".cache")
     model_dir = root / "bench-llama-33m"  # the model of bench_throughput.py, built the same way
     if not (model_dir / "config.json").exists():

@@ -4,18 +4,17 @@ kept quantized in memory. `attach(layer, method)` sets `layer.quant_method` and 
 called `nn.Linear.forward` (its collective after it). LoRA deltas are computed beside the base product from
 the same input (models/llama.py `_project`), so an adapter stays in float over a quantized base.
 
-Which kernel, chosen by measurement (benchmarks/RESULTS.md, "Quantized weights"; KUBEINFER_QUANT_KERNEL
-overrides: triton, cpu_int4, cpu_int8, dequantized):
+Which kernel, chosen by measurement (`python benchmarks/bench_quantized_decode.py --kernels`, one
+[tokens, 2048] x [8192, 2048] product; benchmarks/RESULTS.md; three runs on a loaded 2-core CPU):
 - CUDA: the Triton dequantize-and-multiply kernel (triton_int_matmul.py), int8 one byte and int4 half a byte
   per weight.
-- CPU, float32 model (the CPU default): dequantized float32 weights. torch's weight-only products take
-  float32 activations at 4-8x F.linear's time here (2048x8192, one token: 32 ms int8, 56 ms int4, 7.5 ms
-  F.linear; 16 tokens: 270 / 519 / 71 ms), and the engine's small steps run float32 through OpenBLAS.
-- CPU, bf16/fp16 model: int4 (groups of 32-256) through `_weight_int4pack_mm_for_cpu`: one token 5.6 ms
-  against 7.2 ms for bf16 F.linear, 16 tokens on a par (8.7 / 8.3 ms), a quarter of the memory. int8
-  through `_weight_int8pack_mm` was on a par at one token (7.2 ms) and half as fast at 16 (16.0 ms): int8
-  weights are dequantized to bf16 there.
-(One 2-core CPU shared with other jobs; the figures are medians of 50 calls, /tmp-free: see the bench.)"""
+- CPU, float32 model (the CPU default): dequantized float32 weights. With float32 activations torch's
+  weight-only products took 3.5-6.5x (int8) and 6-14x (int4) F.linear's time at 1 and 16 tokens, and the
+  engine's small float32 steps run through OpenBLAS besides.
+- CPU, bf16/fp16 model: int4 (groups of 32-256) through `_weight_int4pack_mm_for_cpu`: from 0.76x to 1.44x
+  bf16 F.linear's time at one token (runs disagree), 0.99-1.07x at 16, a quarter of the memory. int8 through
+  `_weight_int8pack_mm` was 0.29-1.0x at one token but 1.6-1.9x at 16: int8 weights are dequantized to bf16.
+KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, dequantized) overrides the choice where the kernel applies."""
 from __future__ import annotations
 
 import os
