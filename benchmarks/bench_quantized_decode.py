@@ -147,7 +147,8 @@ def main() -> None:
         f"Model: the random-init Llama of the throughput benchmark; W8A16/W4A16 written by the compressed-tensors "
         f"package. {PROMPT_LEN}-token prompts, {args.tokens} tokens greedy; aggregate decode rate, median of "
         f"{args.repeats}. llama.cpp Q8_0/Q4_0: not measured (llama-cpp-python is not installed and builds from "
-        "source here).", "", *table, "",
+        "source here). The machine was shared with other jobs (load 8-15 on 2 cores): rows were measured at "
+        "different moments, so differences under about 2x are noise; rerun on a quiet machine.", "", *table, "",
         f"KV capacity in {budget >> 20} MiB (bf16 model): {blocks['auto']} blocks with the bf16 cache, {blocks['fp8']} "
         f"with `--kv-cache-dtype fp8` ({blocks['fp8'] / blocks['auto']:.2f}x)."])
     update_results("quantized-decode", "Quantized weights: decode at batch 1 and 16 (CPU)", body)
