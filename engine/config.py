@@ -6,6 +6,7 @@ import copy
 import importlib.util
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # KV cache memory when the user gives no block count and the device is a CPU (vLLM's CPU default is 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 
@@ -16,6 +17,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None
     quantization: str | None = None  # vLLM's --quantization: must name the checkpoint's quantization_config method
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto (the model dtype) or an 8-bit KV_CACHE_DTYPES
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
@@ -77,6 +79,8 @@ class EngineConfig:
                              f"got {self.distributed_timeout!r}")
         if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.block_size & (self.block_size - 1):

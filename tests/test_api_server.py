@@ -135,6 +135,7 @@ def test_metrics_count_what_the_server_did(server, client):
     assert server.metric("vllm:request_success_total", 'finished_reason="length"') == length_before + 3
     assert server.metric("vllm:time_to_first_token_seconds_count") >= 3
     assert server.metric("vllm:cache_config_info", 'block_size="8"') == 1
+    assert server.metric("vllm:cache_config_info", 'cache_dtype="auto"') == 1
 
 
 @pytest.mark.parametrize("body,param", [

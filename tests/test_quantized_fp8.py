@@ -155,20 +155,21 @@ def test_broken_fp8_checkpoint_is_a_clear_start_up_error(checkpoints, float_dir,
         assert "model.layers.1.mlp.down_proj.weight" in str(error.value)
 
 
-@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors", "mxfp4", "bitsandbytes"])
+@pytest.mark.parametrize("method", ["mxfp4", "bitsandbytes", "hqq"])
 def test_unserved_checkpoint_method_is_named_with_the_supported_list(float_dir, method):
     from kubeinfer.engine.model_executor.model_loader import ModelLoadError
 
     model_dir = write_checkpoint(float_dir, float_dir.parent / f"method_{method}",
                                  load_file(str(float_dir / "model.safetensors")),
                                  {"quant_method": method, "bits": 4, "group_size": 128})
-    with pytest.raises(ModelLoadError, match=rf"quantized with '{method}'.*serves fp8"):
+    with pytest.raises(ModelLoadError, match=rf"quantized with '{method}'.*serves fp8, compressed-tensors, awq, gptq"):
         LLM(model_dir, max_model_len=64, num_kv_blocks=16)
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("int3", "unknown method 'int3'; kubeinfer serves fp8"),
-    ("awq", "'awq' is not served yet; kubeinfer serves fp8"),
+    ("int3", "unknown method 'int3'; kubeinfer serves fp8, compressed-tensors, awq, gptq"),
+    ("mxfp4", "'mxfp4' is not served yet; kubeinfer serves fp8"),
+    ("awq", "'awq' does not match the checkpoint's method 'fp8'"),
 ])
 def test_bad_quantization_flag_is_a_start_up_error(checkpoints, flag, message):
     with pytest.raises(ValueError, match=message):
@@ -206,10 +207,10 @@ def test_serve_takes_vllms_quantization_flag():
     assert parser.parse_args(["m"]).quantization is None
 
 
-def test_models_table_says_fp8():
+def test_models_table_lists_the_served_methods():
     from kubeinfer.engine.model_executor.models.registry import feature_table
 
-    assert {row["quantized"] for row in feature_table()} == {"fp8"}
+    assert {row["quantized"] for row in feature_table()} == {"fp8, compressed-tensors, awq, gptq"}
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "phi3", "olmo2", "granite"])

@@ -171,6 +171,41 @@ def test_backend_step_writes_then_attends(device):
     torch.testing.assert_close(out.cpu().double(), want, **tolerance(torch.float32))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_step_matches_the_torch_backend(device, q_dtype, cache_dtype):
+    """An 8-bit KV cache (--kv-cache-dtype fp8): the kernel stores the bytes torch's saturating cast stores
+    (k beyond the type's range included), then attends over the widened cache as SDPA does."""
+    from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata, write_kv_cache as torch_write
+    from kubeinfer.engine.model_executor.layers.attention_selector import get_attention_backend
+
+    shape = SHAPES["gqa2-block4"]
+    b = make_batch(shape, torch.float32, device, seed=3)
+    heads, kv_heads, head_dim, block_size, _ = shape
+    k_cache, v_cache = b["k_cache"].to(cache_dtype), b["v_cache"].to(cache_dtype)
+    slots = new_token_slots(b["tables"], block_size)
+    gen = torch.Generator().manual_seed(4)
+    k = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device).to(q_dtype)
+    v = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device).to(q_dtype)
+    if device == "cpu":  # the interpreter's fp32 -> fp8 emulation misrounds where the mantissa carries into the
+        # exponent (1.97 -> 1.0); GPUs round in hardware. Values already on the fp8 grid check the rest exactly.
+        k, v = k.to(cache_dtype).to(q_dtype), v.to(cache_dtype).to(q_dtype)
+    k[0, 0, 0], v[1, 1, 1] = 1e5, -1e5  # past e4m3's 448 and e5m2's 57344: saturated, not inf or nan
+    meta = AttentionMetadata.build(slots, b["starts"], [ctx for ctx, _ in SEQUENCES], b["tables"], NUM_DECODES, None,
+                                   device)
+    want_k, want_v = k_cache.clone().cpu(), v_cache.clone().cpu()
+    torch_write(k.cpu(), v.cpu(), want_k, want_v, meta.slot_mapping.cpu())
+    q = b["q"].to(q_dtype)
+    out = get_attention_backend("triton").forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
+    assert torch.equal(k_cache.cpu().view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.cpu().view(torch.uint8), want_v.view(torch.uint8))
+    assert torch.isfinite(want_k.float()).all() and torch.isfinite(want_v.float()).all()
+    want = reference_attention(q.float(), want_k.float(), want_v.float(), b["tables"], b["starts"], None,
+                               head_dim ** -0.5)
+    torch.testing.assert_close(out.cpu().double(), want, **tolerance(q_dtype))
+
+
 # -- batched LoRA shrink / expand ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lora_spec():

@@ -24,6 +24,7 @@ def variants():
     from kubeinfer.engine.model_executor.layers import triton_attention as ta
     from kubeinfer.engine.lora import triton_ops as tlo
     from kubeinfer.engine.model_executor.layers import triton_norm as tn
+    from kubeinfer.engine.model_executor.layers.quantization import triton_int_matmul as qm
 
     attn = dict(GROUP=4, GROUP_PAD=4, BLOCK_N=64, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, UPCAST=False,
                 SOFTCAP=False)
@@ -42,10 +43,21 @@ def variants():
         (tn._rms_norm_kernel, dict(N=2048, BLOCK=2048, HAS_RESIDUAL=False)),
         (tn._rotary_kernel, dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEADS_PAD=32, KV_HEADS_PAD=8, HALF=64, HALF_PAD=64)),
         (tn._rotary_kernel, dict(NUM_HEADS=28, NUM_KV_HEADS=4, HEADS_PAD=32, KV_HEADS_PAD=4, HALF=40, HALF_PAD=64)),
+        # --kv-cache-dtype fp8 / fp8_e5m2: 8-bit caches written (saturating) and read by the attention kernels
+        *[(kernel, constexprs, {"k_cache_ptr": fp8, "v_cache_ptr": fp8})
+          for fp8, limit in (("*fp8e4nv", 448.0), ("*fp8e5", 57344.0))
+          for kernel, constexprs in ((ta._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128,
+                                                                BLOCK_SIZE=16, FP8_MAX=limit)),
+                                     (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=4)))],
+        # kept-quantized int8 / int4 weights (layers/quantization/triton_int_matmul.py)
+        *[(qm._int_matmul_kernel, dict(GROUP=group, INT4=int4, HAS_ZERO=zero, HAS_BIAS=False, UPCAST=False,
+                                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=64),
+           {"q_ptr": "*u8" if int4 else "*i8", "scale_ptr": "*fp32", "zero_ptr": "*i8"})
+          for int4, group, zero in ((False, 4096, False), (True, 128, True), (True, 64, False))],
     ]
 
 
-def signature(kernel, constexprs: dict) -> dict[str, str]:
+def signature(kernel, constexprs: dict, pointers: dict | None = None) -> dict[str, str]:
     fp32 = constexprs.get("UPCAST") is True and kernel.__name__ == "_paged_attention_kernel"
     activation = "*fp32" if fp32 else "*bf16"
     sig = {}
@@ -53,7 +65,7 @@ def signature(kernel, constexprs: dict) -> dict[str, str]:
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = POINTER_TYPES.get(name, activation)
+            sig[name] = (pointers or {}).get(name) or POINTER_TYPES.get(name, activation)
         else:
             sig[name] = SCALAR_TYPES.get(name, "i32")
     return sig
@@ -69,10 +81,12 @@ def main(capabilities: list[int]) -> int:
     failures = 0
     for capability in capabilities:
         target = GPUTarget("cuda", capability, 32)
-        for kernel, constexprs in variants():
+        for kernel, constexprs, *pointers in variants():
+            if capability < 89 and "*fp8e4nv" in str(pointers):
+                continue  # Triton has no e4m3 before sm_89: the engine refuses fp8_e4m3 there (kv_cache_dtype.py)
             try:
-                triton.compile(ASTSource(fn=kernel, signature=signature(kernel, constexprs), constexprs=constexprs),
-                               target=target)
+                triton.compile(ASTSource(fn=kernel, signature=signature(kernel, constexprs, *pointers),
+                                         constexprs=constexprs), target=target)
                 print(f"ok   sm_{capability} {kernel.__name__} {constexprs}")
             except Exception as error:  # report every failing variant, not only the first
                 failures += 1

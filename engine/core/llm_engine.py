@@ -30,7 +30,7 @@ from .detokenizer import IncrementalDetokenizer, StopStringMatcher, load_tokeniz
 from .engine_adapters import EngineAdapters
 from .errors import StepFailedError
 from .kv_event_publisher import KVEventsConfig, KVEventStream
-from .model_setup import build_block_manager, build_runner, draft_files
+from .model_setup import build_block_manager, build_runner, draft_files, memory_summary
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .request import Completion, Request, check_prompt_length, prompt_tokens
@@ -104,9 +104,9 @@ class LLMEngine(EngineAdapters):
         # when None, `step` returns them.
         self.deliver_early: Callable[[list[RequestOutput]], None] | None = None
         self.runner.defer_token_copy = self.defer_text or self.pipeline is not None
-        logger.info("engine ready: %s (%s) on %s, %s%s, %d KV blocks of %d tokens", config.model, files.architecture,
+        logger.info("engine ready: %s (%s) on %s, %s%s, %d KV blocks of %d tokens; %s", config.model, files.architecture,
                     self.device, self.dtype, f" ({files.quantization.describe()})" if files.quantization else "",
-                    self.num_kv_blocks, config.block_size)
+                    self.num_kv_blocks, config.block_size, memory_summary(self.runner, self.num_kv_blocks))
 
     def shutdown(self) -> None:
         """End the other tensor-parallel ranks (they exit 0); nothing to do on one device."""

@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 import torch
 
 from ..config import EngineConfig, ModelSpec
 from ..lora.pool import LoRAPool
 from ..model_executor.layers.attention_selector import check_attention_backend
+from ..model_executor.layers.quantization.kv_cache_dtype import (
+    cache_dtype,
+    check_kv_cache_dtype,
+    checkpoint_kv_scales,
+    install_kv_scales,
+)
 from ..model_executor.model_loader import ModelFiles, inspect_model_dir
 from ..model_executor.model_runner import ModelRunner
 from .block_manager import BlockManager
@@ -53,6 +60,9 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
     draft_runner = None
     send = ranks.send if ranks is not None else (lambda message: None)
 
+    check_kv_cache_dtype(config.kv_cache_dtype, backend, device)
+    kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
+
     def load() -> ModelRunner:
         nonlocal draft_runner
         runner = ModelRunner(files, device=device, dtype=dtype, max_model_len=max_model_len,
@@ -62,15 +72,20 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
         if draft is not None:
             draft_runner = ModelRunner(draft, device=device, dtype=dtype, max_model_len=max_model_len,
                                        block_size=config.block_size, attention_backend=backend)
+        for built, source in ((runner, files), (draft_runner, draft)):
+            if built is not None and kv_dtype != dtype:  # an 8-bit cache, with the checkpoint's scales if any
+                built.cache_dtype = kv_dtype
+                install_kv_scales(built.model, checkpoint_kv_scales(source.weight_files))
         return runner
 
     spec = spec.for_rank(0, config.world_size)  # a rank's KV cache holds its own KV heads
     window = ModelRunner.window_group(spec)
     num_windowed = sum(w is not None for w in spec.layer_windows) if window else 0
-    per_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, dtype, spec.num_layers - num_windowed)
-    per_window_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, dtype, num_windowed)
+    per_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, kv_dtype, spec.num_layers - num_windowed)
+    per_window_block = ModelRunner.kv_bytes_per_block(spec, config.block_size, kv_dtype, num_windowed)
     if draft is not None:
-        per_block += ModelRunner.kv_bytes_per_block(ModelSpec(draft.config, draft.architecture), config.block_size, dtype)
+        per_block += ModelRunner.kv_bytes_per_block(ModelSpec(draft.config, draft.architecture), config.block_size,
+                                                    kv_dtype)
     enough = config.max_num_seqs * -(-max_model_len // config.block_size)
     window_blocks = None
     if config.num_kv_blocks:
@@ -108,6 +123,19 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
     with out_of_memory_says("capturing CUDA graphs", "pass --enforce-eager, or lower --max-num-seqs"):
         _capture_decode_graphs(runner, config, device, send)
     return runner, blocks, draft_runner
+
+
+def memory_summary(runner: ModelRunner, num_blocks: int) -> str:
+    """What the start-up log says of memory, true for every weight format and cache type: the weights' bytes as
+    held (the parameters, tied ones once: a checkpoint dequantized at load counts at the model dtype, a kept-
+    quantized layer its integers and scales), which linear layers are kept quantized, the KV cache's bytes per
+    token over all layers, and its blocks."""
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.device.type != "meta")
+    per_token = sum(k.element_size() * k[0, 0].numel() + v.element_size() * v[0, 0].numel() for k, v in runner.kv_caches)
+    kernels = Counter(getattr(runner.model, "quant_kernels", {}).values())
+    kept = "".join(f", {n} linear layers {kernel}" for kernel, n in sorted(kernels.items()) if kernel != "dequantized")
+    return (f"weights {weights / (1 << 20):.2f} MiB{kept}, KV cache {str(runner.cache_dtype).removeprefix('torch.')} "
+            f"{per_token} bytes per token, {num_blocks} blocks")
 
 
 def window_pool_blocks(window: int, config: EngineConfig, step_tokens: int, enough: int, at_most: int) -> int:

@@ -99,8 +99,8 @@ class _StateCollector:
         yield gauge("vllm:num_requests_waiting", "Requests waiting to run.", m.async_engine.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", engine.block_manager.usage)
         info = GaugeMetricFamily("vllm:cache_config_info", "KV-cache configuration.",
-                                 labels=["model_name", "block_size", "num_gpu_blocks"])
-        info.add_metric(name + [str(engine.config.block_size), str(engine.num_kv_blocks)], 1)
+                                 labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype"])
+        info.add_metric(name + [str(engine.config.block_size), str(engine.num_kv_blocks), engine.config.kv_cache_dtype], 1)
         yield info
         lora = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters.",
                                  labels=["model_name", "running_lora_adapters", "waiting_lora_adapters", "max_lora"])

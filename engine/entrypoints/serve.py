@@ -43,8 +43,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", "-q", default=None,
-                        help="fp8: the checkpoint must be an fp8 one (read from config.json when left out), or a float "
-                             "checkpoint is quantized at load (per channel); other methods are refused")
+                        help="fp8, compressed-tensors, awq (awq_marlin), gptq (gptq_marlin): must name the checkpoint's "
+                             "method (read from config.json when left out); fp8 on a float checkpoint quantizes it at "
+                             "load (per channel)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
+                        help="KV cache elements: auto (the model dtype) or 8-bit float with per-tensor scales (the "
+                             "checkpoint's k_scale/v_scale, else 1.0): twice a bf16 cache's blocks in the same memory")
     parser.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
                         help="attention kernels (default: triton on CUDA when installed, torch on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -165,7 +169,7 @@ def engine_config(args: argparse.Namespace, lora_modules: list[tuple[str, str]])
                         async_scheduling=args.async_scheduling, quantization=args.quantization,
                         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
                         node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                        distributed_timeout=args.distributed_timeout)
+                        distributed_timeout=args.distributed_timeout, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def parse_lora_modules(values: list[str]) -> list[tuple[str, str]]:

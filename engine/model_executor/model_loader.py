@@ -14,7 +14,8 @@ from safetensors import safe_open
 from ..config import FUSED_WEIGHTS, ModelSpec
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
-from .layers.quantization import QuantizationError, fp8, resolve_quantization
+from .layers.quantization import QuantizationError, fp8, linear_method, resolve_quantization
+from .layers.quantization.kv_cache_dtype import SCALE_KEY as KV_SCALE_KEY
 from .layers.rotary_embedding import RotaryEmbedding
 from .models.llama import CausalLM
 from .models.registry import ARCHITECTURES, UnsupportedArchitecture, model_class, resolve
@@ -55,11 +56,12 @@ def inspect_model_dir(model_dir: str | os.PathLike, quantization: str | None = N
         quant = resolve_quantization(config, quantization)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
-    if quant is not None and type(quant).__name__ == "Mxfp4Config" and "mxfp4" not in architecture.quantized:
-        served_by = [a.name for a in ARCHITECTURES.values() if "mxfp4" in a.quantized]
-        raise ModelLoadError(f"this checkpoint is quantized with 'mxfp4', which kubeinfer serves for "
-                             f"{', '.join(served_by)} (its experts) only; for {architecture.name} it serves "
-                             f"{architecture.quantized}")
+    served = [m.strip() for m in architecture.quantized.split(",")]
+    method = getattr(quant, "method", None)
+    if quant is not None and not getattr(quant, "at_load", False) and method not in served:
+        served_by = [a.name for a in ARCHITECTURES.values() if method in a.quantized]
+        raise ModelLoadError(f"this checkpoint is quantized with {method!r}, which kubeinfer serves for "
+                             f"{', '.join(served_by)} only; for {architecture.name} it serves {', '.join(served)}")
     if architecture.text_only:  # the language model of a multimodal checkpoint: its text config describes it
         config = config.get_text_config()
     return ModelFiles(path, config, architecture.name, _weight_files(path), eos_token_ids, quant)
@@ -146,6 +148,12 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
     special = getattr(model, "load_special_weight", None)
     if special is not None:
         expected.update((name, count) for name, count in model.expected_loads().items() if name in params)
+    # int8/int4 checkpoint weights kept quantized (layers/quantization/linear_method.py), per target and slice
+    weight = next(iter(params.values()))
+    split = any(hasattr(m, "weight_pieces") for m in modules.values())  # tensor-parallel slices: dequantized
+    keep = hasattr(quantization, "int_weight") and not split and \
+        linear_method.keeps_quantized(weight.device, weight.dtype)
+    integers: dict[str, dict] = {}
     # --quantization fp8 on a float checkpoint: the decoder's projections (not embeddings, lm_head or norms)
     at_load = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"} \
         if getattr(quantization, "at_load", False) else set()
@@ -155,9 +163,9 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             f = stack.enter_context(safe_open(str(file), framework="pt"))
             handles.update((key, (f, file)) for key in f.keys())
         for key, (f, file) in handles.items():
-            if quantization is not None and fp8.is_scale_key(key):
-                continue  # read with its weight
-            ours = model.checkpoint_name(key)
+            if (quantization is not None and quantization.auxiliary(key)) or KV_SCALE_KEY.search(key):
+                continue  # read with its weight, or the KV cache's scales (read by kv_cache_dtype.py)
+            ours = model.checkpoint_name(key if quantization is None else quantization.weight_key(key))
             if ours is None or "rotary_emb.inv_freq" in ours:
                 continue
             if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
@@ -176,6 +184,11 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             if name not in params:
                 raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
             module = modules[name.rpartition(".")[0]]
+            parts = _int_weight(key, f, handles, quantization) if keep else None
+            if parts is not None:
+                integers.setdefault(name, {})[shard] = parts
+                loaded[name] = loaded.get(name, 0) + 1
+                continue
             if hasattr(module, "weight_pieces") and quantization is None and not _stored_as_fp8(f, key):
                 tensor = LazySlice(f, key)  # a split layer reads only its rank's slice
             else:  # quantized weights are dequantized whole (their scales cover the whole tensor), then cut
@@ -188,6 +201,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             else:
                 _copy_into(params[name], tensor, shard, model, name)
             loaded[name] = loaded.get(name, 0) + 1
+    _install_integers(model, params, integers, expected)
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
     if model.spec.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]
@@ -197,21 +211,42 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
 
 
 def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
-    """The tensor as the model uses it: an FP8 weight multiplied out by its scale (layers/quantization/fp8.py)."""
+    """The tensor as the model uses it: a quantized weight dequantized by its format (layers/quantization)."""
     tensor = f.get_tensor(key)
-    if not fp8.is_fp8(tensor):
-        return tensor
     if quantization is None:
-        raise ModelLoadError(f"weight {key!r} is stored as {tensor.dtype} but config.json has no quantization_config; "
-                             "kubeinfer cannot tell its scales")
-    scale_key = next((k for k in fp8.scale_keys(key) if k in handles), None)
-    if scale_key is None:
-        raise ModelLoadError(f"fp8 weight {key!r} has no scale in the checkpoint (expected "
-                             f"{' or '.join(fp8.scale_keys(key))}); the checkpoint is incomplete")
+        if fp8.is_fp8(tensor) or tensor.dtype in (torch.int8, torch.int32):
+            raise ModelLoadError(f"weight {key!r} is stored as {tensor.dtype} but config.json has no "
+                                 "quantization_config; kubeinfer cannot tell its scales")
+        return tensor
     try:
-        return fp8.dequantize(tensor, handles[scale_key][0].get_tensor(scale_key), quantization, key)
+        return quantization.read(key, tensor, lambda k: handles[k][0].get_tensor(k) if k in handles else None)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
+
+
+def _int_weight(key: str, f, handles: dict, quantization):
+    try:
+        return quantization.int_weight(key, f.get_tensor(key), lambda k: handles[k][0].get_tensor(k) if k in handles
+                                       else None)
+    except QuantizationError as error:
+        raise ModelLoadError(str(error)) from None
+
+
+def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], expected: dict[str, int]) -> None:
+    """Kept-quantized weights onto their layers; a fused weight with a slice that had to be dequantized is
+    dequantized whole."""
+    whole = {}
+    for name, slices in integers.items():
+        if len(slices) == expected[name]:
+            weight = linear_method.IntWeight.cat([slices[k] for k in sorted(slices, key=lambda s: s or 0)])
+            if tuple(weight.values.shape) != tuple(params[name].shape):
+                raise ModelLoadError(f"weight {name} has shape {tuple(weight.values.shape)}, the config implies "
+                                     f"{tuple(params[name].shape)}")
+            whole[name] = weight
+        else:
+            for shard, part in slices.items():
+                _copy_into(params[name], part.dequantize(), shard, model, name)
+    model.quant_kernels = linear_method.install(model, whole, next(iter(params.values())).dtype)
 
 
 def _target(key: str) -> tuple[str, int | None]:

@@ -38,7 +38,7 @@ class ModelRunner:
                              f"the features of each architecture); LoRA runs on {with_lora}")
         self.device = device
         self.lora_pool = lora_pool
-        self.dtype = dtype
+        self.dtype = self.cache_dtype = dtype  # the KV cache's may be 8 bits (set before allocate_kv_cache)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.backend = get_attention_backend(attention_backend)
@@ -81,8 +81,8 @@ class ModelRunner:
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         def cache(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
             shape = (blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-            return (torch.zeros(shape, dtype=self.dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.dtype, device=self.device))
+            return (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
+                    torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
         if num_window_blocks is None:
             return [cache(num_blocks) for _ in range(self.spec.num_layers)]
         return [cache(num_blocks if w is None else num_window_blocks + 1) for w in self.spec.layer_windows]

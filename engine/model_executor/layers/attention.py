@@ -124,9 +124,20 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k_cache.shape[-2:]
     if k.dtype != k_cache.dtype:  # (a no-op .to() still costs a call; a decode step makes hundreds)
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        k, v = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
+    if k_cache.element_size() == 1:  # an fp8 cache: the CPU's index_copy_ has no fp8 kernel, and bytes are bytes
+        k, v, k_cache, v_cache = (t.view(torch.uint8) for t in (k, v, k_cache, v_cache))
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V in the cache's type; an fp8 cache saturates at its largest finite value, as vLLM's does (torch's
+    cast already saturates e4m3, but overflows e5m2 to inf)."""
+    if dtype == torch.float8_e5m2:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def sequence_context(cache: torch.Tensor, meta: AttentionMetadata, seq: int, length: int) -> torch.Tensor:
@@ -187,10 +198,10 @@ class TorchAttentionBackend(AttentionBackend):
         grouped = _slow_masked_sdpa(q)
         if meta.decode_mask is None and (grouped or not attends_all):
             meta.decode_mask = _decode_mask(meta.context_lens_tensor[:nd], max_len, meta.sliding_window)
+        if keys.dtype != q.dtype:  # an fp8 cache (or a cache kept in another type) widens to the queries'
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
         if grouped:
             return _grouped_decode(q, keys, values, meta.decode_mask, scale)
-        if keys.dtype != q.dtype:
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
         mask = None if attends_all else meta.decode_mask[:, None, None, :]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return out.squeeze(2)

@@ -32,7 +32,7 @@ NO_WINDOW = 1 << 30  # a sliding window wider than any context: full attention w
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr = 0.0):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot < 0:
@@ -44,6 +44,10 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     dst = block * stride_cb + offset * stride_cs + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    if FP8_MAX > 0:  # an 8-bit cache saturates, as vLLM's (a bare cast overflows e5m2 to inf), and rounds to
+        # nearest even, as torch's cast does (Triton's default fp8 downcast may truncate)
+        k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX).to(k_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX).to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -60,7 +64,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1])
+        BLOCK_SIZE=k_cache.shape[1], FP8_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.element_size() == 1 else 0.0)
 
 
 @triton.jit
@@ -112,6 +116,7 @@ def _paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        k, v = k.to(q.dtype), v.to(q.dtype)  # an fp8 cache widens to the queries' type; a no-op otherwise
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
         if SOFTCAP:  # scale_log2 is the plain scale here: cap softcap * tanh(s / softcap), then to log2 units
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * 1.4426950408889634

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+from ..layers.quantization import SERVED as QUANTIZATION_METHODS
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -16,7 +18,8 @@ class Architecture:
     lora: bool  # adapters load and apply (checked against PEFT)
     sliding_window: str  # "no", "all layers" (when the config sets one) or "per layer" (by the config's layer_types)
     tensor_parallel: bool = False
-    quantized: str = "fp8"  # the quantization_config methods served (the loader dequantizes any family alike)
+    # the quantization_config methods served (the loader dequantizes any dense family alike; mxfp4 is gpt-oss's)
+    quantized: str = ", ".join(m for m in QUANTIZATION_METHODS if m != "mxfp4")
     text_only: bool = False  # a multimodal checkpoint served as its language model (its text_config)
 
 
@@ -43,11 +46,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  lora=True, sliding_window="no", tensor_parallel=True),
     # Mixtures of experts (models/moe.py): LoRA on the attention projections; adapters on experts are refused
     Architecture("Qwen2MoeForCausalLM", "qwen_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE (MoE)", lora=True,
-                 sliding_window="per layer"),
+                 sliding_window="per layer", quantized="fp8"),
     Architecture("Qwen3MoeForCausalLM", "qwen_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE (MoE)", lora=True,
-                 sliding_window="per layer"),
+                 sliding_window="per layer", quantized="fp8"),
     Architecture("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", "Mixtral (MoE)", lora=True,
-                 sliding_window="all layers"),
+                 sliding_window="all layers", quantized="fp8"),
     Architecture("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "gpt-oss (MoE)", lora=True,
                  sliding_window="per layer", quantized="fp8, mxfp4"),
 )}

@@ -1,15 +1,20 @@
 """Quantized checkpoints: which `quantization_config.quant_method` a checkpoint declares, whether the engine
 serves it, and how `--quantization NAME` (vLLM's flag) is checked against it. Plain names, no torch: the
-formats' weight handling lives in one module each (fp8.py)."""
+formats' weight handling lives in one module each (fp8.py, compressed_tensors.py, awq.py, gptq.py), each a
+config class with `auxiliary(key)`, `weight_key(key)` and `read(key, tensor, get)` for the loader;
+linear_method.py holds the per-layer quant methods (kept-quantized products) and kv_cache_dtype.py the
+FP8 KV cache's names and scales."""
 from __future__ import annotations
 
 from .errors import QuantizationError
 
-SERVED = ("fp8", "mxfp4")  # mxfp4: gpt-oss expert weights (mxfp4.py)
+SERVED = ("fp8", "compressed-tensors", "awq", "gptq", "mxfp4")  # mxfp4: gpt-oss expert weights (mxfp4.py)
+# Names vLLM accepts for a served format (its kernels' names): they load the same checkpoints.
+ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "compressed-tensors"}
 # vLLM's other method names (and the common quant_method values of Hugging Face configs): known, not served yet.
-NOT_YET_SERVED = ("awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "bitsandbytes", "gguf",
-                  "fbgemm_fp8", "modelopt", "modelopt_fp4", "torchao", "hqq", "aqlm", "quark", "experts_int8",
-                  "ptpc_fp8", "eetq", "higgs", "bitnet", "fp_quant", "auto-round", "vptq", "spqr", "quanto")
+NOT_YET_SERVED = ("bitsandbytes", "gguf", "fbgemm_fp8", "modelopt", "modelopt_fp4", "torchao", "hqq",
+                  "aqlm", "quark", "experts_int8", "ptpc_fp8", "eetq", "higgs", "bitnet", "fp_quant", "auto-round",
+                  "vptq", "spqr", "quanto", "gptq_bitblas", "awq_triton", "marlin")
 
 
 def checkpoint_quantization(config) -> dict | None:
@@ -20,35 +25,58 @@ def checkpoint_quantization(config) -> dict | None:
     return dict(qc) if isinstance(qc, dict) else qc.to_dict()
 
 
+def canonical(name: str | None) -> str | None:
+    return None if name is None else ALIASES.get(name.lower(), name.lower())
+
+
 def check_method_name(requested: str | None) -> None:
     """`--quantization` is checked before any model work: an unknown or unserved name is a start-up error."""
-    if requested is None or requested in SERVED:
+    method = canonical(requested)
+    if method is None or method in SERVED:
         return
-    if requested in NOT_YET_SERVED:
+    if method in NOT_YET_SERVED:
         raise QuantizationError(f"quantization: {requested!r} is not served yet; kubeinfer serves {', '.join(SERVED)}")
     raise QuantizationError(f"quantization: unknown method {requested!r}; kubeinfer serves {', '.join(SERVED)}")
 
 
 def resolve_quantization(config, requested: str | None):
-    """The checkpoint's quantization as the loader applies it (an Fp8Config), or None for float weights.
-    `requested` (--quantization) must name the checkpoint's own method; on a float checkpoint, fp8 quantizes
-    the weights at load."""
+    """The checkpoint's quantization as the loader applies it (a format's config class), or None for float
+    weights. `requested` (--quantization) must name the checkpoint's own method; on a float checkpoint, fp8
+    quantizes the weights at load (the only method that can: the others need calibration)."""
     check_method_name(requested)
+    wanted = canonical(requested)
     qc = checkpoint_quantization(config)
-    method = None if qc is None else str(qc.get("quant_method", "")).lower() or None
+    method = None if qc is None else canonical(str(qc.get("quant_method", "")) or None)
     if qc is not None and method not in SERVED:
         raise QuantizationError(f"this checkpoint is quantized with {method or '(no quant_method)'!r} "
                                 f"(config.json quantization_config), which kubeinfer does not serve yet; it serves "
                                 f"{', '.join(SERVED)} (see `kubeinfer models`)")
-    if method == "mxfp4" or requested == "mxfp4":
+    if method == "mxfp4" or wanted == "mxfp4":
         return _mxfp4(qc, method)
-    from .fp8 import Fp8Config  # torch only where weights are loaded
-    if requested is not None and method is None:  # a float checkpoint: fp8 (the one served) quantizes at load
+    if wanted is not None and method is None:
+        if wanted != "fp8":
+            raise QuantizationError(f"quantization: {requested!r} needs a checkpoint quantized with it (config.json "
+                                    f"quantization_config); this one is float, and only fp8 quantizes at load")
+        from .fp8 import Fp8Config  # torch only where weights are loaded
         return Fp8Config(block_size=None, at_load=True)
-    if requested is not None and requested != method:
+    if wanted is not None and wanted != method:
         raise QuantizationError(f"quantization: {requested!r} does not match the checkpoint's method {method!r} "
                                 "(config.json quantization_config); leave --quantization out or name that method")
-    return None if method is None else Fp8Config.from_dict(qc)
+    return None if method is None else config_class(method).from_dict(qc)
+
+
+def config_class(method: str):
+    if method == "fp8":
+        from .fp8 import Fp8Config
+        return Fp8Config
+    if method == "compressed-tensors":
+        from .compressed_tensors import CompressedTensorsConfig
+        return CompressedTensorsConfig
+    if method == "awq":
+        from .awq import AwqConfig
+        return AwqConfig
+    from .gptq import GptqConfig
+    return GptqConfig
 
 
 def _mxfp4(qc: dict | None, method: str | None):

@@ -29,7 +29,7 @@ class Fp8Config:
     at_load: bool = False  # a float checkpoint quantized at load (--quantization fp8)
 
     @classmethod
-    def from_dict(cls, qc: dict) -> "Fp8Config":
+    def from_dict(cls, qc: dict) -> Fp8Config:
         scheme = str(qc.get("activation_scheme", "dynamic")).lower()
         if scheme != "dynamic":
             raise QuantizationError(f"fp8 checkpoint with activation_scheme {scheme!r}: only 'dynamic' is served yet")
@@ -44,6 +44,26 @@ class Fp8Config:
         """What the start-up log says of these weights: their method, and that they are held dequantized."""
         source = "quantized at load" if self.at_load else "checkpoint"
         return f"{self.method} {source}, weights dequantized to the model dtype"
+
+    @staticmethod
+    def auxiliary(key: str) -> bool:
+        """Tensors read with their weight (scales), not loaded on their own."""
+        return is_scale_key(key) or key.endswith((".k_scale", ".v_scale"))
+
+    @staticmethod
+    def weight_key(key: str) -> str:
+        return key
+
+    def read(self, key: str, tensor: torch.Tensor, get) -> torch.Tensor:
+        """The weight as the model uses it: an FP8 weight multiplied out by its scale; `get(key)` reads another
+        checkpoint tensor (None when absent)."""
+        if not is_fp8(tensor):
+            return tensor
+        scale = next((s for s in map(get, scale_keys(key)) if s is not None), None)
+        if scale is None:
+            raise QuantizationError(f"fp8 weight {key!r} has no scale in the checkpoint (expected "
+                                    f"{' or '.join(scale_keys(key))}); the checkpoint is incomplete")
+        return dequantize(tensor, scale, self, key)
 
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448

@@ -16,10 +16,11 @@ GROUP = 32
 
 @dataclass(frozen=True)
 class Mxfp4Config:
+    method = "mxfp4"
     modules_to_not_convert: tuple[str, ...] = ()
 
     @classmethod
-    def from_dict(cls, qc: dict) -> "Mxfp4Config":
+    def from_dict(cls, qc: dict) -> Mxfp4Config:
         return cls(tuple(qc.get("modules_to_not_convert") or ()))
 
     def describe(self) -> str:

@@ -1,0 +1,182 @@
+"""compressed-tensors checkpoints (`quant_method: compressed-tensors`, written by llm-compressor): the
+`config_groups` of a `quantization_config` say, per group of `targets` (`Linear`, or `re:` patterns of module
+names) minus `ignore`, how each linear weight is stored:
+
+- `pack-quantized` (W4A16, W8A16): signed int4/int8 values offset to unsigned and packed densely into int32
+  (`weight_packed` [out, in * bits / 32], value i of a row at bits i * bits), `weight_shape`, `weight_scale`
+  per output channel ([out, 1]) or per group of `group_size` input columns ([out, in / group_size]); asymmetric
+  schemes add `weight_zero_point`, packed the same way along the output rows; `actorder: group` adds
+  `weight_g_idx` (the group of each input column);
+- `int-quantized` (W8A8 int8) and `naive-quantized`: `weight` as int8, `weight_scale` (and zero points);
+- `float-quantized` (W8A8 FP8): `weight` as float8_e4m3, `weight_scale` per tensor, channel or block.
+
+The weight is (q - zero_point) * scale, computed in float32 and stored in the model dtype. Served by
+dequantizing at load (layers/quantization/linear_method.py keeps int8/int4 weights quantized where it
+pays); W8A8's activations stay in the model dtype, as vLLM's weight-only fallback and transformers'
+`CompressedTensorsConfig(dequantize=True)` run them. `k_scale`/`v_scale` (a `kv_cache_scheme`) are the FP8 KV
+cache's scales (kv_cache_dtype.py)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .errors import QuantizationError
+from .packing import unpack_columns, unpack_rows
+
+FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
+AUXILIARY = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx", "weight_global_scale",
+             "input_scale", "input_zero_point", "output_scale", "output_zero_point", "k_scale", "v_scale")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    num_bits: int
+    type: str  # int | float
+    symmetric: bool
+    strategy: str  # tensor | channel | group | block
+    group_size: int | None
+    block: tuple[int, int] | None
+    format: str
+    targets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CompressedTensorsConfig:
+    method = "compressed-tensors"
+    schemes: tuple[WeightScheme, ...]
+    ignore: tuple[str, ...]
+    kv_cache_scheme: dict | None = None
+
+    @classmethod
+    def from_dict(cls, qc: dict) -> CompressedTensorsConfig:
+        default_format = qc.get("format") or "dense"
+        schemes = []
+        for name, group in (qc.get("config_groups") or {}).items():
+            weights = group.get("weights")
+            if not weights:
+                continue  # activation-only groups leave the weights in float
+            fmt = group.get("format") or default_format
+            if fmt not in FORMATS:
+                raise QuantizationError(f"compressed-tensors format {fmt!r} (config group {name}) is not served; "
+                                        f"kubeinfer serves {', '.join(FORMATS)}")
+            strategy = str(weights.get("strategy") or "tensor").lower()
+            if strategy not in ("tensor", "channel", "group", "block"):
+                raise QuantizationError(f"compressed-tensors weight strategy {strategy!r} (config group {name}) "
+                                        "is not served; tensor, channel, group and block are")
+            kind = str(weights.get("type", "int")).lower()
+            bits = int(weights.get("num_bits", 8))
+            if (kind, bits) not in (("int", 4), ("int", 8), ("float", 8)):
+                raise QuantizationError(f"compressed-tensors {kind}{bits} weights (config group {name}) are not "
+                                        "served; int4, int8 and float8 are")
+            block = weights.get("block_structure")
+            schemes.append(WeightScheme(bits, kind, bool(weights.get("symmetric", True)), strategy,
+                                        weights.get("group_size"), tuple(block) if block else None, fmt,
+                                        tuple(group.get("targets") or ())))
+        return cls(tuple(schemes), tuple(qc.get("ignore") or ()), qc.get("kv_cache_scheme"))
+
+    def describe(self) -> str:
+        kinds = sorted({f"{s.format} {s.type}{s.num_bits} {s.strategy}" for s in self.schemes})
+        return f"{self.method} ({'; '.join(kinds)}), weights dequantized to the model dtype"
+
+    @staticmethod
+    def auxiliary(key: str) -> bool:
+        return key.rsplit(".", 1)[-1] in AUXILIARY
+
+    @staticmethod
+    def weight_key(key: str) -> str:
+        return key[:-len("_packed")] if key.endswith(".weight_packed") else key
+
+    def scheme_of(self, module: str) -> WeightScheme:
+        """The scheme of the config group whose targets match the module (`Linear` matches every linear)."""
+        for scheme in self.schemes:
+            if any(t == "Linear" or (t.startswith("re:") and re.match(t[3:], module)) for t in scheme.targets):
+                return scheme
+        if len(self.schemes) == 1:  # a class name other than Linear (e.g. the family's own) still means these
+            return self.schemes[0]
+        raise QuantizationError(f"quantized weight {module} matches no config group's targets")
+
+    def read(self, key: str, tensor: torch.Tensor, get) -> torch.Tensor:
+        """The float32 weight of `key` (a `weight_packed`, or a `weight` stored as int8/fp8); others as stored."""
+        parts = self._integers(key, tensor, get)
+        return tensor if parts is None else dequantize(*parts, key)
+
+    def int_weight(self, key: str, tensor: torch.Tensor, get):
+        """The weight as integers for a kept-quantized layer (linear_method.IntWeight): int4/int8 by group or
+        channel without g_idx; None for anything else (read() dequantizes it)."""
+        from .linear_method import IntWeight
+
+        parts = self._integers(key, tensor, get)
+        if parts is None or parts[3].type != "int" or parts[3].strategy not in ("group", "channel") or parts[4] is not None:
+            return None
+        values, scale, zero, scheme, _ = parts
+        rows, cols = values.shape
+        group = scheme.group_size if scheme.strategy == "group" else cols
+        groups = -(-cols // group)
+        if scale.numel() != rows * groups or (zero is not None and zero.numel() != rows * groups):
+            return None  # a broken checkpoint: read() says what is wrong
+        return IntWeight(values.to(torch.int8), scale.to(torch.float32).reshape(rows, groups),
+                         None if zero is None else zero.to(torch.int8).reshape(rows, groups), group, scheme.num_bits)
+
+    def _integers(self, key: str, tensor: torch.Tensor, get):
+        """(values, scale, zero, scheme, g_idx) of a quantized weight, or None for a float one."""
+        module = key.rsplit(".", 1)[0]
+        packed = key.endswith(".weight_packed")
+        if not packed and tensor.is_floating_point() and tensor.element_size() > 1:
+            return None  # a float weight: ignored by the config, or not a linear layer
+        scheme = self.scheme_of(module)
+        scale = get(f"{module}.weight_scale")
+        if scale is None:
+            raise QuantizationError(f"quantized weight {key!r} has no weight_scale in the checkpoint")
+        if packed:
+            shape = get(f"{module}.weight_shape")
+            if shape is None:
+                raise QuantizationError(f"packed weight {key!r} has no weight_shape in the checkpoint")
+            rows, cols = (int(v) for v in shape.tolist())
+            if tensor.shape[0] != rows or tensor.shape[1] * 32 // scheme.num_bits < cols:
+                raise QuantizationError(f"packed weight {key!r} of shape {tuple(tensor.shape)} cannot hold "
+                                        f"weight_shape {[rows, cols]} at {scheme.num_bits} bits")
+            values = unpack_columns(tensor, scheme.num_bits, cols) - (1 << (scheme.num_bits - 1))
+        else:
+            values, rows, cols = tensor, tensor.shape[0], tensor.shape[1]
+        zero = None if scheme.symmetric else get(f"{module}.weight_zero_point")
+        if not scheme.symmetric and zero is None:
+            raise QuantizationError(f"asymmetric weight {key!r} has no weight_zero_point in the checkpoint")
+        if zero is not None and packed:
+            zero = unpack_rows(zero, scheme.num_bits, rows) - (1 << (scheme.num_bits - 1))
+        return values, scale, zero, scheme, get(f"{module}.weight_g_idx")
+
+
+def expand(grid: torch.Tensor, rows: int, cols: int, scheme: WeightScheme, g_idx, name: str) -> torch.Tensor:
+    """A scale or zero-point grid as one value per weight element ([rows, cols])."""
+    g = grid.to(torch.float32)
+    if g.numel() == 1:
+        return g.reshape(1, 1).expand(rows, cols)
+    if scheme.strategy == "channel" and g.numel() == rows:
+        return g.reshape(rows, 1).expand(rows, cols)
+    if scheme.strategy == "group" and g.dim() == 2 and g.shape[0] == rows:
+        if g_idx is not None:
+            if g_idx.numel() != cols or int(g_idx.max()) >= g.shape[1]:
+                raise QuantizationError(f"weight_g_idx of {name} does not fit its {cols} columns and "
+                                        f"{g.shape[1]} groups")
+            return g.index_select(1, g_idx.long())
+        size = scheme.group_size
+        if size and g.shape[1] == -(-cols // size):
+            return g.repeat_interleave(size, dim=1)[:, :cols]
+    if scheme.strategy == "block" and scheme.block and g.dim() == 2:
+        bn, bk = scheme.block
+        if tuple(g.shape) == (-(-rows // bn), -(-cols // bk)):
+            return g.repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
+    raise QuantizationError(f"scale or zero point of {name} has shape {tuple(grid.shape)}, which does not fit a "
+                            f"{rows}x{cols} weight quantized by {scheme.strategy}"
+                            + (f" (group_size {scheme.group_size})" if scheme.strategy == "group" else "")
+                            + " (truncated or mismatched checkpoint)")
+
+
+def dequantize(values: torch.Tensor, scale: torch.Tensor, zero, scheme: WeightScheme, g_idx, name: str) -> torch.Tensor:
+    rows, cols = values.shape
+    w = values.to(torch.float32)
+    if zero is not None:
+        w = w - expand(zero, rows, cols, scheme, g_idx, name)
+    return w * expand(scale, rows, cols, scheme, g_idx, name)

@@ -1,0 +1,70 @@
+"""Triton dequantize-and-multiply for weight-only int8/int4 linear layers on the GPU: the weights stay
+quantized in memory (int8: one byte per weight; int4: two per byte, the even column in the low nibble) and
+each tile is widened, offset by its group's zero point and scaled inside the kernel, so a decode step reads
+a half (int8) or a quarter (int4) of the bytes a bf16 weight takes.
+
+y[m, n] = sum_k x[m, k] * (q[n, k] - zero[n, k // G]) * scale[n, k // G] (+ bias[n]); q signed, zero signed
+(0 when symmetric). Accumulation in fp32; checked against torch under TRITON_INTERPRET=1
+(tests/test_triton_int_matmul.py)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ....triton_utils import MIN_DOT, must_upcast, unit_last_stride
+
+
+@triton.jit
+def _int_matmul_kernel(x_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_qn,
+                       stride_sn, stride_om, GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        if INT4:  # byte k // 2 of a row holds columns k (low nibble) and k + 1 (high), offset by 8 to unsigned
+            byte = tl.load(q_ptr + cols[:, None] * stride_qn + (ks // 2)[None, :], mask=w_mask, other=0).to(tl.int32)
+            q = ((byte >> ((ks % 2) * 4)[None, :]) & 15) - 8
+        else:
+            q = tl.load(q_ptr + cols[:, None] * stride_qn + ks[None, :], mask=w_mask, other=0).to(tl.int32)
+        group = ks // GROUP
+        scale = tl.load(scale_ptr + cols[:, None] * stride_sn + group[None, :], mask=w_mask, other=0.0)
+        w = q.to(tl.float32)
+        if HAS_ZERO:
+            w -= tl.load(zero_ptr + cols[:, None] * stride_sn + group[None, :], mask=w_mask, other=0).to(tl.float32)
+        w = w * scale.to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        if UPCAST:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+               group_size: int, int4: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times the weight held as qweight (int8 [N, K], or uint8 [N, K / 2] for int4), scale [N, groups]
+    and zero [N, groups] (int8, or None: symmetric); returns [..., N] in x's dtype."""
+    shape = x.shape
+    x2 = unit_last_stride(x.reshape(-1, shape[-1]))
+    m, k = x2.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = max(MIN_DOT, min(64, triton.next_power_of_2(m)))
+    block_n, block_k = 64, max(MIN_DOT, min(64, group_size))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _int_matmul_kernel[grid](
+        x2, qweight, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, m, n, k,
+        x2.stride(0), qweight.stride(0), scale.stride(0), out.stride(0), GROUP=group_size, INT4=int4,
+        HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, UPCAST=must_upcast(x2), BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k)
+    return out.reshape(*shape[:-1], n)

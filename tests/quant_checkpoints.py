@@ -1,0 +1,190 @@
+"""Quantized checkpoints of tiny random models, written by the formats' own packages or published definitions,
+for the quantization tests: compressed-tensors through the `compressed-tensors` package (its observers'
+qparams, its `quantize` and its compressors write the tensors), AWQ and GPTQ by AutoAWQ's and AutoGPTQ's
+published layouts (neither package installs without CUDA)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kubeinfer.engine import LLM, SamplingParams
+
+PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [40, 41, 42], list(range(60, 100)), [7]]
+MAX_TOKENS = [12, 16, 9, 20]
+# 128 input columns everywhere but down_proj's 256: AWQ's and GPTQ's usual group of 128 fits.
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, num_layers=2)
+
+
+def is_decoder_linear(key: str) -> bool:
+    return ".layers." in key and key.endswith("_proj.weight")
+
+
+def write_checkpoint(src: Path, dst: Path, weights: dict, quantization_config: dict | None) -> str:
+    shutil.copytree(src, dst)
+    (dst / "model.safetensors").unlink()
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def ct_scheme(fmt: str, num_bits: int, kind: str, strategy: str, symmetric: bool, group_size: int | None,
+              activations: bool = False) -> dict:
+    weights = {"num_bits": num_bits, "type": kind, "symmetric": symmetric, "strategy": strategy,
+               "group_size": group_size, "dynamic": False, "actorder": None, "observer": "minmax"}
+    inputs = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True,
+              "observer": None} if activations else None
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                                          "output_activations": None, "format": fmt}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+def ct_compress(weights: dict, config: dict) -> dict:
+    """The decoder's linear weights through the compressed-tensors package: qparams by its min-max rule
+    (calculate_qparams), then its registered compressor for the format (quantize + pack)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    group = config["config_groups"]["group_0"]
+    scheme = QuantizationScheme.model_validate(group)
+    args = scheme.weights
+    compressor = BaseCompressor.get_value_from_registry(config["format"])
+    out = {}
+    for key, w in weights.items():
+        if not is_decoder_linear(key):
+            out[key] = w
+            continue
+        if args.strategy == "group":
+            view = w.unflatten(1, (-1, args.group_size))
+            lo, hi = view.amin(-1), view.amax(-1)
+        elif args.strategy == "channel":
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        else:
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        scale, zero = calculate_qparams(lo, hi, args)
+        state = {"weight": w, "weight_scale": scale.to(w.dtype),
+                 "weight_zero_point": zero.to(torch.int8 if args.type == "int" else w.dtype)}
+        prefix = key.removesuffix("weight")
+        out.update({prefix + name: t for name, t in compressor.compress(state, scheme).items()})
+    return out
+
+
+def hf_greedy(model) -> list[list[int]]:
+    out = []
+    for prompt, n in zip(PROMPTS, MAX_TOKENS):
+        ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=[], pad_token_id=0)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def hf_compressed_tensors(model_dir, weight_only: bool):
+    """transformers' own load, decompressed by the compressed-tensors package: `run_compressed=False` for the
+    weight-only formats; `dequantize=True` for W8A8 (dense weights, activations unquantized, as we serve them)."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    config = CompressedTensorsConfig(run_compressed=False) if weight_only else CompressedTensorsConfig(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=config).eval()
+
+
+def engine_greedy(model_dir, **kwargs) -> list[list[int]]:
+    llm = LLM(model_dir, max_model_len=128, num_kv_blocks=64, **kwargs)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+
+
+def float_weights(model_dir: Path) -> dict:
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+def minmax_int(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantization of w [out, in] per group of `group` input columns, as AutoAWQ and
+    AutoGPTQ (sym=False) compute it: unsigned q [out, in], zero [out, groups] (integers), scale [out, groups]."""
+    top = (1 << bits) - 1
+    view = w.unflatten(1, (-1, group))
+    lo, hi = view.amin(-1).clamp(max=0), view.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / top).clamp(min=1e-5).to(torch.float16).to(torch.float32)  # scales are stored in fp16
+    zero = torch.round(-lo / scale).clamp(0, top)
+    q = torch.clamp(torch.round(view / scale[..., None]) + zero[..., None], 0, top).flatten(1)
+    return q.to(torch.int32), zero.to(torch.int32), scale
+
+
+def pack_words(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
+    """[rows, cols] unsigned values -> [rows, cols * bits / 32] int32: value j of a word at bits j * bits; with
+    `order`, word position j holds column order[j] of its block (AWQ)."""
+    per = 32 // bits
+    blocks = values.view(values.shape[0], -1, per).to(torch.int64)
+    if order is not None:
+        blocks = blocks[:, :, list(order)]
+    words = sum(blocks[:, :, j] << (bits * j) for j in range(per))
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # the same 32 bits, signed
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's GEMM packing order (awq/modules/linear/gemm.py)
+
+
+def awq_pack(weights: dict, group: int = 128) -> tuple[dict, dict]:
+    """AutoAWQ's GEMM checkpoint: qweight [in, out/8], qzeros [in/group, out/8], scales [in/group, out] fp16."""
+    out = {}
+    for key, w in weights.items():
+        if not is_decoder_linear(key):
+            out[key] = w
+            continue
+        q, zero, scale = minmax_int(w, 4, group)
+        prefix = key.removesuffix("weight")
+        out[prefix + "qweight"] = pack_words(q.t().contiguous(), 4, AWQ_ORDER)
+        out[prefix + "qzeros"] = pack_words(zero.t().contiguous(), 4, AWQ_ORDER)
+        out[prefix + "scales"] = scale.t().contiguous().to(torch.float16)
+    config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": None}
+    return out, config
+
+
+def awq_to_compressed_tensors(weights: dict, config: dict) -> tuple[dict, dict]:
+    """The AWQ checkpoint as compressed-tensors' own AutoAWQ converter rewrites it (pack-quantized W4A16)."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+
+    converter = AutoAWQConverter.from_autoawq_config(config)
+    converted = converter.process(dict(weights))
+    ct_config = converter.update_config(None).model_dump(exclude_none=True)
+    ct_config["quant_method"] = "compressed-tensors"
+    return converted, ct_config
+
+
+def gptq_pack(weights: dict, bits: int, group: int, act_order: bool = False, seed: int = 0
+              ) -> tuple[dict, dict, dict]:
+    """AutoGPTQ's checkpoint (checkpoint_format gptq, v1): qweight [in*bits/32, out] packed along the input rows,
+    qzeros [groups, out*bits/32] holding zero - 1, scales [groups, out] fp16, g_idx [in]. With `act_order`
+    the rows' groups are a random permutation's (as desc_act leaves them). Returns the checkpoint, its config
+    and the float weights it means ((q - zero) * scale, written out here from the unpacked integers)."""
+    generator = torch.Generator().manual_seed(seed)
+    out, dense = {}, {}
+    for key, w in weights.items():
+        if not is_decoder_linear(key):
+            out[key] = dense[key] = w
+            continue
+        rows = w.shape[1]
+        perm = torch.randperm(rows, generator=generator) if act_order else torch.arange(rows)
+        q, zero, scale = minmax_int(w[:, perm], bits, group)  # groups over the permuted columns
+        assert int(zero.min()) >= 1, "v1 stores zero - 1: a zero of 0 would wrap (AutoGPTQ's known quirk)"
+        inverse = torch.argsort(perm)
+        q = q[:, inverse]  # back to the checkpoint's column order; each column remembers its group
+        g_idx = (inverse // group).to(torch.int32)
+        prefix = key.removesuffix("weight")
+        out[prefix + "qweight"] = pack_words(q.contiguous(), bits).t().contiguous()  # rows packed: pack q^T's cols
+        out[prefix + "qzeros"] = pack_words((zero - 1).t().contiguous() & ((1 << bits) - 1), bits)
+        out[prefix + "scales"] = scale.t().contiguous().to(torch.float16)
+        out[prefix + "g_idx"] = g_idx
+        dense[key] = (q.to(torch.float32) - zero.to(torch.float32)[:, g_idx.long()]) * scale[:, g_idx.long()]
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": False,
+              "checkpoint_format": "gptq", "true_sequential": True}
+    return out, config, dense

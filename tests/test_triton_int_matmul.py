@@ -1,0 +1,51 @@
+"""The Triton dequantize-and-multiply kernel (layers/quantization/triton_int_matmul.py) against torch's matmul
+on the dequantized weight, (q - zero) * scale, run in Triton's CPU interpreter when there is no GPU (as
+tests/test_triton_kernels.py does, TRITON_INTERPRET=1 is set before triton is imported)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from test_triton_kernels import DEVICES, tolerance
+
+from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight
+
+
+def random_int_weight(out: int, cols: int, bits: int, group: int, symmetric: bool, seed: int) -> IntWeight:
+    gen = torch.Generator().manual_seed(seed)
+    low, high = -(1 << (bits - 1)), 1 << (bits - 1)
+    groups = cols // group
+    values = torch.randint(low, high, (out, cols), generator=gen).to(torch.int8)
+    scale = torch.rand(out, groups, generator=gen) * 0.05 + 0.01
+    zero = None if symmetric else torch.randint(low, high, (out, groups), generator=gen).to(torch.int8)
+    return IntWeight(values, scale, zero, group, bits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, group, symmetric", [(4, 32, False), (4, 128, True), (8, 128, True),
+                                                    (8, 256, False), (4, 256, False)],
+                         ids=["int4-g32-asym", "int4-g128-sym", "int8-channel-sym", "int8-channel-asym",
+                              "int4-channel-asym"])
+@pytest.mark.parametrize("tokens", [1, 5, 33])
+def test_int_matmul_matches_torch_on_the_dequantized_weight(device, dtype, bits, group, symmetric, tokens):
+    from kubeinfer.engine.model_executor.layers.quantization.linear_method import WeightOnlyIntMethod
+
+    out, cols = 80, 256  # 80 output rows: a partial 64-row tile
+    weight = random_int_weight(out, cols, bits, group, symmetric, seed=bits * group + tokens)
+    layer = torch.nn.Linear(cols, out, bias=True, device=device, dtype=dtype)
+    method = WeightOnlyIntMethod(layer, weight, "triton", dtype)
+    if bits == 4:
+        assert layer.qweight.dtype == torch.uint8 and tuple(layer.qweight.shape) == (out, cols // 2)
+    else:
+        assert layer.qweight.dtype == torch.int8 and tuple(layer.qweight.shape) == (out, cols)
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+    got = method.apply(layer, x)
+    want = x.double().cpu() @ weight.dequantize().double().t() + layer.bias.double().cpu()
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double().cpu(), want, **tolerance(dtype))
