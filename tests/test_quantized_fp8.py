@@ -167,8 +167,9 @@ def test_unserved_checkpoint_method_is_named_with_the_supported_list(float_dir, 
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("int3", "unknown method 'int3'; kubeinfer serves fp8, compressed-tensors, awq, gptq"),
-    ("mxfp4", "'mxfp4' is not served yet; kubeinfer serves fp8"),
+    ("int3", "unknown method 'int3'; kubeinfer serves fp8, compressed-tensors, awq, gptq, mxfp4"),
+    ("bitsandbytes", "'bitsandbytes' is not served yet; kubeinfer serves fp8"),
+    ("mxfp4", "'mxfp4' names checkpoints stored in MXFP4 \\(gpt-oss's\\); this one is fp8"),
     ("awq", "'awq' does not match the checkpoint's method 'fp8'"),
 ])
 def test_bad_quantization_flag_is_a_start_up_error(checkpoints, flag, message):
@@ -210,7 +211,10 @@ def test_serve_takes_vllms_quantization_flag():
 def test_models_table_lists_the_served_methods():
     from kubeinfer.engine.model_executor.models.registry import feature_table
 
-    assert {row["quantized"] for row in feature_table()} == {"fp8, compressed-tensors, awq, gptq"}
+    dense = {row["quantized"] for row in feature_table() if "(MoE)" not in row["family"]}
+    assert dense == {"fp8, compressed-tensors, awq, gptq"}
+    moe = {row["architecture"]: row["quantized"] for row in feature_table() if "(MoE)" in row["family"]}
+    assert moe["GptOssForCausalLM"] == "fp8, mxfp4"  # its experts' own format; the others' expert loaders read fp8
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "phi3", "olmo2", "granite"])

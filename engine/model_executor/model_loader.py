@@ -150,7 +150,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
         expected.update((name, count) for name, count in model.expected_loads().items() if name in params)
     # int8/int4 checkpoint weights kept quantized (layers/quantization/linear_method.py), per target and slice
     weight = next(iter(params.values()))
-    split = any(hasattr(m, "weight_pieces") for m in modules.values())  # tensor-parallel slices: dequantized
+    split = getattr(model.spec, "tp_size", 1) > 1  # tensor-parallel slices: dequantized whole, then cut
     keep = hasattr(quantization, "int_weight") and not split and \
         linear_method.keeps_quantized(weight.device, weight.dtype)
     integers: dict[str, dict] = {}

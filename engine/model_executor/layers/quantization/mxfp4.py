@@ -26,6 +26,19 @@ class Mxfp4Config:
     def describe(self) -> str:
         return "mxfp4 (expert weights, dequantized at load)"
 
+    # The loader's interface to a format (fp8.py has the same): gpt-oss's expert loader reads each `*_blocks`
+    # with its `*_scales` and dequantizes them (models/gpt_oss.py); every other tensor is stored as it is used.
+    @staticmethod
+    def auxiliary(key: str) -> bool:
+        return False
+
+    @staticmethod
+    def weight_key(key: str) -> str:
+        return key
+
+    def read(self, key: str, tensor: torch.Tensor, get) -> torch.Tensor:
+        return tensor
+
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
                name: str = "weight") -> torch.Tensor:
