@@ -108,7 +108,8 @@ class Request:
                              finished=self.finished, num_cached_tokens=first.num_cached_tokens,
                              metrics={"arrival_time": self.arrival_time,
                                       "first_scheduled_time": first.first_scheduled_time,
-                                      "first_token_time": first.first_token_time,
+                                      "first_token_time": min((s.first_token_time for s in seqs
+                                                               if s.first_token_time is not None), default=None),
                                       "last_token_time": max((s.last_token_time or 0) for s in seqs),
                                       "num_preemptions": sum(s.num_preemptions for s in seqs)},
                              error=next((s.error for s in seqs if s.error), None))
