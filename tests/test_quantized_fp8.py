@@ -215,6 +215,9 @@ def test_models_table_lists_the_served_methods():
     assert dense == {"fp8, compressed-tensors, awq, gptq"}
     moe = {row["architecture"]: row["quantized"] for row in feature_table() if "(MoE)" in row["family"]}
     assert moe["GptOssForCausalLM"] == "fp8, mxfp4"  # its experts' own format; the others' expert loaders read fp8
+    methods = {row["architecture"]: row["quantized"].split(", ") for row in feature_table()}
+    assert all("fp8" in served for served in methods.values())
+    assert [name for name, served in methods.items() if "mxfp4" in served] == ["GptOssForCausalLM"]  # its experts
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "phi3", "olmo2", "granite"])
