@@ -154,6 +154,7 @@ def test_grouped_path_runs_one_matmul_pair_per_active_expert(monkeypatch):
 
     calls = []
     real = grouped._product
+    monkeypatch.setattr(grouped, "USE_GROUPED_MM", False)  # the per-expert path (torch without _grouped_mm)
     monkeypatch.setattr(grouped, "_product", lambda *a: calls.append(1) or real(*a))
     gate_up, down, _, _ = random_experts(6, False)
     ids = torch.tensor([[0, 4], [4, 7], [7, 0]] * 67)[:200]
@@ -175,4 +176,25 @@ def test_grouped_path_in_a_small_cpu_step():
     with small_step(True):
         got = grouped_experts(x, gate_up, down, weights, ids, activation, b1, b2)
     torch.testing.assert_close(got, reference(x, gate_up, down, weights, ids, activation, b1, b2),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("biases", [False, True])
+def test_grouped_mm_path_equals_the_per_expert_path(monkeypatch, biases):
+    """torch's one grouped product per projection and the per-expert pairs give the same result, with an expert
+    that no token chose and one that many did (uneven routing)."""
+    from kubeinfer.engine.model_executor.layers.fused_moe import grouped
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    gate_up, down, b1, b2 = random_experts(7, biases)
+    weights, ids = uneven_routing(13, 8)
+    x = torch.randn(13, H)
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = grouped_experts(x, gate_up, down, weights, ids, silu_and_mul, b1, b2)
+    assert len(calls) == 2  # one per projection, whatever the number of experts
+    monkeypatch.setattr(grouped, "USE_GROUPED_MM", False)
+    torch.testing.assert_close(fused, grouped_experts(x, gate_up, down, weights, ids, silu_and_mul, b1, b2),
                                atol=1e-5, rtol=1e-5)
