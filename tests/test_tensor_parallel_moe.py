@@ -61,3 +61,17 @@ def test_an_expert_size_that_does_not_split_is_refused_by_name(field, sizes, tmp
     size = sizes[field]
     with pytest.raises(ValueError, match=rf"{field} \({size}\) is not divisible by the tensor parallel size \(2\)"):
         LLM(str(model_dir), tensor_parallel_size=2)
+
+
+@pytest.mark.slow  # Triton's CPU interpreter
+def test_fused_experts_kernel_on_each_rank_keeps_outputs_exact(tp_moe_dirs):
+    """The GPU path (Triton attention and fused-experts kernels; here in Triton's interpreter) on each rank's
+    slice of the experts: 24 of each expert's 48 columns, an intermediate size no kernel block divides."""
+    model_dir = tp_moe_dirs("qwen3_moe")
+    llm = LLM(model_dir, block_size=4, max_num_seqs=8, tensor_parallel_size=2, attention_backend="triton")
+    try:
+        experts = [m for m in llm.engine.runner.model.modules() if type(m).__name__ == "FusedMoE"]
+        assert experts and all(m.fused and m.intermediate_size == 24 for m in experts)
+        assert run(llm) == hf_references(model_dir)
+    finally:
+        llm.shutdown()
