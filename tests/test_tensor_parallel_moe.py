@@ -52,13 +52,11 @@ def _expert_size(config, family: str) -> int:
     return config.moe_intermediate_size if family.startswith("qwen") else config.intermediate_size
 
 
-@pytest.mark.parametrize("field, sizes", [("moe_intermediate_size", dict(moe_intermediate_size=49)),
-                                          ("shared_expert_intermediate_size", dict(shared_expert_intermediate_size=81))])
-def test_an_expert_size_that_does_not_split_is_refused_by_name(field, sizes, tmp_path):
+@pytest.mark.parametrize("field, size", [("moe_intermediate_size", 49), ("shared_expert_intermediate_size", 81)])
+def test_an_expert_size_that_does_not_split_is_refused_by_name(field, size, tmp_path):
     from kubeinfer.testing.random_model import build_random_model
 
-    model_dir = build_random_model(tmp_path / "odd", "qwen2_moe", tokenizer=False, num_layers=1, **sizes)
-    size = sizes[field]
+    model_dir = build_random_model(tmp_path / "odd", "qwen2_moe", tokenizer=False, num_layers=1, **{field: size})
     with pytest.raises(ValueError, match=rf"{field} \({size}\) is not divisible by the tensor parallel size \(2\)"):
         LLM(str(model_dir), tensor_parallel_size=2)
 

@@ -19,8 +19,8 @@ from torch import nn
 from ...config import ModelSpec, Part
 from ...distributed.parallel_state import all_reduce
 from ..layers.fused_moe.layer import FusedMoE
-from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.fused_moe.router import softmax_topk, topk_softmax
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from .llama import MLP, CausalLM, DecoderLayer
 
 # Per-expert checkpoint tensors: (the experts' module, expert, projection). w1/w3/w2 are Mixtral's gate/up/down.
