@@ -73,3 +73,29 @@ def test_fused_experts_kernel_on_each_rank_keeps_outputs_exact(tp_moe_dirs):
         assert run(llm) == hf_references(model_dir)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.slow
+def test_mxfp4_experts_dequantized_then_cut(tmp_path):
+    """gpt-oss's MXFP4 experts (and sinks, through the quantized read) dequantized whole on each rank, then
+    cut: rank 0 holds the first half of every expert's columns of the one-rank model, and the outputs agree
+    (the one-rank model's are checked against transformers' in test_gpt_oss.py)."""
+    import torch
+    from test_gpt_oss import mxfp4_checkpoint
+
+    from kubeinfer.testing.random_model import build_random_model
+
+    float_dir = build_random_model(tmp_path / "float", "gpt_oss", tokenizer=False, seed=51, num_layers=2,
+                                   intermediate_size=64)  # 32 columns per rank: one MXFP4 group per down row
+    path = str(mxfp4_checkpoint(float_dir, tmp_path / "mxfp4"))
+    one = LLM(path, block_size=4)
+    want = run(one)
+    whole = one.engine.runner.model.model.layers[1].mlp.experts
+    two = LLM(path, block_size=4, tensor_parallel_size=2)
+    try:
+        half = two.engine.runner.model.model.layers[1].mlp.experts
+        assert torch.equal(half.down_proj, whole.down_proj[..., :32])
+        assert torch.equal(half.gate_up_proj, torch.cat([whole.gate_up_proj[:, :32], whole.gate_up_proj[:, 64:96]], 1))
+        assert run(two) == want
+    finally:
+        two.shutdown()
