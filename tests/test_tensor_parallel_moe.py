@@ -11,7 +11,7 @@ from kubeinfer.engine import LLM
 
 MODELS = {**VARIANTS, "gpt_oss": GPT_OSS_VARIANT}
 SEEDS = {"qwen3_moe": 40, "qwen2_moe": 41, "mixtral": 42, "gpt_oss": 50}  # test_moe_models.py's, test_gpt_oss.py's
-DEFAULT_SUITE = ("qwen3_moe",)  # the others (each ~1 min on this machine's shared cores) run with -m slow
+DEFAULT_SUITE = ("qwen3_moe",)  # the others (about 5 s each here) run with the slow tests
 
 
 @pytest.fixture(scope="module")
