@@ -162,7 +162,8 @@ class ModelSpec:
 
     def for_rank(self, rank: int, size: int) -> ModelSpec:
         """The spec of one rank's slice of the model: its attention heads, KV heads (one each, replicated,
-        when there are fewer KV heads than ranks) and MLP columns. Refuses sizes that do not divide."""
+        when there are fewer KV heads than ranks) and MLP columns (every expert's, in an MoE model: the
+        experts read their totals from the config). Refuses sizes that do not divide."""
         if size == 1:
             return self
         def share(total: int, what: str) -> int:
@@ -181,6 +182,9 @@ class ModelSpec:
         else:
             local.num_kv_heads = 1
         local.intermediate_size = share(self.intermediate_size, "intermediate_size")
+        for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # each expert's columns split too
+            if getattr(self.config, field, None):
+                share(getattr(self.config, field), field)
         return local
 
     def qkv_parts(self) -> list[Part]:

@@ -16,8 +16,10 @@ from kubeinfer.engine.lora.adapter import LoRALoadError
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
-def test_attention_adapters_match_peft(family, tmp_path):
+@pytest.mark.parametrize("family, tp", [("qwen3_moe", 1), ("gpt_oss", 1),
+                                        pytest.param("qwen3_moe", 2, marks=pytest.mark.slow, id="qwen3_moe-tp2")])
+def test_attention_adapters_match_peft(family, tp, tmp_path):
+    """tp 2: A and B cut like the attention projections on each rank, beside each rank's slice of the experts."""
     from test_moe_models import hf_model
 
     from kubeinfer.testing.random_model import build_random_model
@@ -29,13 +31,16 @@ def test_attention_adapters_match_peft(family, tmp_path):
     peft_model.base_model.model.set_experts_implementation("eager")
     want = [hf_greedy(peft_model, p) for p in PROMPTS]
     assert want != want_base
-    llm = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4)
-    adapter = LoRARequest("attn", 1, str(tmp_path / "attn"))
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(2)]
-    loras = [adapter if i % 2 else None for i in range(len(prompts))]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
-    assert got == [w for pair in zip(want_base, want) for w in pair]
+    llm = LLM(str(base), enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4, tensor_parallel_size=tp)
+    try:
+        adapter = LoRARequest("attn", 1, str(tmp_path / "attn"))
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in range(2)]
+        loras = [adapter if i % 2 else None for i in range(len(prompts))]
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+        assert got == [w for pair in zip(want_base, want) for w in pair]
+    finally:
+        llm.shutdown()
 
 
 def write_adapter(path, modules: list[str], config_extra: dict | None = None):

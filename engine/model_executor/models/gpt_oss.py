@@ -30,7 +30,15 @@ class GptOssRMSNorm(RMSNorm):
 class SinkAttention(Attention):
     def __init__(self, spec: ModelSpec, backend, rotary, layer_idx: int) -> None:
         super().__init__(spec, backend, rotary, layer_idx)
-        self.sinks = nn.Parameter(torch.empty(spec.num_heads), requires_grad=False)
+        self.sinks = nn.Parameter(torch.empty(spec.num_heads), requires_grad=False)  # this rank's heads
+        self.first_head, self.total_heads = spec.tp_rank * spec.num_heads, spec.total_heads
+
+    def weight_pieces(self, param: torch.Tensor, source, shard: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The loader's hook for the sinks (this module's one parameter): one logit per head, cut like the heads."""
+        if tuple(source.shape) != (self.total_heads,):
+            raise ValueError(f"attention sinks have shape {tuple(source.shape)}, the config implies "
+                             f"({self.total_heads},)")
+        return [(param, source.narrow(0, self.first_head, self.num_heads))]
 
     def _attend(self, q, k, v, kv_cache, meta, lora):
         if self.window != meta.sliding_window:

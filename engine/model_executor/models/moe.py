@@ -16,9 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...config import ModelSpec
+from ...config import ModelSpec, Part
+from ...distributed.parallel_state import all_reduce
 from ..layers.fused_moe.layer import FusedMoE
 from ..layers.fused_moe.router import softmax_topk, topk_softmax
+from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from .llama import MLP, CausalLM, DecoderLayer
 
 # Per-expert checkpoint tensors: (the experts' module, expert, projection). w1/w3/w2 are Mixtral's gate/up/down.
@@ -44,29 +46,39 @@ class MoESettings:
 
 
 class SharedExpert(nn.Module):
-    """Qwen2-MoE's dense expert every token also goes through, scaled by sigmoid(gate(x))."""
+    """Qwen2-MoE's dense expert every token also goes through, scaled by sigmoid(gate(x)). Under tensor
+    parallelism split like a dense MLP (gate/up by column, down by row); its output is this rank's partial sum,
+    which the sparse block adds to the experts' before the one all-reduce."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        if intermediate_size % tp_size:
+            raise ValueError(f"the model's shared_expert_intermediate_size ({intermediate_size}) is not divisible by "
+                             f"the tensor parallel size ({tp_size})")
+        local = intermediate_size // tp_size
+        self.intermediate_size, self.tp_size = local, tp_size
+        part = Part(intermediate_size, tp_rank * local, local)
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [part, part], bias=False)
+        self.down_proj = RowParallelLinear(part, hidden_size, bias=False, tp_size=tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (the whole output in a group of one)."""
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        h = F.silu(gate) * up
+        return self.down_proj(h) if self.tp_size == 1 else self.down_proj.partial(h)
 
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, settings: MoESettings, tp_rank: int = 0, tp_size: int = 1) -> None:
         super().__init__()
-        self.settings = settings
-        self.gate = nn.Linear(hidden_size, settings.num_experts, bias=settings.router_bias)  # the router
+        self.settings, self.tp_size = settings, tp_size
+        # the router is replicated: every rank routes every token alike, to its slice of each chosen expert
+        self.gate = nn.Linear(hidden_size, settings.num_experts, bias=settings.router_bias)
         self.experts = FusedMoE(settings.num_experts, hidden_size, settings.intermediate_size,
                                 bias=settings.expert_bias, swiglu_limit=settings.swiglu_limit,
                                 swiglu_alpha=settings.swiglu_alpha, tp_rank=tp_rank, tp_size=tp_size)
         if settings.shared_expert_size:
-            self.shared_expert = SharedExpert(hidden_size, settings.shared_expert_size)
+            self.shared_expert = SharedExpert(hidden_size, settings.shared_expert_size, tp_rank, tp_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
@@ -77,10 +89,10 @@ class SparseMoeBlock(nn.Module):
             weights, ids = topk_softmax(logits, s.top_k)
         else:
             weights, ids = softmax_topk(logits, s.top_k, s.renormalize)
-        out = self.experts(x, weights, ids)
-        if s.shared_expert_size:
+        out = self.experts(x, weights, ids)  # under TP: this rank's slice of every expert, a partial sum
+        if s.shared_expert_size:  # a per-token scale of a partial sum is the partial of the scaled sum
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.tp_size == 1 else all_reduce(out)  # once per layer, experts and shared expert together
 
 
 class DenseMLP(MLP):
@@ -97,7 +109,7 @@ class MoEDecoderLayer(DecoderLayer):
         super().__init__(spec, backend, rotary, layer_idx)
         settings: MoESettings = spec.moe
         if settings.sparse_layers is None or layer_idx in settings.sparse_layers:
-            self.mlp = SparseMoeBlock(spec.hidden_size, settings)
+            self.mlp = SparseMoeBlock(spec.hidden_size, settings, spec.tp_rank, spec.tp_size)
         else:
             self.mlp = DenseMLP(spec, layer_idx)
 
@@ -141,10 +153,13 @@ class MoECausalLM(CausalLM):
         if match := _STACKED.fullmatch(name):
             return self.load_stacked(match.group(1), match.group(2), bool(match.group(3)), read(key))
         if match := _SHARED.fullmatch(name):  # the shared expert's own intermediate size, not the config's
-            shared = self.get_submodule(match.group(1))
-            half = 0 if match.group(2) == "gate_proj" else 1
-            _fill(shared.gate_up_proj.weight.narrow(0, half * shared.intermediate_size, shared.intermediate_size),
-                  read(key), name)
+            linear = self.get_submodule(match.group(1)).gate_up_proj
+            tensor, part = read(key), linear.parts[0]
+            if tuple(tensor.shape) != (part.total, linear.in_features):
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies "
+                                 f"{(part.total, linear.in_features)}")
+            for target, piece in linear.weight_pieces(linear.weight, tensor, 0 if match.group(2) == "gate_proj" else 1):
+                _fill(target, piece, name)  # this rank's rows of gate or of up
             return {f"{match.group(1)}.gate_up_proj.weight": 1}
         return None
 

@@ -46,13 +46,13 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  lora=True, sliding_window="no", tensor_parallel=True),
     # Mixtures of experts (models/moe.py): LoRA on the attention projections; adapters on experts are refused
     Architecture("Qwen2MoeForCausalLM", "qwen_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE (MoE)", lora=True,
-                 sliding_window="per layer", quantized="fp8"),
+                 sliding_window="per layer", quantized="fp8", tensor_parallel=True),
     Architecture("Qwen3MoeForCausalLM", "qwen_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE (MoE)", lora=True,
-                 sliding_window="per layer", quantized="fp8"),
+                 sliding_window="per layer", quantized="fp8", tensor_parallel=True),
     Architecture("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", "Mixtral (MoE)", lora=True,
-                 sliding_window="all layers", quantized="fp8"),
+                 sliding_window="all layers", quantized="fp8", tensor_parallel=True),
     Architecture("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "gpt-oss (MoE)", lora=True,
-                 sliding_window="per layer", quantized="fp8, mxfp4"),
+                 sliding_window="per layer", quantized="fp8, mxfp4", tensor_parallel=True),
 )}
 
 
