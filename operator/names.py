@@ -29,6 +29,9 @@ DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 
 HTTP_PORT = 8000
 GRPC_PORT = 8001
+# spec.routing.kvEvents: the engine's KV-event PUB and replay sockets (vLLM's and the gateway's default port)
+KV_EVENTS_PORT = 5557
+KV_REPLAY_PORT = 5558
 MASTER_PORT = 29500  # torch.distributed's rendezvous on a multi-node group's leader
 MODEL_DIR = "/models/model"
 ADAPTERS_DIR = "/adapters"

@@ -6,14 +6,15 @@ and to the operator, which reads each pod's /v1/models; Prometheus scrapes /metr
 the cluster is refused, standby pods included. The kubelet's probes come from the node, which
 NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy. A model over several
 nodes also admits its own pods on every port: the ranks of a group meet at the leader's rendezvous port and
-then exchange tensors (NCCL, gloo) on ports they choose at start.
+then exchange tensors (NCCL, gloo) on ports they choose at start. With spec.routing.kvEvents the same peers may
+also reach the engine's KV-event PUB and replay ports (the gateway subscribes for precise prefix routing).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from kubeinfer.operator.config import OperatorConfig
-from kubeinfer.operator.names import GRPC_PORT, HTTP_PORT, selector_labels
+from kubeinfer.operator.names import GRPC_PORT, HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT, selector_labels
 
 PART_OF = {"app.kubernetes.io/part-of": "kubeinfer"}
 
@@ -24,8 +25,11 @@ def default_api_peers() -> list[dict[str, Any]]:
             for component in ("gateway", "operator")]
 
 
-def network_policy_spec(model: str, config: OperatorConfig, multi_node: bool = False) -> dict[str, Any]:
+def network_policy_spec(model: str, config: OperatorConfig, multi_node: bool = False,
+                        kv_events: bool = False) -> dict[str, Any]:
     api_ports = [{"protocol": "TCP", "port": HTTP_PORT}, {"protocol": "TCP", "port": GRPC_PORT}]
+    if kv_events:
+        api_ports += [{"protocol": "TCP", "port": KV_EVENTS_PORT}, {"protocol": "TCP", "port": KV_REPLAY_PORT}]
     ingress = [{"from": [dict(p) for p in config.api_peers] or default_api_peers(), "ports": api_ports}]
     if config.metrics_peers:
         ingress.append({"from": [dict(p) for p in config.metrics_peers],

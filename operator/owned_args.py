@@ -15,7 +15,9 @@ OWNED_FLAGS = ("--host", "--port", "--grpc-port", "--served-model-name", "--lora
                "--lora-placement-file", "--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank",
                "--device", "--dtype", "--max-model-len", "--scheduling-policy", "--api-key",
                # spec.engine.parallelism: the ranks must agree with the GPUs and pods the operator asks for
-               "--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless")
+               "--tensor-parallel-size", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless",
+               # spec.routing.kvEvents: the ports must be the ones the NetworkPolicy opens and the gateway dials
+               "--kv-events-config")
 # Single-dash spellings of owned flags (vLLM's `-tp N`, `-tp=N`, `-tpN`).
 OWNED_SHORT = {"-tp": "--tensor-parallel-size"}
 # The engine reads its key from these; the operator sets KUBEINFER_API_KEY from its Secret.
@@ -48,7 +50,8 @@ def args_problems(args: Sequence[str]) -> list[str]:
             continue
         spelt = "" if option == flag else f" (as {option!r}: argparse expands unambiguous prefixes)"
         problems.append(f"spec.engine.args[{i}] must not set {flag}{spelt}: the operator sets it from the spec "
-                        "(use spec.model, spec.engine.maxModelLen / dtype / resources / parallelism or spec.adapterPool)")
+                        "(use spec.model, spec.engine.maxModelLen / dtype / resources / parallelism, spec.adapterPool "
+                        "or spec.routing.kvEvents)")
     return problems
 
 

@@ -6,14 +6,15 @@ headless ranks: no API, ports or probes, no adapter placement (the leader drives
 """
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from kubeinfer.operator.config import OperatorConfig
 from kubeinfer.operator.credentials import serving_env
-from kubeinfer.operator.names import (ADAPTERS_ANNOTATION, ADAPTERS_DIR, GRPC_PORT, HTTP_PORT, MASTER_PORT, MODEL_DIR,
-                                      PLACEMENT_DIR, PLACEMENT_FILE, ROLE_LABEL, WORKER, pod_labels,
-                                      selector_labels)
+from kubeinfer.operator.names import (ADAPTERS_ANNOTATION, ADAPTERS_DIR, GRPC_PORT, HTTP_PORT, KV_EVENTS_PORT,
+                                      KV_REPLAY_PORT, MASTER_PORT, MODEL_DIR, PLACEMENT_DIR, PLACEMENT_FILE,
+                                      ROLE_LABEL, WORKER, pod_labels, selector_labels)
 from kubeinfer.operator.sources import FetchContext, Staging, stage_adapters, stage_model
 from kubeinfer.operator.spec import InferenceModelSpec
 
@@ -39,6 +40,12 @@ def parallel_args(spec: InferenceModelSpec, worker: bool = False) -> list[str]:
     return args + (["--headless"] if worker else [])
 
 
+def kv_events_config() -> str:
+    """spec.routing.kvEvents: vLLM's keys, on the ports the NetworkPolicy opens to the gateway (its default 5557)."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+                       "replay_endpoint": f"tcp://*:{KV_REPLAY_PORT}"}, separators=(",", ":"))
+
+
 def engine_args(spec: InferenceModelSpec, worker: bool = False) -> list[str]:
     """`kubeinfer serve` flags: the operator's first, then spec.engine.args (workers build the same model)."""
     args = ["serve", MODEL_DIR, "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT),
@@ -58,6 +65,8 @@ def engine_args(spec: InferenceModelSpec, worker: bool = False) -> list[str]:
                  str(pool.max_lora_rank)]
         if not worker:  # placement is the leader's: it loads adapters on every rank of its group
             args += ["--lora-catalog-dir", ADAPTERS_DIR, "--lora-placement-file", PLACEMENT_FILE]
+    if spec.kv_events and not worker:  # the leader's scheduler owns the blocks; headless ranks have none to report
+        args += ["--kv-events-config", kv_events_config()]
     return args + list(spec.engine.args)
 
 
@@ -82,6 +91,21 @@ def api_key_env(config: OperatorConfig) -> list[dict[str, Any]]:
         return []
     return [{"name": "KUBEINFER_API_KEY", "valueFrom": {"secretKeyRef": {
         "name": config.engine_api_key_secret, "key": config.engine_api_key_secret_key}}}]
+
+
+def kv_events_env(spec: InferenceModelSpec, worker: bool) -> list[dict[str, Any]]:
+    """The engine names its events address in /load with its pod's IP for the `*` it binds (POD_IP, else its
+    hostname's address)."""
+    if not spec.kv_events or worker:
+        return []
+    return [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+
+
+def kv_events_ports(spec: InferenceModelSpec) -> list[dict[str, Any]]:
+    if not spec.kv_events:
+        return []
+    return [{"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+            {"name": "kv-replay", "containerPort": KV_REPLAY_PORT, "protocol": "TCP"}]
 
 
 def resources(spec: InferenceModelSpec) -> dict[str, Any]:
@@ -131,7 +155,7 @@ def pod_template(spec: InferenceModelSpec, config: OperatorConfig, worker: bool 
     image = spec.engine.image or config.engine_image
     staged = staging(spec, image, config, worker)
     env = [*serving_env(spec.engine.env), {"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_OFFLINE", "value": "1"},
-           *api_key_env(config)]
+           *api_key_env(config), *kv_events_env(spec, worker)]
     drain = drain_timeout(spec, config.drain_timeout_seconds)
     container: dict[str, Any] = {
         "name": "engine", "image": image, "command": ["kubeinfer"], "args": engine_args(spec, worker), "env": env}
@@ -143,7 +167,7 @@ def pod_template(spec: InferenceModelSpec, config: OperatorConfig, worker: bool 
     else:
         container |= {
             "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
-                      {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}],
+                      {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"}, *kv_events_ports(spec)],
             "resources": resources(spec), **probes(spec),
             # Endpoints drop the pod while it still serves, then SIGTERM starts the engine's drain.
             "lifecycle": {"preStop": {"sleep": {"seconds": config.pre_stop_seconds}}}}

@@ -2,7 +2,8 @@
 
 The API server already applied the CRD's defaults and checks; the defaults are repeated here so the
 operator behaves the same on objects stored before a default existed (a test keeps both equal).
-spec.routing is the gateway's business: it reads it from the InferenceModel itself.
+spec.routing is the gateway's business: it reads it from the InferenceModel itself, except routing.kvEvents,
+which makes the engines publish the KV-cache events the gateway's precise prefix routing follows.
 Everything wrong is reported at once in one SpecError, each problem naming its field.
 """
 from __future__ import annotations
@@ -100,6 +101,7 @@ class InferenceModelSpec:
     adapters: tuple[Adapter, ...] = ()
     adapter_pool: AdapterPool = field(default_factory=AdapterPool)
     autoscaling: Autoscaling | None = None
+    kv_events: bool = False  # spec.routing.kvEvents
 
     @property
     def pods(self) -> int:
@@ -218,9 +220,12 @@ def parse_spec(name: str, spec: dict[str, Any]) -> InferenceModelSpec:
                                                           "spec.autoscaling.scaleDownDelaySeconds", problems))
     standby = _int((spec.get("standby") or {}).get("replicas", 0), "spec.standby.replicas", problems)
     adapters = _adapters(spec.get("adapters") or [], problems)
+    kv_events = (spec.get("routing") or {}).get("kvEvents", False)
+    if not isinstance(kv_events, bool):
+        problems.append(f"spec.routing.kvEvents must be true or false, got {kv_events!r}")
     if problems or source is None:
         raise SpecError(problems or ["spec.model.uri is required"])
     return InferenceModelSpec(
         name=name, model=source, served_name=model.get("servedName") or name, engine=engine, replicas=replicas,
         min_replicas=min_replicas, max_replicas=max_replicas, standby=standby, adapters=adapters,
-        adapter_pool=adapter_pool, autoscaling=autoscaling)
+        adapter_pool=adapter_pool, autoscaling=autoscaling, kv_events=kv_events is True)
