@@ -40,6 +40,8 @@ ALL_ON = {
         "watchNamespace": "team-a",
         "inferencePool": "chat",
         "extraArgs": ["--log-level=debug"],
+        "prefixRouting": {"mode": "precise", "tokenizers": ["chat=chat"],
+                          "tokenizerVolume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}},
         "service": {"type": "LoadBalancer", "annotations": {"example.com/lb": "internal"}},
         "podAnnotations": {"example.com/owner": "ml-platform"},
         "nodeSelector": {"kubernetes.io/os": "linux"},
