@@ -30,7 +30,8 @@ GPU_MODEL = {
     "replicas": 2, "minReplicas": 1, "maxReplicas": 6, "standby": {"replicas": 1},
     "adapters": [{"name": "sql", "uri": "s3://loras/sql"}, {"name": "chat-de", "uri": "pvc://loras/chat-de"}],
     "adapterPool": {"maxLorasPerReplica": 8, "replicasPerAdapter": 2},
-    "routing": {"priority": 10, "weights": {"queue": 2, "kvCache": 1, "loraAffinity": 1, "prefixCache": 3}},
+    "routing": {"priority": 10, "weights": {"queue": 2, "kvCache": 1, "loraAffinity": 1, "prefixCache": 3},
+                "kvEvents": True},
     "autoscaling": {"targetQueueDepth": 4, "scaleDownDelaySeconds": 600},
 }
 
@@ -160,6 +161,7 @@ def test_examples_pass_schema_and_cel(spec):
     ({"autoscaling": {"targetQueueDepth": 0}, "maxReplicas": 3}, "less than or equal to the minimum"),
     ({"standby": {"replicas": -2}}, "less than the minimum"),
     ({"engine": {"resources": {"gpus": 1.5}}}, "is not of type 'integer'"),
+    ({"routing": {"kvEvents": "yes"}}, "is not of type 'boolean'"),
 ])
 def test_schema_refuses_bad_specs(change, expected):
     errors = schema_errors(full({**CPU_MODEL, **change}))
