@@ -7,6 +7,7 @@ node 0's process is rank 0 and the others run `kubeinfer serve --headless` (tp_w
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -82,7 +83,10 @@ class TensorParallelGroup:
         process = self.processes[rank - 1] if 0 < rank <= len(self.processes) else None
         if process is None:
             return "its connection closed"
-        process.join(timeout=1)
+        deadline = time.monotonic() + 5  # its socket closes while the kernel still tears it down
+        process.join(timeout=5)
+        while process.exitcode is None and time.monotonic() < deadline:  # another thread may be reaping it now
+            time.sleep(0.05)
         return "still running" if process.exitcode is None else f"exit code {process.exitcode}"
 
     def shutdown(self) -> None:
