@@ -53,8 +53,7 @@ class EngineMetrics:
             num_tokens = sum(len(c.token_ids) for c in output.outputs)
             seen, last = self._progress.get(output.request_id, (0, None))
             if last is None and num_tokens:
-                first_token = m.get("first_token_time")  # None: no sequence was stamped (a request failed early)
-                self.ttft.observe((now if first_token is None else first_token) - m["arrival_time"])
+                self.ttft.observe(m["first_token_time"] - m["arrival_time"])
                 if m.get("first_scheduled_time") is not None:
                     self.queue_time.observe(m["first_scheduled_time"] - m["arrival_time"])
             elif num_tokens > seen:
