@@ -98,8 +98,11 @@ def hf_compressed_tensors(model_dir, weight_only: bool):
 
 def engine_greedy(model_dir, **kwargs) -> list[list[int]]:
     llm = LLM(model_dir, max_model_len=128, num_kv_blocks=64, **kwargs)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    try:
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    finally:
+        llm.shutdown()  # a tensor-parallel engine's ranks end with it (one such engine per process)
 
 
 def float_weights(model_dir: Path) -> dict:

@@ -16,8 +16,6 @@ import json
 import pytest
 import torch
 from quant_checkpoints import (
-    MAX_TOKENS,
-    PROMPTS,
     SHAPE,
     awq_pack,
     awq_to_compressed_tensors,
@@ -192,15 +190,9 @@ def test_a_method_the_architecture_does_not_serve_is_refused_by_name(tmp_path, a
 def test_a_quantized_checkpoint_splits_over_tensor_parallel_ranks(tmp_path):
     """Under tensor parallelism the int weights are dequantized whole (their group scales span the tensor),
     then each rank keeps its slice: still the reference's tokens."""
-    from kubeinfer.engine import SamplingParams
     from kubeinfer.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=7, **SHAPE)
     model_dir = ct_checkpoint(float_dir, "w4a16_group_asym")
-    llm = LLM(model_dir, max_model_len=128, num_kv_blocks=64, tensor_parallel_size=2)
-    try:
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
-    finally:
-        llm.shutdown()
-    assert got == hf_greedy(hf_compressed_tensors(model_dir, weight_only=True))
+    assert engine_greedy(model_dir, tensor_parallel_size=2) == hf_greedy(hf_compressed_tensors(model_dir,
+                                                                                              weight_only=True))
