@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import QuantizationError
-from .packing import awq_unpack_columns
+from .packing import awq_unpack_columns, qweight_key
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,7 @@ class AwqConfig:
     def auxiliary(key: str) -> bool:
         return key.endswith((".qzeros", ".scales"))
 
-    @staticmethod
-    def weight_key(key: str) -> str:
-        return key[:-len("qweight")] + "weight" if key.endswith(".qweight") else key
+    weight_key = staticmethod(qweight_key)
 
     def read(self, key: str, tensor: torch.Tensor, get) -> torch.Tensor:
         if not key.endswith(".qweight"):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import QuantizationError
-from .packing import unpack_columns, unpack_rows
+from .packing import qweight_key, unpack_columns, unpack_rows
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ class GptqConfig:
     def auxiliary(key: str) -> bool:
         return key.endswith((".qzeros", ".scales", ".g_idx"))
 
-    @staticmethod
-    def weight_key(key: str) -> str:
-        return key[:-len("qweight")] + "weight" if key.endswith(".qweight") else key
+    weight_key = staticmethod(qweight_key)
 
     def read(self, key: str, tensor: torch.Tensor, get) -> torch.Tensor:
         if not key.endswith(".qweight"):

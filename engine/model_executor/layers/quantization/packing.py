@@ -13,6 +13,11 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_UNPACK = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
+def qweight_key(key: str) -> str:
+    """The float weight an AutoAWQ/AutoGPTQ `*.qweight` tensor stands for (`*.weight`); other keys as they are."""
+    return key[:-len("qweight")] + "weight" if key.endswith(".qweight") else key
+
+
 def unpack_columns(packed: torch.Tensor, bits: int, columns: int | None = None) -> torch.Tensor:
     """[rows, words] int32 -> [rows, words * 32 // bits] unsigned values (int32), value j of a word at bits j*bits;
     `columns` cuts the padding of the last word."""
