@@ -51,9 +51,16 @@ def tp_dirs(tmp_path_factory):
 @pytest.mark.parametrize("name", [n if n in DEFAULT_SUITE else pytest.param(n, marks=pytest.mark.slow)
                                   for n in MODELS])
 def test_greedy_outputs_equal_transformers(name, tp_dirs):
-    model_dir = tp_dirs(name)
+    assert_two_ranks_equal_transformers(tp_dirs(name), run, hf_references)
+
+
+def assert_two_ranks_equal_transformers(model_dir: str, run, hf_references, inspect=None) -> None:
+    """`run(llm)` on 2 ranks gives `hf_references(model_dir)` through chunked prefill and preemption, then
+    again with the prompts' blocks cached; `inspect(llm)` checks the split model first (the MoE tests)."""
     llm = LLM(model_dir, block_size=4, num_kv_blocks=14, max_num_batched_tokens=16, tensor_parallel_size=2)
     try:
+        if inspect is not None:
+            inspect(llm)
         reference = hf_references(model_dir)
         assert run(llm) == reference  # chunked prefill, and preemption: 14 blocks of 4 cannot hold the batch
         assert llm.engine.scheduler.num_preemptions > 0

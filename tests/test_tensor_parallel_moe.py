@@ -6,6 +6,7 @@ of the intermediate dimension; an expert size that does not split refused by nam
 import pytest
 from test_gpt_oss import VARIANT as GPT_OSS_VARIANT
 from test_moe_models import VARIANTS, hf_references, run
+from test_tensor_parallel import assert_two_ranks_equal_transformers
 
 from kubeinfer.engine import LLM
 
@@ -32,19 +33,12 @@ def tp_moe_dirs(tmp_path_factory):
 @pytest.mark.parametrize("family", [f if f in DEFAULT_SUITE else pytest.param(f, marks=pytest.mark.slow)
                                     for f in MODELS])
 def test_greedy_outputs_equal_transformers(family, tp_moe_dirs):
-    model_dir = tp_moe_dirs(family)
-    llm = LLM(model_dir, block_size=4, num_kv_blocks=14, max_num_batched_tokens=16, tensor_parallel_size=2)
-    try:
+    def rank0_holds_half_of_every_expert(llm) -> None:
         experts = next(m for m in llm.engine.runner.model.modules() if type(m).__name__ == "FusedMoE")
-        half = _expert_size(llm.engine.runner.model.spec.config, family) // 2  # rank 0's slice of every expert
+        half = _expert_size(llm.engine.runner.model.spec.config, family) // 2
         assert tuple(experts.down_proj.shape[::2]) == (8, half) and experts.gate_up_proj.shape[1] == 2 * half
-        reference = hf_references(model_dir)
-        assert run(llm) == reference  # chunked prefill, and preemption: 14 blocks of 4 cannot hold the batch
-        assert llm.engine.scheduler.num_preemptions > 0
-        assert run(llm) == reference  # again, the prompts' blocks now cached
-        assert llm.engine.block_manager.prefix_hits > 0
-    finally:
-        llm.shutdown()
+
+    assert_two_ranks_equal_transformers(tp_moe_dirs(family), run, hf_references, rank0_holds_half_of_every_expert)
 
 
 def _expert_size(config, family: str) -> int:
