@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_routing import (  # noqa: E402
     CACHE,
+    EngineProcesses,
     MAX_NUM_SEQS,
     VOCAB,
     Outcome,
@@ -42,7 +42,6 @@ from routing_sim import Workload, simulate  # noqa: E402
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
 from kubeinfer.gateway.scheduling.picker import DEFAULT_WEIGHTS, PickerConfig  # noqa: E402
-from kubeinfer.local_stack import wait_healthy  # noqa: E402
 from kubeinfer.testing.random_model import build_random_model  # noqa: E402
 
 POLICIES = ("precise", "approximate", "load-only", "round-robin")
@@ -102,55 +101,26 @@ GROUPS, PREFIX_TOKENS = 9, 512  # 9 x 32 blocks: 60% of the pool's 480 in prefix
 QUESTION_TOKENS, OUTPUT_TOKENS = (96, 192), (8, 16)
 
 
-class Engines:
+class Engines(EngineProcesses):
     """Three engines with KV events on, each on its own ports."""
+
+    startup_seconds = 240
 
     def __init__(self, count: int = 3) -> None:
         if not (MODEL_DIR / "config.json").exists():
             build_random_model(MODEL_DIR, "llama", initializer_range=0.02, **MODEL_SHAPE)
-        self.ports = [free_port() for _ in range(count)]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        ports = [free_port() for _ in range(count)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in ports]
         self.logs = [CACHE / f"bench-precise-engine-{i}.log" for i in range(count)]
-
-    def __enter__(self) -> "Engines":
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        self.processes = []
-        for port, log in zip(self.ports, self.logs):
-            # A wildcard is bound (a plain address would be connected to, vLLM's convention); the engine's /load
-            # names the ports it got.
-            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                      "replay_endpoint": "tcp://127.0.0.1:*"}
-            command = [sys.executable, "-m", "kubeinfer.cli", "serve", str(MODEL_DIR), "--host", "127.0.0.1",
-                       "--port", str(port), "--served-model-name", "base", "--max-num-seqs", str(MAX_NUM_SEQS),
-                       "--num-kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
-                       "--kv-events-config", json.dumps(events), "--log-level", "warning"]
-            self.processes.append(subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env))
-        deadline = time.monotonic() + 240
-        for url, process, log in zip(self.urls, self.processes, self.logs):
-            if not wait_healthy(url, process, deadline):
-                self.__exit__()
-                raise SystemExit(f"engine {url} did not become healthy; its log:\n{log.read_text()[-3000:]}")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-    def counters(self) -> tuple[float, float]:
-        queries = hits = 0.0
-        for url in self.urls:
-            for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-                if line.startswith("vllm:prefix_cache_queries_total"):
-                    queries += float(line.split()[-1])
-                elif line.startswith("vllm:prefix_cache_hits_total"):
-                    hits += float(line.split()[-1])
-        return queries, hits
+        # A wildcard is bound (a plain address would be connected to, vLLM's convention); the engine's /load
+        # names the ports it got.
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+                  "replay_endpoint": "tcp://127.0.0.1:*"}
+        self.commands = [[sys.executable, "-m", "kubeinfer.cli", "serve", str(MODEL_DIR), "--host", "127.0.0.1",
+                          "--port", str(port), "--served-model-name", "base", "--max-num-seqs", str(MAX_NUM_SEQS),
+                          "--num-kv-blocks", str(KV_BLOCKS), "--block-size", str(BLOCK_SIZE),
+                          "--max-model-len", "2048", "--kv-events-config", json.dumps(events), "--log-level", "warning"]
+                         for port in ports]
 
 
 def real_jobs(count: int, rate: float, seed: int, shared: bool) -> list[tuple[float, list[int], int]]:
@@ -209,7 +179,7 @@ async def run_real(engines: Engines, policy: str, jobs, salt: int) -> RealRun:
             await gateway.stop()
             raise SystemExit("the gateway received no KV events from the engines: see their logs in .cache/")
     url = f"http://127.0.0.1:{gateway.ports['proxy']}"
-    q0, h0 = await asyncio.to_thread(engines.counters)
+    q0, h0 = await asyncio.to_thread(engines.prefix_counters)
     started = time.perf_counter()
     try:
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=len(jobs))) as client:
@@ -219,7 +189,7 @@ async def run_real(engines: Engines, policy: str, jobs, salt: int) -> RealRun:
             outcomes = await asyncio.gather(*(timed(j) for j in jobs))
     finally:
         await gateway.stop()
-    q1, h1 = await asyncio.to_thread(engines.counters)
+    q1, h1 = await asyncio.to_thread(engines.prefix_counters)
     return RealRun(policy, outcomes, max(o.finished for o in outcomes), q1 - q0, h1 - h0)
 
 

@@ -116,8 +116,51 @@ def build_model() -> tuple[Path, dict[str, Path]]:
     return MODEL_DIR, adapters
 
 
-class Replicas:
-    """Three `kubeinfer serve` processes, one torch thread each (they share this machine's cores)."""
+class EngineProcesses:
+    """`kubeinfer serve` processes (`commands`, one per URL), one torch thread each (they share this machine's
+    cores): started and waited for healthy on entry, stopped on exit, their prefix caches' counters read."""
+
+    urls: list[str]
+    commands: list[list[str]]
+    logs: list[Path]
+    startup_seconds = 180
+
+    def __enter__(self):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        self.processes = [subprocess.Popen(c, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+                          for c, log in zip(self.commands, self.logs)]
+        deadline = time.monotonic() + self.startup_seconds
+        for url, process, log in zip(self.urls, self.processes, self.logs):
+            if not wait_healthy(url, process, deadline):
+                self.__exit__()
+                raise SystemExit(f"engine {url} did not become healthy; its log:\n{log.read_text()[-3000:]}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+    def prefix_counters(self) -> tuple[float, float]:
+        """(prompt tokens looked up, tokens found) in the engines' prefix caches, summed."""
+        queries = hits = 0.0
+        for url in self.urls:
+            for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
+                for sample in family.samples:
+                    if sample.name == "vllm:prefix_cache_queries_total":
+                        queries += sample.value
+                    elif sample.name == "vllm:prefix_cache_hits_total":
+                        hits += sample.value
+        return queries, hits
+
+
+class Replicas(EngineProcesses):
+    """Three engines, two of them with LoRA adapters placed (PLACEMENT)."""
 
     def __init__(self, model_dir: Path, adapters: dict[str, Path]) -> None:
         self.ports = [free_port() for _ in PLACEMENT]
@@ -132,39 +175,6 @@ class Replicas:
                             "--max-lora-rank", "8"]
             self.commands.append(command)
         self.logs = [CACHE / f"bench-routing-replica-{i}.log" for i in range(len(PLACEMENT))]
-
-    def __enter__(self) -> "Replicas":
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-        self.processes = [subprocess.Popen(c, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-                          for c, log in zip(self.commands, self.logs)]
-        deadline = time.monotonic() + 180
-        for url, process, log in zip(self.urls, self.processes, self.logs):
-            if not wait_healthy(url, process, deadline):
-                self.__exit__()
-                raise SystemExit(f"replica {url} did not become healthy; its log:\n{log.read_text()[-3000:]}")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in self.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-
-    def prefix_counters(self) -> tuple[float, float]:
-        """(prompt tokens looked up, tokens found) in the replicas' prefix caches, summed."""
-        queries = hits = 0.0
-        for url in self.urls:
-            for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=5).text):
-                for sample in family.samples:
-                    if sample.name == "vllm:prefix_cache_queries_total":
-                        queries += sample.value
-                    elif sample.name == "vllm:prefix_cache_hits_total":
-                        hits += sample.value
-        return queries, hits
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, job: Job, salt: int, started: float) -> Outcome:
