@@ -53,17 +53,20 @@ def test_the_fixture_has_the_shapes_it_claims(wide, narrow):
     assert (wide.engine.spec.vocab_size, narrow.engine.spec.vocab_size) == (576, 512)
 
 
-def test_a_special_token_spelling_the_forced_text_is_never_sampled(wide):
+@pytest.mark.parametrize("spec,text", [
+    ({"choice": ["<tool_call>"]}, "<tool_call>"),
+    ({"regex": r"a<tool_call>b"}, "a<tool_call>b"),
+    ({"json": {"const": "</tool_call>"}}, '"</tool_call>"'),
+])
+def test_a_special_token_spelling_the_forced_text_is_never_sampled(wide, spec, text):
     """The grammar forces the text "<tool_call>"; llguidance's mask allowed the special token 512 that reads
     the same (its forced-bytes shortcut tokenizes the text), and then its own matcher refused it: the request
-    died with "token 512 breaks the grammar". A +100 bias makes the model want 512 above all."""
-    for spec in (dict(choice=["<tool_call>"]), dict(regex=r"a<tool_call>b"), dict(json={"const": "</tool_call>"})):
-        output = wide.generate([PROMPT], constrained({512: 100, 513: 100, 514: 100}, **spec))[0]
-        completion = output.outputs[0]
-        assert output.error is None, (spec, output.error)
-        assert completion.finish_reason == "stop" and not {512, 513, 514} & set(completion.token_ids), spec
-        expected = spec.get("choice", [None])[0] or spec.get("regex", "").replace("\\", "") or json.dumps(spec["json"]["const"])
-        assert completion.text == expected
+    died with "token 512 breaks the grammar". A +100 bias makes the model want the specials above all."""
+    output = wide.generate([PROMPT], constrained({512: 100, 513: 100, 514: 100}, **spec))[0]
+    completion = output.outputs[0]
+    assert output.error is None, output.error
+    assert completion.finish_reason == "stop" and not {512, 513, 514} & set(completion.token_ids)
+    assert completion.text == text
 
 
 def test_padding_ids_past_the_tokenizer_are_never_allowed(wide):

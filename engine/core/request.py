@@ -127,7 +127,12 @@ def prompt_tokens(prompt, tokenize: Callable[[str], list[int]], vocab: int) -> t
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return prompt, tokenize(prompt)
+        token_ids = tokenize(prompt)
+        outside = [t for t in token_ids if t >= vocab]  # a token added to the tokenizer, not to the model
+        if outside:
+            raise ValueError(f"prompt: the tokenizer gives token id {outside[0]}, outside the model's vocabulary "
+                             f"of {vocab} (a token added to the tokenizer that the model has no embedding for)")
+        return prompt, token_ids
     token_ids = list(prompt)
     if not token_ids:
         raise ValueError("prompt must not be empty")

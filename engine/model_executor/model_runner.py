@@ -194,7 +194,7 @@ class ModelRunner:
                             ) -> tuple[list[Sequence], SampleResult]:
         timer = self.timer
         # Structured output: the grammars' masks are host work; compute them while the forward pass runs.
-        masks = (self._mask_thread.submit(grammar_bitmask, sampling_seqs, self.spec.vocab_size)
+        masks = (self._mask_thread.submit(grammar_bitmask, sampling_seqs)
                  if any(seq.grammar is not None for seq in sampling_seqs) else None)
         lora_slots = self._adapter_slots(batch)
         logits = self.run_model(inputs, None if lora_slots is None else _per_token(lora_slots, batch))

@@ -13,6 +13,7 @@ Each sequence's generator lives on that device too.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,8 @@ import torch
 
 from ..device_copy import on_device
 from ..sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -125,7 +128,7 @@ def process_logits(logits: torch.Tensor, seqs: list[Sequence], grammar_masks: Gr
     _apply_logit_bias(logits, seqs)
     _keep_only_allowed_tokens(logits, seqs)
     _ban_stop_tokens_before_min_tokens(logits, seqs)
-    _apply_grammars(logits, grammar_masks or grammar_bitmask(seqs, logits.shape[1]))
+    _apply_grammars(logits, grammar_masks or grammar_bitmask(seqs))
     return logits
 
 
@@ -152,28 +155,40 @@ def logprob_entry(row: torch.Tensor, token: int, num_top: int) -> tuple[float, i
 @dataclass
 class GrammarMasks:
     rows: list[int]  # the sequences (rows of the logits) that have a grammar
-    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32 on the host: bit t % 32 of word t // 32 = token t
+    # [len(rows), ceil(tokens / 32)] int32 on the host: bit t % 32 of word t // 32 = token t. `tokens` is the
+    # grammar's vocabulary, which may be wider or narrower than the logits (see _apply_grammars).
+    bitmask: torch.Tensor
 
 
-def grammar_bitmask(seqs: list[Sequence], vocab: int) -> GrammarMasks | None:
+def grammar_bitmask(seqs: list[Sequence]) -> GrammarMasks | None:
     """Structured output: what each constrained sequence's grammar allows next, or None when none is
-    constrained. Host work only (the matchers), so it can run while the device computes the logits."""
+    constrained. Host work only (the matchers), so it can run while the device computes the logits.
+    A matcher that raises allows nothing and is marked failed: its request alone ends with the error."""
     rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not rows:
         return None
-    bitmask = torch.empty((len(rows), (vocab + 31) // 32), dtype=torch.int32)
+    bitmask = torch.zeros((len(rows), (seqs[rows[0]].grammar.vocab_size + 31) // 32), dtype=torch.int32)
     for r, i in enumerate(rows):
-        seqs[i].grammar.fill_bitmask(bitmask, r)
+        try:
+            seqs[i].grammar.fill_bitmask(bitmask, r)
+        except Exception as error:
+            logger.exception("structured output: the mask of request %s failed", seqs[i].request_id)
+            bitmask[r] = 0
+            seqs[i].grammar.fail(f"the grammar's mask failed: {type(error).__name__}: {error}")
     return GrammarMasks(rows, bitmask)
 
 
 def _apply_grammars(logits: torch.Tensor, masks: GrammarMasks | None) -> None:
     """Tokens a grammar does not allow get -inf. The bitmask is unpacked on the host to one byte per token
-    and sent to the logits' device; rows without a grammar are not touched, so free requests pay nothing."""
+    and sent to the logits' device; rows without a grammar are not touched, so free requests pay nothing.
+    A logits column past the mask (an id the grammar does not know) is banned, as llguidance's own
+    apply_token_bitmask_inplace does; mask bits past the logits (ids the model cannot produce) are dropped."""
     if masks is None:
         return
     vocab = logits.shape[1]
     bits = np.unpackbits(masks.bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    if bits.shape[1] < vocab:
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
     banned = torch.from_numpy(bits).to(logits.device) == 0
     if len(masks.rows) == logits.shape[0]:
         logits.masked_fill_(banned, float("-inf"))
