@@ -130,3 +130,26 @@ def test_a_grammar_that_fails_ends_its_request_alone(wide):
                 finished[output.request_id] = output
     assert "matcher exploded" in (finished["bad"].error or "")
     assert finished["good"].error is None and len(finished["good"].outputs[0].token_ids) == 6
+
+
+@pytest.mark.parametrize("engine_args", [{"async_scheduling": True},
+                                         {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                                 "prompt_lookup_max": 2, "prompt_lookup_min": 1}}],
+                         ids=["async_scheduling", "ngram"])
+def test_the_special_token_fix_holds_beside_async_and_speculating_requests(wide, engine_args):
+    """The same forced text with a free request in the batch: async scheduling falls back to synchronous
+    steps for the grammar, and with drafts the masks reach the verification of the batch (rejection_sampler)."""
+    llm = LLM(wide.engine.config.model, block_size=4, **engine_args)
+    masked_verifications = []
+    if "speculative_config" in engine_args:
+        verify = llm.engine.runner.verify_drafts
+        llm.engine.runner.verify_drafts = lambda logits, seqs, masks: (
+            masked_verifications.append(masks is not None), verify(logits, seqs, masks))[1]
+    # The free request writes 6 again and again (its bias), which the n-gram speculator finds in its prompt.
+    outputs = llm.generate([PROMPT, {"prompt_token_ids": [5, 6, 7, 8] * 3}],
+                           [constrained({512: 100}, choice=["<tool_call>"]),
+                            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={6: 100})])
+    assert outputs[0].error is None and outputs[0].outputs[0].text == "<tool_call>", outputs[0].error
+    assert outputs[1].error is None and len(outputs[1].outputs[0].token_ids) == 12
+    if "speculative_config" in engine_args:
+        assert llm.engine.speculator.num_drafts > 0 and any(masked_verifications)
