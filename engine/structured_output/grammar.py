@@ -57,6 +57,8 @@ class GrammarCompiler:
         # matcher can disagree on (see GrammarMatcher.fill_bitmask).
         self.special_ids = np.array([t for t in range(self.vocab_size) if self.tokenizer.is_special_token(t)],
                                     dtype=np.int64)
+        self.special_words = self.special_ids >> 5  # where their bits are in a mask row
+        self.special_bits = (np.uint32(1) << (self.special_ids & 31).astype(np.uint32)).astype(np.uint32)
         # A private copy that reads a special token's name as text (and is not shared with other threads).
         self._plain_text = copy.copy(tokenizer.backend_tokenizer)
         self._plain_text.no_padding()
@@ -115,11 +117,12 @@ class GrammarMatcher:
         as plain text takes its place: the mask allows only what `accept` takes. Only EOS, at the end, is
         usually among them, so this costs a gather per step."""
         llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
-        ids = self._compiler.special_ids
-        if not len(ids):
+        compiler = self._compiler
+        unsigned = bitmask.numpy()[row].view(np.uint32)  # the same memory; bit 31 of an int32 word is its sign
+        hits = np.flatnonzero(unsigned[compiler.special_words] & compiler.special_bits)
+        if not len(hits):
             return
-        unsigned = bitmask[row].numpy().view(np.uint32)  # the same memory; bit 31 of an int32 word is its sign
-        allowed = ids[(unsigned[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 1].tolist()
+        allowed = compiler.special_ids[hits].tolist()
         refused = [t for t in allowed if self._matcher.validate_tokens([t]) != 1]
         for token in refused:
             unsigned[token >> 5] &= np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF)
