@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,9 +22,10 @@ from bench_throughput import (  # noqa: E402
     EngineRunner,
     HFContinuousRunner,
     HFGenerateRunner,
-    OtherLoad,
-    _pct,
     has_continuous_batching,
+    passes_line,
+    results_table,
+    run_rounds,
     workload,
 )
 from results import update_results  # noqa: E402
@@ -106,31 +106,8 @@ def main() -> None:
                HFGenerateRunner(hf, work, args.hf_batch)]
     if has_continuous_batching():
         runners.append(HFContinuousRunner(hf, work, args.max_num_seqs))
-    for r in runners:  # the same untimed warm-up for everyone
-        print(f"warm-up   {r.name:34s} {r.run()[0]:7.2f} s")
-    times: dict[str, list[float]] = {r.name: [] for r in runners}
-    others: dict[str, list] = {r.name: [] for r in runners}
-    generated: dict[str, int] = {}
-    for rnd in range(args.repeats):
-        k = rnd % len(runners)
-        for r in runners[k:] + runners[:k]:
-            load = OtherLoad()
-            elapsed, generated[r.name] = r.run()
-            times[r.name].append(elapsed)
-            others[r.name].append(load.share())
-            print(f"round {rnd + 1}   {r.name:34s} {elapsed:7.2f} s  {useful / elapsed:8.1f} tok/s   "
-                  f"others' CPU {_pct(others[r.name][-1])}")
-    for r in runners:
-        r.close()
-    best = {name: min(ts) for name, ts in times.items()}
-    engine_s = best[runners[0].name]
-    table = ["| system | time (s) | median (s) | output tok/s | engine speed-up | tokens generated | how |",
-             "|---|---|---|---|---|---|---|"]
-    for r in runners:
-        s, extra = best[r.name], generated[r.name] - useful
-        gen = f"{generated[r.name]} (+{extra / useful:.0%})" if extra else f"{generated[r.name]}"
-        table.append(f"| {r.name} | {s:.2f} | {statistics.median(times[r.name]):.2f} | {useful / s:.1f} | "
-                     f"{s / engine_s:.2f}x | {gen} | {r.how} |")
+    times, others, generated = run_rounds(runners, args.repeats, useful)
+    table = results_table(runners, times, generated, useful)
     print("\n".join(table))
 
     shares = ["| decode batch | step (ms) | in the MoE blocks (router + experts) |", "|---|---|---|"]
@@ -153,9 +130,7 @@ def main() -> None:
         f"Workload and rules as in the offline-throughput section: {args.requests} requests, prompts 16-256 tokens, "
         f"outputs 16-128 tokens ({useful} output tokens), one untimed warm-up pass, then {args.repeats} timed passes "
         "each in rotating order, each system's fastest pass.", "", *table, "",
-        "Each timed pass in seconds (others' share of the CPU): " + "; ".join(
-            f"{name}: " + ", ".join(f"{t:.2f} ({_pct(o)})" for t, o in zip(times[name], others[name]))
-            for name in times) + ".", "",
+        "Each timed pass in seconds (others' share of the CPU): " + passes_line(times, others) + ".", "",
         "The MoE layers' share of a decode step (the engine, decode-only steps after a 32-token prompt, 48 tokens; "
         "time inside the sparse blocks over the forward pass):", "", *shares])
     update_results("moe-throughput", "Mixture of experts: offline throughput and the MoE layers' share (CPU)", body)

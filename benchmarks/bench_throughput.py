@@ -192,6 +192,57 @@ def wait_quiet(limit_s: float, threshold: float = 0.1, window_s: float = 2.0) ->
             return
 
 
+def run_rounds(runners: list, repeats: int, useful: int, wait_quiet_s: float = 0
+               ) -> tuple[dict[str, list[float]], dict[str, list[float | None]], dict[str, int]]:
+    """The rules every system gets: one untimed pass over the whole workload (the warm-up), then `repeats`
+    timed passes going round the systems in rotating order; the runners are closed after. Returns each
+    system's pass times, the share of the CPU others used during each pass, and the tokens it generated."""
+    for r in runners:
+        print(f"warm-up   {r.name:34s} {r.run()[0]:7.2f} s")
+    times: dict[str, list[float]] = {r.name: [] for r in runners}
+    others: dict[str, list[float | None]] = {r.name: [] for r in runners}
+    generated: dict[str, int] = {}
+    for rnd in range(repeats):
+        k = rnd % len(runners)
+        for r in runners[k:] + runners[:k]:
+            if wait_quiet_s:
+                wait_quiet(wait_quiet_s)
+            load = OtherLoad()
+            elapsed, generated[r.name] = r.run()
+            times[r.name].append(elapsed)
+            others[r.name].append(load.share())
+            print(f"round {rnd + 1}   {r.name:34s} {elapsed:7.2f} s  {useful / elapsed:8.1f} tok/s   "
+                  f"others' CPU {_pct(others[r.name][-1])}")
+    for r in runners:
+        r.close()
+    return times, others, generated
+
+
+def results_table(runners: list, times: dict[str, list[float]], generated: dict[str, int], useful: int) -> list[str]:
+    """The markdown table, the first runner being the engine the speed-ups are relative to. Other work on a
+    shared machine only ever adds time, so each system's figure is its fastest timed pass (as timeit reports);
+    the median is shown beside it when there are several."""
+    best = {name: min(ts) for name, ts in times.items()}
+    engine_s = best[runners[0].name]
+    several = len(times[runners[0].name]) > 1
+    head = "| system | time (s) | " + ("median (s) | " if several else "")
+    table = [head + "output tok/s | engine speed-up | tokens generated | how |",
+             "|---|---|" + ("---|" if several else "") + "---|---|---|---|"]
+    for r in runners:
+        s = best[r.name]
+        extra = generated[r.name] - useful
+        gen = f"{generated[r.name]} (+{extra / useful:.0%})" if extra else f"{generated[r.name]}"
+        table.append(f"| {r.name} | {s:.2f} | " + (f"{statistics.median(times[r.name]):.2f} | " if several else "")
+                     + f"{useful / s:.1f} | {s / engine_s:.2f}x | {gen} | {r.how} |")
+    return table
+
+
+def passes_line(times: dict[str, list[float]], others: dict[str, list[float | None]]) -> str:
+    """Each timed pass in seconds, with the share of the CPU others used during it, for the results."""
+    return "; ".join(f"{name}: " + ", ".join(f"{t:.2f} ({_pct(o)})" for t, o in zip(times[name], others[name]))
+                     for name in times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=48)
@@ -226,42 +277,8 @@ def main() -> None:
     if not args.skip_generate_batch and has_continuous_batching():
         runners.append(HFContinuousRunner(hf, work, args.max_num_seqs))
 
-    warmup = {}
-    for r in runners:  # the same warm-up for everyone: one untimed pass over the whole workload
-        warmup[r.name] = r.run()[0]
-        print(f"warm-up   {r.name:34s} {warmup[r.name]:7.2f} s")
-    times: dict[str, list[float]] = {r.name: [] for r in runners}
-    others: dict[str, list[float | None]] = {r.name: [] for r in runners}
-    generated: dict[str, int] = {}
-    for rnd in range(args.repeats):
-        k = rnd % len(runners)
-        for r in runners[k:] + runners[:k]:
-            if args.wait_quiet:
-                wait_quiet(args.wait_quiet)
-            load = OtherLoad()
-            elapsed, generated[r.name] = r.run()
-            times[r.name].append(elapsed)
-            others[r.name].append(load.share())
-            print(f"round {rnd + 1}   {r.name:34s} {elapsed:7.2f} s  {useful / elapsed:8.1f} tok/s   "
-                  f"others' CPU {_pct(others[r.name][-1])}")
-    for r in runners:
-        r.close()
-
-    # Other work on a shared machine only ever adds time, so each system's figure is its fastest timed pass
-    # (as timeit reports); the median is shown beside it when there are several.
-    best = {name: min(ts) for name, ts in times.items()}
-    median = {name: statistics.median(ts) for name, ts in times.items()}
-    engine_s = best[runners[0].name]
-    several = args.repeats > 1
-    head = "| system | time (s) | " + ("median (s) | " if several else "")
-    table = [head + "output tok/s | engine speed-up | tokens generated | how |",
-             "|---|---|" + ("---|" if several else "") + "---|---|---|---|"]
-    for r in runners:
-        s = best[r.name]
-        extra = generated[r.name] - useful
-        gen = f"{generated[r.name]} (+{extra / useful:.0%})" if extra else f"{generated[r.name]}"
-        table.append(f"| {r.name} | {s:.2f} | " + (f"{median[r.name]:.2f} | " if several else "")
-                     + f"{useful / s:.1f} | {s / engine_s:.2f}x | {gen} | {r.how} |")
+    times, others, generated = run_rounds(runners, args.repeats, useful, args.wait_quiet)
+    table = results_table(runners, times, generated, useful)
     print("\n".join(table))
     if args.no_write:
         return
@@ -290,8 +307,7 @@ def main() -> None:
         "max_new_tokens through `add_request` (`generate_batch` takes one for all requests).",
         "", *table])
     body += ("\n\nEach timed pass in seconds, with the share of the CPU other processes on this shared machine "
-             "used during it: " + "; ".join(f"{name}: " + ", ".join(
-                 f"{t:.2f} ({_pct(o)})" for t, o in zip(times[name], others[name])) for name in times) + ".")
+             "used during it: " + passes_line(times, others) + ".")
     if args.dtype == "float32":
         update_results("offline-throughput", "Offline throughput vs transformers (CPU)", body)
     else:
