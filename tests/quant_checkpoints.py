@@ -48,20 +48,20 @@ def ct_scheme(fmt: str, num_bits: int, kind: str, strategy: str, symmetric: bool
             "ignore": ["lm_head", *ignore], "kv_cache_scheme": None}
 
 
-def ct_compress(weights: dict, config: dict) -> dict:
-    """The decoder's linear weights through the compressed-tensors package: qparams by its min-max rule
-    (calculate_qparams), then its registered compressor for the format (quantize + pack)."""
+def ct_compress(weights: dict, config: dict, group: str = "group_0", select=is_decoder_linear) -> dict:
+    """The decoder's linear weights (those `select` picks) through the compressed-tensors package, by the config
+    group `group`: qparams by its min-max rule (calculate_qparams), then its registered compressor for the
+    format (quantize + pack)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    group = config["config_groups"]["group_0"]
-    scheme = QuantizationScheme.model_validate(group)
+    scheme = QuantizationScheme.model_validate(config["config_groups"][group])
     args = scheme.weights
     compressor = BaseCompressor.get_value_from_registry(config["format"])
     out = {}
     for key, w in weights.items():
-        if not is_decoder_linear(key):
+        if not select(key):
             out[key] = w
             continue
         if args.strategy == "group":

@@ -21,6 +21,7 @@ One family per format runs in the default suite; the others are slow."""
 import pytest
 import torch
 from quant_checkpoints import (
+    MAX_TOKENS,
     PROMPTS,
     awq_pack,
     awq_to_compressed_tensors,
@@ -31,15 +32,16 @@ from quant_checkpoints import (
     gptq_pack,
     hf_compressed_tensors,
     hf_greedy,
+    is_decoder_linear,
     write_checkpoint,
 )
 
-from kubeinfer.engine import LLM
+from kubeinfer.engine import LLM, SamplingParams
 
 # 128 input columns everywhere but Mixtral's and the shared expert's down_proj (256): groups of 128 fit.
-SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, num_layers=2)
-FAMILIES = {"qwen3_moe": dict(moe_intermediate_size=128), "mixtral": {},
-            "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=256)}
+SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_heads": 4, "num_kv_heads": 2, "num_layers": 2}
+FAMILIES = {"qwen3_moe": {"moe_intermediate_size": 128}, "mixtral": {},
+            "qwen2_moe": {"moe_intermediate_size": 128, "shared_expert_intermediate_size": 256}}
 # What llm-compressor's MoE recipes leave float: the routers (and Qwen2-MoE's shared-expert gate).
 ROUTERS = {"qwen3_moe": ("re:.*mlp.gate$",), "mixtral": ("re:.*block_sparse_moe.gate$",),
            "qwen2_moe": ("re:.*mlp.gate$", "re:.*shared_expert_gate$")}
@@ -78,13 +80,13 @@ def hf_float(model_dir):
     return eager(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
 
 
-def ct_checkpoint(float_dir, name: str) -> tuple[str, dict]:
-    """The compressed-tensors checkpoint and its config."""
+def ct_checkpoint(float_dir, name: str, dst) -> tuple[str, dict]:
+    """The compressed-tensors checkpoint (written to `dst`) and its config."""
     bits, strategy, symmetric, group = CT[name]
     config = ct_scheme("pack-quantized", bits, "int", strategy, symmetric, group,
                        ignore=ROUTERS[float_dir.name])
     weights = ct_compress(float_weights(float_dir), config)
-    return write_checkpoint(float_dir, float_dir.parent / f"{float_dir.name}_{name}", weights, config), config
+    return write_checkpoint(float_dir, dst, weights, config), config
 
 
 def package_decompressed(model_dir) -> dict:
@@ -110,8 +112,12 @@ def assert_experts_equal(model, family: str, weights: dict, rtol: float = 0.0) -
             assert torch.allclose(experts.down_proj[e], down, rtol=rtol, atol=0), (i, e)
 
 
-def engine_model(model_dir, **kwargs):
-    return LLM(model_dir, max_model_len=64, num_kv_blocks=16, **kwargs).engine.runner.model
+def engine_run(model_dir, **kwargs):
+    """The engine's greedy tokens (tests/quant_checkpoints.py's prompts) and its model, from one engine."""
+    llm = LLM(model_dir, max_model_len=128, num_kv_blocks=64, **kwargs)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    return [o.outputs[0].token_ids for o in outputs], llm.engine.runner.model
 
 
 @pytest.mark.parametrize("family, name", [
@@ -119,9 +125,9 @@ def engine_model(model_dir, **kwargs):
     pytest.param("mixtral", "w8a16_channel_sym", marks=slow),
     pytest.param("qwen2_moe", "w4a16_group_sym", marks=slow),
 ])
-def test_compressed_tensors_moe_equals_transformers_decompressed(float_dirs, family, name):
+def test_compressed_tensors_moe_equals_transformers_decompressed(float_dirs, tmp_path, family, name):
     float_dir = float_dirs(family)
-    model_dir, _ = ct_checkpoint(float_dir, name)
+    model_dir, _ = ct_checkpoint(float_dir, name, tmp_path / "ct")
     keys = float_weights(model_dir)
     gate, _, down = expert_keys(family, 1, 3)
     assert f"{gate[:-len('weight')]}weight_packed" in keys and f"{down[:-len('weight')]}weight_scale" in keys
@@ -133,8 +139,30 @@ def test_compressed_tensors_moe_equals_transformers_decompressed(float_dirs, fam
         assert torch.equal(theirs.mlp.experts.gate_up_proj[3], torch.cat([g, u]))
         assert torch.equal(theirs.mlp.experts.down_proj[3], d)
     assert not torch.equal(reference[down], float_weights(float_dir)[down])  # the experts really were quantized
-    assert engine_greedy(model_dir) == hf_greedy(hf)
-    assert_experts_equal(engine_model(model_dir), family, reference)
+    tokens, model = engine_run(model_dir)
+    assert tokens == hf_greedy(hf)
+    assert_experts_equal(model, family, reference)
+
+
+@slow
+def test_mixed_config_groups_give_the_experts_their_own_scheme(float_dirs, tmp_path):
+    """int8 channel for every `Linear`, int4 groups for `re:.*experts.*`: the experts take the regex's group
+    (the compressed-tensors package's precedence: name, regex, class), whatever the groups' order."""
+    family = "qwen3_moe"
+    float_dir = float_dirs(family)
+    config = ct_scheme("pack-quantized", 8, "int", "channel", True, None, ignore=ROUTERS[family])
+    experts = ct_scheme("pack-quantized", 4, "int", "group", True, 32)["config_groups"]["group_0"]
+    config["config_groups"]["group_1"] = {**experts, "targets": ["re:.*experts.*"]}
+    dense = ct_compress(float_weights(float_dir), config, select=lambda k: is_decoder_linear(k) and ".experts." not in k)
+    weights = ct_compress(dense, config, "group_1", select=lambda k: ".experts." in k and k.endswith(".weight"))
+    model_dir = write_checkpoint(float_dir, tmp_path / "mixed", weights, config)
+    hf = eager(hf_compressed_tensors(model_dir, weight_only=True))
+    tokens, model = engine_run(model_dir)
+    assert tokens == hf_greedy(hf)
+    for mine, theirs in zip(model.model.layers, hf.model.layers):
+        assert torch.equal(mine.mlp.experts.gate_up_proj, theirs.mlp.experts.gate_up_proj)
+        assert torch.equal(mine.mlp.experts.down_proj, theirs.mlp.experts.down_proj)
+        assert torch.equal(mine.self_attn.o_proj.weight, theirs.self_attn.o_proj.weight)
 
 
 @pytest.mark.parametrize("family, name", [
@@ -144,27 +172,28 @@ def test_compressed_tensors_moe_equals_transformers_decompressed(float_dirs, fam
 ])
 def test_asymmetric_compressed_tensors_moe_equals_the_packages_decompression(float_dirs, tmp_path, family, name):
     float_dir = float_dirs(family)
-    model_dir, _ = ct_checkpoint(float_dir, name)
+    model_dir, _ = ct_checkpoint(float_dir, name, tmp_path / "ct")
     reference = package_decompressed(model_dir)
-    assert engine_greedy(model_dir) == hf_greedy(hf_float(write_checkpoint(float_dir, tmp_path / "dense", reference,
-                                                                           None)))
-    assert_experts_equal(engine_model(model_dir), family, reference)
+    tokens, model = engine_run(model_dir)
+    assert tokens == hf_greedy(hf_float(write_checkpoint(float_dir, tmp_path / "dense", reference, None)))
+    assert_experts_equal(model, family, reference)
 
 
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen2_moe", marks=slow)])
 def test_awq_moe_equals_compressed_tensors_conversion(float_dirs, tmp_path, family):
-    """AutoAWQ's MoE checkpoints keep the router float (`modules_to_not_convert: ["gate"]`). The reference
-    dequantizes in the scales' float16, the engine in float32: weights equal within fp16's rounding."""
+    """AutoAWQ's MoE checkpoints keep the router float (Mixtral's `modules_to_not_convert: ["gate"]`; the
+    converter matches them as substrings, so Qwen's names the routers whole, not its experts' gate_proj). The
+    reference dequantizes in the scales' float16, the engine in float32: weights equal within fp16's rounding."""
     float_dir = float_dirs(family)
     weights, config = awq_pack(float_weights(float_dir))
-    config["modules_to_not_convert"] = ["gate"]
+    config["modules_to_not_convert"] = ["gate"] if family == "mixtral" else ["mlp.gate", "shared_expert_gate"]
     awq_dir = write_checkpoint(float_dir, tmp_path / "awq", weights, config)
     converted, ct_config = awq_to_compressed_tensors(weights, config)
     ct_dir = write_checkpoint(float_dir, tmp_path / "awq_as_ct", converted, ct_config)
     reference = package_decompressed(ct_dir)
-    assert engine_greedy(awq_dir) == hf_greedy(hf_float(write_checkpoint(float_dir, tmp_path / "dense", reference,
-                                                                         None)))
-    assert_experts_equal(engine_model(awq_dir), family, reference, rtol=2 ** -10)
+    tokens, model = engine_run(awq_dir)
+    assert tokens == hf_greedy(hf_float(write_checkpoint(float_dir, tmp_path / "dense", reference, None)))
+    assert_experts_equal(model, family, reference, rtol=2 ** -10)
 
 
 @pytest.mark.parametrize("family, bits", [("qwen2_moe", 4), pytest.param("qwen3_moe", 8, marks=slow),
@@ -173,8 +202,9 @@ def test_gptq_moe_equals_its_float_weights(float_dirs, tmp_path, family, bits):
     float_dir = float_dirs(family)
     weights, config, dense = gptq_pack(float_weights(float_dir), bits, 128, seed=bits)
     model_dir = write_checkpoint(float_dir, tmp_path / "gptq", weights, config)
-    assert engine_greedy(model_dir) == hf_greedy(hf_float(write_checkpoint(float_dir, tmp_path / "dense", dense, None)))
-    assert_experts_equal(engine_model(model_dir), family, dense)
+    tokens, model = engine_run(model_dir)
+    assert tokens == hf_greedy(hf_float(write_checkpoint(float_dir, tmp_path / "dense", dense, None)))
+    assert_experts_equal(model, family, dense)
 
 
 def test_fp8_flag_on_a_float_moe_checkpoint_quantizes_the_experts(tmp_path):
@@ -192,8 +222,8 @@ def test_fp8_flag_on_a_float_moe_checkpoint_quantizes_the_experts(tmp_path):
     reference = write_checkpoint(float_dir, tmp_path / "fp8", fp8_quantize(weights, [1, 64]), fp8_config([1, 64]))
     hf = eager(AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32,
                                                     quantization_config=FineGrainedFP8Config(dequantize=True)).eval())
-    assert engine_greedy(str(float_dir), quantization="fp8") == hf_greedy(hf)
-    model = engine_model(str(float_dir), quantization="fp8")
+    tokens, model = engine_run(str(float_dir), quantization="fp8")
+    assert tokens == hf_greedy(hf)
     for mine, theirs in zip(model.model.layers, hf.model.layers):
         assert torch.equal(mine.mlp.experts.gate_up_proj, theirs.mlp.experts.gate_up_proj)
         assert torch.equal(mine.mlp.experts.down_proj, theirs.mlp.experts.down_proj)
@@ -213,17 +243,33 @@ def test_quantized_moe_splits_over_tensor_parallel_ranks(float_dirs, tmp_path, q
     """Each expert's full weight is dequantized (or round-tripped by --quantization fp8, per whole row) before
     the rank's slice of the intermediate dimension is cut: the same tokens as one rank."""
     float_dir = float_dirs("qwen3_moe")
-    model_dir = ct_checkpoint(float_dir, "w4a16_group_asym")[0] if quantization is None else str(float_dir)
+    model_dir = ct_checkpoint(float_dir, "w4a16_group_asym", tmp_path / "ct")[0] if quantization is None else str(float_dir)
     expected = engine_greedy(model_dir, quantization=quantization)
     assert engine_greedy(model_dir, quantization=quantization, tensor_parallel_size=2) == expected
 
 
 @slow
-def test_bf16_keeps_dense_layers_quantized_and_dequantizes_the_experts(float_dirs):
+def test_bf16_keeps_dense_layers_quantized_and_dequantizes_the_experts(float_dirs, tmp_path):
     """In bf16 the attention projections take the kept-int4 CPU kernel; the experts are still stacked float."""
-    model_dir, _ = ct_checkpoint(float_dirs("qwen3_moe"), "w4a16_group_sym")
+    model_dir, _ = ct_checkpoint(float_dirs("qwen3_moe"), "w4a16_group_sym", tmp_path / "ct")
     llm = LLM(model_dir, max_model_len=64, num_kv_blocks=16, dtype="bfloat16")
     model = llm.engine.runner.model
     assert model.quant_kernels and all(".self_attn." in name for name in model.quant_kernels)
     assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     assert len(llm.generate([{"prompt_token_ids": PROMPTS[0]}])[0].outputs[0].token_ids) > 0
+
+
+@pytest.mark.parametrize("dynamic, refused", [({"-:.*mlp.gate": {}}, False),
+                                              ({"-:.*mlp.gate": {}, "+:.*down_proj": {"bits": 8}}, True)])
+def test_gptq_dynamic_rules_skip_modules_or_are_refused(dynamic, refused):
+    """GPTQModel skips MoE routers with "-:" rules (the tensors are float: read as stored); a rule that changes
+    bits per module cannot be read with one config, so it is a start-up error, not a misread weight."""
+    from kubeinfer.engine.model_executor.layers.quantization import QuantizationError
+    from kubeinfer.engine.model_executor.layers.quantization.gptq import GptqConfig
+
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": dynamic}
+    if refused:
+        with pytest.raises(QuantizationError, match=r"per-module overrides \(dynamic: \+:\.\*down_proj\)"):
+            GptqConfig.from_dict(config)
+    else:
+        assert GptqConfig.from_dict(config).bits == 4
