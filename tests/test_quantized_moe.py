@@ -238,6 +238,31 @@ def test_fp8_flag_on_a_float_moe_checkpoint_quantizes_the_experts(tmp_path):
 
 
 @slow
+def test_fp8_flag_on_float_gpt_oss_quantizes_its_stacked_experts_per_output_channel(tmp_path):
+    """gpt-oss's float experts are stacked [E, in, out] and interleaved in the checkpoint: the round trip applies
+    in our [E, out, in] layout, each expert's rows as transformers' FP8 quantizer scales a [out, in] weight."""
+    from types import SimpleNamespace
+
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    from kubeinfer.testing.random_model import build_random_model
+
+    float_dir = build_random_model(tmp_path / "float", "gpt_oss", tokenizer=False, seed=3, hidden_size=64,
+                                   intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=2)
+    plain, fp8 = engine_run(str(float_dir))[1], engine_run(str(float_dir), quantization="fp8")[1]
+    quantize = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=[1, 64])))
+    for mine, base in zip(fp8.model.layers, plain.model.layers):
+        for name in ("gate_up_proj", "down_proj"):
+            for e, weight in enumerate(getattr(base.mlp.experts, name)):
+                pair = quantize.convert({"w.weight": weight})
+                expected = pair["w.weight"].float() * pair["w.weight_scale_inv"]
+                assert torch.equal(getattr(mine.mlp.experts, name)[e], expected), (name, e)
+        assert torch.equal(mine.mlp.gate.weight, base.mlp.gate.weight)  # the router stays float
+        assert torch.equal(mine.mlp.experts.gate_up_proj_bias, base.mlp.experts.gate_up_proj_bias)
+
+
+@slow
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_quantized_moe_splits_over_tensor_parallel_ranks(float_dirs, tmp_path, quantization):
     """Each expert's full weight is dequantized (or round-tripped by --quantization fp8, per whole row) before
