@@ -20,7 +20,8 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2
 
 
 def is_decoder_linear(key: str) -> bool:
-    return ".layers." in key and key.endswith("_proj.weight")
+    """The decoder's projections, MoE experts included (Mixtral's w1/w3/w2); not routers, norms or embeddings."""
+    return ".layers." in key and key.endswith(("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
 
 def write_checkpoint(src: Path, dst: Path, weights: dict, quantization_config: dict | None) -> str:
@@ -36,7 +37,7 @@ def write_checkpoint(src: Path, dst: Path, weights: dict, quantization_config: d
 
 
 def ct_scheme(fmt: str, num_bits: int, kind: str, strategy: str, symmetric: bool, group_size: int | None,
-              activations: bool = False) -> dict:
+              activations: bool = False, ignore: tuple[str, ...] = ()) -> dict:
     weights = {"num_bits": num_bits, "type": kind, "symmetric": symmetric, "strategy": strategy,
                "group_size": group_size, "dynamic": False, "actorder": None, "observer": "minmax"}
     inputs = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "token", "dynamic": True,
@@ -44,23 +45,23 @@ def ct_scheme(fmt: str, num_bits: int, kind: str, strategy: str, symmetric: bool
     return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                           "output_activations": None, "format": fmt}},
-            "ignore": ["lm_head"], "kv_cache_scheme": None}
+            "ignore": ["lm_head", *ignore], "kv_cache_scheme": None}
 
 
-def ct_compress(weights: dict, config: dict) -> dict:
-    """The decoder's linear weights through the compressed-tensors package: qparams by its min-max rule
-    (calculate_qparams), then its registered compressor for the format (quantize + pack)."""
+def ct_compress(weights: dict, config: dict, group: str = "group_0", select=is_decoder_linear) -> dict:
+    """The decoder's linear weights (those `select` picks) through the compressed-tensors package, by the config
+    group `group`: qparams by its min-max rule (calculate_qparams), then its registered compressor for the
+    format (quantize + pack)."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
 
-    group = config["config_groups"]["group_0"]
-    scheme = QuantizationScheme.model_validate(group)
+    scheme = QuantizationScheme.model_validate(config["config_groups"][group])
     args = scheme.weights
     compressor = BaseCompressor.get_value_from_registry(config["format"])
     out = {}
     for key, w in weights.items():
-        if not is_decoder_linear(key):
+        if not select(key):
             out[key] = w
             continue
         if args.strategy == "group":

@@ -172,13 +172,13 @@ def test_every_family_serves_w4a16(tmp_path, family):
 
 @pytest.mark.parametrize(("architecture", "method", "served_by"), [
     ("LlamaForCausalLM", "mxfp4", "GptOssForCausalLM"),  # gpt-oss's expert format, not a dense model's
-    ("Qwen3MoeForCausalLM", "awq", "LlamaForCausalLM"),  # expert weights in AWQ: not read yet
+    ("GptOssForCausalLM", "awq", "Qwen3MoeForCausalLM"),  # gpt-oss's experts: fp8 or its own mxfp4 only
 ])
 def test_a_method_the_architecture_does_not_serve_is_refused_by_name(tmp_path, architecture, method, served_by):
     from kubeinfer.engine.model_executor.model_loader import ModelLoadError, inspect_model_dir
 
     config = {"architectures": [architecture], "model_type": "llama" if architecture.startswith("Llama") else
-              "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "gpt_oss", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
               "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128,
               "quantization_config": {"quant_method": method, "bits": 4, "group_size": 32, "version": "gemm",
                                       "zero_point": True}}

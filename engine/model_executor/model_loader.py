@@ -3,6 +3,7 @@ generation config. Weights are read from safetensors only: pickle checkpoints ca
 from __future__ import annotations
 
 import json
+import logging
 import os
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from .models.llama import CausalLM
 from .models.registry import ARCHITECTURES, UnsupportedArchitecture, model_class, resolve
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+logger = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
@@ -128,6 +130,9 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
         if isinstance(module, RotaryEmbedding):
             module.build(device)
     _load_weights(model, files.weight_files, files.quantization)
+    if files.quantization is not None and hasattr(model, "experts_modules"):  # no int/fp8 MoE kernel yet
+        logger.info("%s: expert weights dequantized at load into stacked %s tensors ([E, 2I, H], [E, H, I])",
+                    files.architecture, str(dtype).removeprefix("torch."))
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
         model.use_triton_kernels()
     # The CPU's small-step matmuls; not the GPU. Not with tensor parallelism: its ranks share the cores.
@@ -154,9 +159,9 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
     keep = hasattr(quantization, "int_weight") and not split and \
         linear_method.keeps_quantized(weight.device, weight.dtype)
     integers: dict[str, dict] = {}
-    # --quantization fp8 on a float checkpoint: the decoder's projections (not embeddings, lm_head or norms)
-    at_load = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"} \
-        if getattr(quantization, "at_load", False) else set()
+    # --quantization fp8 on a float checkpoint: the decoder's projections and experts (not embeddings, lm_head,
+    # norms or routers)
+    at_load = fp8.prepare_at_load(model, quantization) if getattr(quantization, "at_load", False) else set()
     with ExitStack() as stack:  # every shard open: a weight's scale may sit in another shard
         handles = {}
         for file in weight_files:
@@ -194,7 +199,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             else:  # quantized weights are dequantized whole (their scales cover the whole tensor), then cut
                 tensor = _read(key, f, handles, quantization)
             if name in at_load:
-                tensor = fp8.dequantize(*fp8.quantize_per_channel(tensor), quantization, key)
+                tensor = fp8.roundtrip_per_channel(tensor, quantization, key)
             if hasattr(module, "weight_pieces"):
                 for target, piece in module.weight_pieces(params[name], tensor, shard):
                     _copy_checked(target, piece, name, shard)

@@ -117,6 +117,7 @@ class MoEDecoderLayer(DecoderLayer):
 class MoECausalLM(CausalLM):
     """A CausalLM whose sparse layers hold stacked experts; subclasses give `moe_settings(config)`."""
     layer_class = MoEDecoderLayer
+    expert_weight_transform = None  # set by transform_expert_weights
 
     def __init__(self, spec: ModelSpec, backend, max_positions: int) -> None:
         spec.moe = self.moe_settings(spec.config)
@@ -128,6 +129,18 @@ class MoECausalLM(CausalLM):
 
     def experts_modules(self) -> dict[str, FusedMoE]:
         return {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
+
+    def router_names(self) -> set[str]:
+        """The routers' linear layers (and Qwen2-MoE's shared-expert gate): float under --quantization fp8."""
+        return {f"{name}.{part}" for name, m in self.named_modules() if isinstance(m, SparseMoeBlock)
+                for part in ("gate", "shared_expert_gate") if hasattr(m, part)}
+
+    def transform_expert_weights(self, transform: Callable[[torch.Tensor, str], torch.Tensor]) -> None:
+        """Every expert's and shared expert's full weight [.., out, in] mapped before it is stored (the loader's
+        --quantization fp8 on a float checkpoint)."""
+        self.expert_weight_transform = transform
+        for moe in self.experts_modules().values():
+            moe.weight_transform = transform
 
     def expected_loads(self) -> dict[str, int]:
         """Slices each stacked parameter needs: one per expert and projection (a stacked tensor counts for all)."""
@@ -158,6 +171,8 @@ class MoECausalLM(CausalLM):
             if tuple(tensor.shape) != (part.total, linear.in_features):
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies "
                                  f"{(part.total, linear.in_features)}")
+            if self.expert_weight_transform is not None:
+                tensor = self.expert_weight_transform(tensor, name)
             for target, piece in linear.weight_pieces(linear.weight, tensor, 0 if match.group(2) == "gate_proj" else 1):
                 _fill(target, piece, name)  # this rank's rows of gate or of up
             return {f"{match.group(1)}.gate_up_proj.weight": 1}

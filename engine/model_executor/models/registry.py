@@ -18,7 +18,8 @@ class Architecture:
     lora: bool  # adapters load and apply (checked against PEFT)
     sliding_window: str  # "no", "all layers" (when the config sets one) or "per layer" (by the config's layer_types)
     tensor_parallel: bool = False
-    # the quantization_config methods served (the loader dequantizes any dense family alike; mxfp4 is gpt-oss's)
+    # the quantization_config methods served (the loader dequantizes any dense family alike, and the MoE families'
+    # per-expert tensors into their stacked experts; mxfp4 is gpt-oss's own expert format)
     quantized: str = ", ".join(m for m in QUANTIZATION_METHODS if m != "mxfp4")
     text_only: bool = False  # a multimodal checkpoint served as its language model (its text_config)
 
@@ -46,11 +47,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
                  lora=True, sliding_window="no", tensor_parallel=True),
     # Mixtures of experts (models/moe.py): LoRA on the attention projections; adapters on experts are refused
     Architecture("Qwen2MoeForCausalLM", "qwen_moe", "Qwen2MoeForCausalLM", "Qwen2-MoE (MoE)", lora=True,
-                 sliding_window="per layer", quantized="fp8", tensor_parallel=True),
+                 sliding_window="per layer", tensor_parallel=True),
     Architecture("Qwen3MoeForCausalLM", "qwen_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE (MoE)", lora=True,
-                 sliding_window="per layer", quantized="fp8", tensor_parallel=True),
+                 sliding_window="per layer", tensor_parallel=True),
     Architecture("MixtralForCausalLM", "mixtral", "MixtralForCausalLM", "Mixtral (MoE)", lora=True,
-                 sliding_window="all layers", quantized="fp8", tensor_parallel=True),
+                 sliding_window="all layers", tensor_parallel=True),
     Architecture("GptOssForCausalLM", "gpt_oss", "GptOssForCausalLM", "gpt-oss (MoE)", lora=True,
                  sliding_window="per layer", quantized="fp8, mxfp4", tensor_parallel=True),
 )}

@@ -7,8 +7,15 @@ each token's experts: grouped by expert in torch on the CPU (grouped.py), the fu
 Tensor parallelism: with tp_size > 1 each rank holds every expert's slice [rank * I/tp, (rank + 1) * I/tp)
 of the intermediate dimension, so its output is a partial sum the caller all-reduces; the down bias is held
 by rank 0 alone, so that the sum counts it once. The load_* methods slice full checkpoint tensors.
+
+Quantized checkpoints reach these methods already dequantized (the loader reads each expert's tensor through
+its format): the experts are held as float, so every format runs the same kernels. `weight_transform`, when
+set, maps each full weight in our [..., out, in] orientation before it is sliced and stored
+(--quantization fp8 on a float checkpoint: the per-channel round trip, before TP's slice, as for a dense layer).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +44,7 @@ class FusedMoE(nn.Module):
         self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
         self.activation = silu_and_mul if swiglu_limit is None else clamped_swiglu(swiglu_alpha, swiglu_limit)
         self.fused = False  # the Triton kernels (set by the model's use_triton_kernels)
+        self.weight_transform: Callable[[torch.Tensor, str], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H] (this rank's partial sum under TP)."""
@@ -61,6 +69,8 @@ class FusedMoE(nn.Module):
         dim = 1 if expert is None else 0
         inter = self.intermediate_size
         _check_full(tensor, dim, inter * self.tp_size, which)
+        if not bias and self.weight_transform is not None:
+            tensor = self.weight_transform(tensor, which)
         _copy(target.narrow(dim, half * inter, inter), tensor.narrow(dim, self._rows().start, inter), which)
 
     @torch.no_grad()
@@ -81,6 +91,8 @@ class FusedMoE(nn.Module):
         target = self.down_proj if expert is None else self.down_proj[expert]
         rows = self._rows()
         _check_full(tensor, -1, self.intermediate_size * self.tp_size, "down")
+        if self.weight_transform is not None:
+            tensor = self.weight_transform(tensor, "down")
         _copy(target, tensor.narrow(-1, rows.start, self.intermediate_size), "down")
 
 

@@ -89,10 +89,14 @@ class CompressedTensorsConfig:
         return key[:-len("_packed")] if key.endswith(".weight_packed") else key
 
     def scheme_of(self, module: str) -> WeightScheme:
-        """The scheme of the config group whose targets match the module (`Linear` matches every linear)."""
-        for scheme in self.schemes:
-            if any(t == "Linear" or (t.startswith("re:") and re.match(t[3:], module)) for t in scheme.targets):
-                return scheme
+        """The scheme of the config group whose targets match the module, the most specific match first as the
+        compressed-tensors package orders them: the module's exact name, then a `re:` pattern, then a class
+        name (`Linear` matches every linear). Mixed configs (int8 attention, int4 `re:.*experts.*`) need it."""
+        for matches in (lambda t: t == module, lambda t: t.startswith("re:") and re.match(t[3:], module),
+                        lambda t: t == "Linear"):
+            for scheme in self.schemes:
+                if any(matches(t) for t in scheme.targets):
+                    return scheme
         if len(self.schemes) == 1:  # a class name other than Linear (e.g. the family's own) still means these
             return self.schemes[0]
         raise QuantizationError(f"quantized weight {module} matches no config group's targets")

@@ -10,7 +10,9 @@ vLLM's weight-only fallback run them. `static` (checkpoint input scales) is refu
 
 `--quantization fp8` on a float checkpoint quantizes the decoder's linear weights at load, per output channel
 to e4m3 (scale = amax / 448, as transformers' FP8 quantizer computes it), and dequantizes them the same way:
-the outputs are those of the FP8 model, the memory and speed those of the float one (until fp8 matmuls)."""
+the outputs are those of the FP8 model, the memory and speed those of the float one (until fp8 matmuls).
+In the MoE families that includes every expert (per expert and output row, the per-channel scales of vLLM's
+fp8 MoE method) and the shared expert; the routers stay float, as vLLM and transformers leave them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,6 +77,23 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     amax = w.abs().amax(dim=1, keepdim=True)
     inverse = torch.where(amax > 0, FP8_MAX / amax, torch.ones_like(amax))  # an all-zero row keeps scale 1
     return (w * inverse).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), 1.0 / inverse
+
+
+def roundtrip_per_channel(weight: torch.Tensor, config: Fp8Config, name: str) -> torch.Tensor:
+    """The float32 weight [..., out, in] as its per-channel e4m3 quantization gives it back (--quantization
+    fp8 on a float checkpoint); stacked experts [E, out, in] are scaled per expert and row alike."""
+    rows = weight.reshape(-1, weight.shape[-1])
+    return dequantize(*quantize_per_channel(rows), config, name).reshape(weight.shape)
+
+
+def prepare_at_load(model: torch.nn.Module, config: Fp8Config) -> set[str]:
+    """--quantization fp8 on a float checkpoint: the decoder's linear weights the loader round-trips (not the
+    embeddings, lm_head, norms or MoE routers); an MoE model's experts are set to round-trip as they load."""
+    routers = model.router_names() if hasattr(model, "router_names") else set()
+    if hasattr(model, "transform_expert_weights"):
+        model.transform_expert_weights(lambda weight, name: roundtrip_per_channel(weight, config, name))
+    return {f"{name}.weight" for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and name != "lm_head" and name not in routers}
 
 
 def is_scale_key(key: str) -> bool:

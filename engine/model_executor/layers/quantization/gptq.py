@@ -31,6 +31,12 @@ class GptqConfig:
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise QuantizationError(f"gptq checkpoint_format {fmt!r} is not served; 'gptq' and 'gptq_v2' are")
+        # GPTQModel's per-module `dynamic` rules: "-:pattern" skips modules (stored float, read as float, as the
+        # MoE routers are); other rules override bits or groups per module, which one config cannot read
+        overrides = [rule for rule, values in (qc.get("dynamic") or {}).items() if not rule.startswith("-:") and values]
+        if overrides:
+            raise QuantizationError(f"gptq checkpoint with per-module overrides (dynamic: {', '.join(overrides)}) is "
+                                    "not served yet; only '-:' rules (modules left unquantized) are")
         return cls(bits, int(qc.get("group_size", 128)), bool(qc.get("desc_act", False)), int(fmt == "gptq"))
 
     def describe(self) -> str:
