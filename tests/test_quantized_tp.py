@@ -160,6 +160,10 @@ def test_awq_group_split_inside_a_group_is_regrouped_exactly(awq_dirs, monkeypat
     rank0 = rank_model(awq_dir, 0, 2)
     assert set(rank0.quant_kernels.values()) == {"cpu_int4"} and len(rank0.quant_kernels) == 4 * SHAPE["num_layers"]
     rank_bytes = sum(p.numel() * p.element_size() for p in rank0.parameters() if p.device.type != "meta")
+    linear = lambda model: sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                               if ".layers." in n and "_proj." in n and p.device.type != "meta")
+    one_rank = linear(rank_model(awq_dir, 0, 1))
+    assert 0.5 * one_rank <= linear(rank0) <= 0.52 * one_rank  # half, plus o_proj's regrouped scales
     with caplog.at_level(logging.INFO, logger="kubeinfer.engine.core.llm_engine"):
         tokens = engine_greedy(awq_dir, tensor_parallel_size=2)
     assert f"weights {rank_bytes / (1 << 20):.2f} MiB, {4 * SHAPE['num_layers']} linear layers cpu_int4" in caplog.text
@@ -169,8 +173,8 @@ def test_awq_group_split_inside_a_group_is_regrouped_exactly(awq_dirs, monkeypat
 @pytest.mark.slow
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_two_ranks_equal_its_float_weights(float_dir, tmp_path, monkeypatch, act_order):
-    """Sequential g_idx: kept (o_proj regrouped as AWQ's); act-order g_idx: dequantized whole (each column's
-    own group), then cut, as with one rank."""
+    """Sequential g_idx: kept (o_proj regrouped as AWQ's); act-order g_idx over more than one group (down_proj's
+    256 rows): dequantized whole (each row its own group), then cut, as with one rank."""
     from transformers import AutoModelForCausalLM
 
     weights, config, dense = gptq_pack(float_weights(float_dir), 4, 128, act_order, seed=3)
@@ -179,7 +183,9 @@ def test_gptq_two_ranks_equal_its_float_weights(float_dir, tmp_path, monkeypatch
         assert_ranks_hold_halves(model_dir, monkeypatch)
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "cpu_int4")
     kept = rank_model(model_dir, 1, 2).quant_kernels
-    assert set(kept.values()) == (set() if act_order else {"cpu_int4"})
+    assert set(kept.values()) == {"cpu_int4"}  # one group of 128 rows: any order is sequential
+    down = {f"model.layers.{i}.mlp.down_proj" for i in range(SHAPE["num_layers"])}  # two groups, permuted
+    assert len(kept) == 4 * SHAPE["num_layers"] - (len(down) if act_order else 0) and not (act_order and down & set(kept))
     hf = AutoModelForCausalLM.from_pretrained(write_checkpoint(float_dir, tmp_path / "dense", dense, None),
                                               dtype=torch.float32).eval()
     assert_greedy_equal(engine_greedy(model_dir, tensor_parallel_size=2), hf)

@@ -12,11 +12,11 @@ import torch
 from safetensors import safe_open
 
 from ..config import FUSED_WEIGHTS, ModelSpec
+from .int_weights import rank_int_weight
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
 from .layers.quantization import QuantizationError, fp8, linear_method, resolve_quantization
 from .layers.quantization.kv_cache_dtype import SCALE_KEY as KV_SCALE_KEY
-from .int_weights import rank_int_weight
 from .layers.rotary_embedding import RotaryEmbedding
 from .models.llama import CausalLM
 from .models.registry import ARCHITECTURES, UnsupportedArchitecture, model_class, resolve

@@ -1,7 +1,8 @@
 """Per-layer quant methods: how a linear layer whose checkpoint weight is int8/int4 multiplies, the weight
 kept quantized in memory. `attach(layer, method)` sets `layer.quant_method` and makes the layer's forward
-`layer.quant_method.apply(layer, x)`; a tensor-parallel linear subclass calls `quant_method.apply` where it
-called `nn.Linear.forward` (its collective after it). LoRA deltas are computed beside the base product from
+`layer.quant_method.apply(layer, x)`, except where the layer class `calls_quant_method` itself (a row-parallel
+layer: `apply(layer, x, bias=False)` is its partial sum, the all-reduce and the bias after it). Under tensor
+parallelism each rank holds its slice (IntWeight.narrow, model_executor/int_weights.py). LoRA deltas are computed beside the base product from
 the same input (models/llama.py `_project`), so an adapter stays in float over a quantized base.
 
 Which kernel, chosen by measurement (`python benchmarks/bench_quantized_decode.py --kernels`, one
@@ -56,13 +57,13 @@ class IntWeight:
         gcd(group_size, start, length) columns, each inside one checkpoint group, with that group's scale
         and zero (more scale columns, the same weight)."""
         if dim == 0:
-            cut = lambda t: None if t is None else _copy(t.narrow(0, start, length))  # noqa: E731
+            cut = lambda t: None if t is None else _copy(t.narrow(0, start, length))
             return IntWeight(cut(self.values), cut(self.scale), cut(self.zero), self.group_size, self.bits)
         cols, size = self.values.shape[1], self.group_size
         aligned = start % size == 0 and (length % size == 0 or start + length == cols)
         group = size if aligned else math.gcd(size, start, length)
         index = (start + torch.arange(0, length, group)) // size  # the checkpoint group of each local group
-        pick = lambda t: None if t is None else _copy(t.index_select(1, index.to(t.device)))  # noqa: E731
+        pick = lambda t: None if t is None else _copy(t.index_select(1, index.to(t.device)))
         return IntWeight(_copy(self.values.narrow(1, start, length)), pick(self.scale), pick(self.zero), group,
                          self.bits)
 
