@@ -166,7 +166,8 @@ def test_awq_group_split_inside_a_group_is_regrouped_exactly(awq_dirs, monkeypat
     assert 0.5 * one_rank <= linear(rank0) <= 0.52 * one_rank  # half, plus o_proj's regrouped scales
     with caplog.at_level(logging.INFO, logger="kubeinfer.engine.core.llm_engine"):
         tokens = engine_greedy(awq_dir, tensor_parallel_size=2)
-    assert f"weights {rank_bytes / (1 << 20):.2f} MiB, {4 * SHAPE['num_layers']} linear layers cpu_int4" in caplog.text
+    assert f"weights {rank_bytes / (1 << 20):.2f} MiB, {4 * SHAPE['num_layers']} linear layers cpu_int4 " \
+           "(per rank, of 2)" in caplog.text
     assert_greedy_equal(tokens, hf_compressed_tensors(reference_dir, weight_only=True))
 
 
