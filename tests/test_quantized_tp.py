@@ -232,3 +232,20 @@ def test_a_column_slice_dequantizes_to_the_whole_weights_columns(start, length, 
     aligned = start % group == 0 and length % group == 0
     assert part.group_size == group if aligned else group % part.group_size == 0 and part.group_size < group
     assert part.scale.shape[1] == part.zero.shape[1] == -(-length // part.group_size)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, kv_heads", [("phi3", 2), ("qwen2", 2), ("llama", 1)])
+def test_fused_checkpoint_biases_and_replicated_kv_heads_over_two_ranks(tmp_path, monkeypatch, family, kv_heads):
+    """Phi-3's checkpoint fuses qkv_proj and gate_up_proj (each rank cuts its parts out of one int tensor);
+    Qwen2's q/k/v biases are cut beside the kept integers and added by the quant method; one KV head is held
+    by both ranks (the same rows of k and v on each)."""
+    from kubeinfer.testing.random_model import build_random_model
+
+    float_dir = build_random_model(tmp_path / "float", family, tokenizer=False, seed=7,
+                                   **{**SHAPE, "num_kv_heads": kv_heads})
+    model_dir = ct_dir(float_dir, "w4a16_group_asym")
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "cpu_int4")
+    kept = rank_model(model_dir, 1, 2).quant_kernels
+    assert set(kept.values()) == {"cpu_int4"} and len(kept) == 4 * SHAPE["num_layers"]
+    assert_greedy_equal(engine_greedy(model_dir, tensor_parallel_size=2), hf_compressed_tensors(model_dir, True))
