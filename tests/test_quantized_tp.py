@@ -251,3 +251,17 @@ def test_fused_checkpoint_biases_and_replicated_kv_heads_over_two_ranks(tmp_path
     kept = rank_model(model_dir, 1, 2).quant_kernels
     assert set(kept.values()) == {"cpu_int4"} and len(kept) == 4 * SHAPE["num_layers"]
     assert_greedy_equal(engine_greedy(model_dir, tensor_parallel_size=2), hf_compressed_tensors(model_dir, True))
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq"])
+def test_cuts_on_word_and_group_boundaries_are_read_alone(float_dir, tmp_path, monkeypatch, fmt):
+    """Where every cut falls on packed words and groups (groups of 32 over 64-column halves), each rank reads
+    its part of the packed tensors from the file: no tensor is unpacked whole (IntWeight.narrow, the cut of a
+    whole one, is never called), and the parts are the ones inspected above."""
+    if fmt == "gptq":
+        model_dir = write_checkpoint(float_dir, tmp_path / "gptq", *gptq_pack(float_weights(float_dir), 4, 32)[:2])
+    else:
+        model_dir = ct_dir(float_dir, "w4a16_group_asym")
+    assert_ranks_hold_halves(model_dir, monkeypatch)
+    monkeypatch.setattr(IntWeight, "narrow", lambda *args: pytest.fail("a tensor was unpacked whole, then cut"))
+    assert len(rank_model(model_dir, 1, 2).quant_kernels) == 4 * SHAPE["num_layers"]

@@ -227,8 +227,8 @@ def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
 
 def _int_weight(key: str, f, handles: dict, quantization, module, param, shard, split: bool):
     try:
-        return rank_int_weight(quantization, key, f.get_tensor(key), lambda k: handles[k][0].get_tensor(k)
-                               if k in handles else None, module, param, shard, split)
+        return rank_int_weight(quantization, key, f, lambda k: handles[k][0].get_tensor(k) if k in handles else None,
+                               module, param, shard, split)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
 
