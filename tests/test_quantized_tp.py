@@ -237,15 +237,19 @@ def test_a_column_slice_dequantizes_to_the_whole_weights_columns(start, length, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family, kv_heads", [("phi3", 2), ("qwen2", 2), ("llama", 1)])
-def test_fused_checkpoint_biases_and_replicated_kv_heads_over_two_ranks(tmp_path, monkeypatch, family, kv_heads):
+@pytest.mark.parametrize("family, kv_heads, switches", [("phi3", 2, {}), ("qwen2", 2, {}), ("llama", 1, {}),
+                                                       ("llama", 2, dict(attention_bias=True, mlp_bias=True))],
+                         ids=["phi3", "qwen2", "llama-kv-replicated", "llama-biases"])
+def test_fused_checkpoint_biases_and_replicated_kv_heads_over_two_ranks(tmp_path, monkeypatch, family, kv_heads,
+                                                                        switches):
     """Phi-3's checkpoint fuses qkv_proj and gate_up_proj (each rank cuts its parts out of one int tensor);
-    Qwen2's q/k/v biases are cut beside the kept integers and added by the quant method; one KV head is held
-    by both ranks (the same rows of k and v on each)."""
+    column-parallel biases (Qwen2's q/k/v) are cut beside the kept integers and added by the quant method,
+    row-parallel ones (o_proj's, down_proj's) once, after the ranks' partial sums; one KV head is held by both
+    ranks (the same rows of k and v on each)."""
     from kubeinfer.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", family, tokenizer=False, seed=7,
-                                   **{**SHAPE, "num_kv_heads": kv_heads})
+                                   **{**SHAPE, "num_kv_heads": kv_heads}, **switches)
     model_dir = ct_dir(float_dir, "w4a16_group_asym")
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "cpu_int4")
     kept = rank_model(model_dir, 1, 2).quant_kernels
@@ -253,12 +257,19 @@ def test_fused_checkpoint_biases_and_replicated_kv_heads_over_two_ranks(tmp_path
     assert_greedy_equal(engine_greedy(model_dir, tensor_parallel_size=2), hf_compressed_tensors(model_dir, True))
 
 
-@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq"])
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "gptq", "biases"])
 def test_cuts_on_word_and_group_boundaries_are_read_alone(float_dir, tmp_path, monkeypatch, fmt):
     """Where every cut falls on packed words and groups (groups of 32 over 64-column halves), each rank reads
     its part of the packed tensors from the file: no tensor is unpacked whole (IntWeight.narrow, the cut of a
-    whole one, is never called), and the parts are the ones inspected above."""
-    if fmt == "gptq":
+    whole one, is never called), and the parts are the ones inspected above. With biases on every projection
+    (row-parallel ones too), the float biases load beside the kept integers."""
+    if fmt == "biases":
+        from kubeinfer.testing.random_model import build_random_model
+
+        biased = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=3, attention_bias=True,
+                                    mlp_bias=True, **SHAPE)
+        model_dir = ct_dir(biased, "w4a16_group_asym")
+    elif fmt == "gptq":
         model_dir = write_checkpoint(float_dir, tmp_path / "gptq", *gptq_pack(float_weights(float_dir), 4, 32)[:2])
     else:
         model_dir = ct_dir(float_dir, "w4a16_group_asym")

@@ -21,8 +21,8 @@ def rank_int_weight(quantization, key: str, f, get, module: nn.Module, param, sh
     checkpoint."""
     if not split:
         return quantization.int_weight(key, f.get_tensor(key), get)
-    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-        return None
+    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)) or param is not module.weight:
+        return None  # a bias: float, read as it is
     cuts = _Cuts()
     module.weight_pieces(param, cuts, shard)
     whole, pieces = None, []
