@@ -238,7 +238,7 @@ def test_a_column_slice_dequantizes_to_the_whole_weights_columns(start, length, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family, kv_heads, switches", [("phi3", 2, {}), ("qwen2", 2, {}), ("llama", 1, {}),
-                                                       ("llama", 2, dict(attention_bias=True, mlp_bias=True))],
+                                                       ("llama", 2, {"attention_bias": True, "mlp_bias": True})],
                          ids=["phi3", "qwen2", "llama-kv-replicated", "llama-biases"])
 def test_fused_checkpoint_biases_and_replicated_kv_heads_over_two_ranks(tmp_path, monkeypatch, family, kv_heads,
                                                                         switches):
