@@ -188,7 +188,8 @@ def test_gptq_two_ranks_equal_its_float_weights(float_dir, tmp_path, monkeypatch
     kept = rank_model(model_dir, 1, 2).quant_kernels
     assert set(kept.values()) == {"cpu_int4"}  # one group of 128 rows: any order is sequential
     down = {f"model.layers.{i}.mlp.down_proj" for i in range(SHAPE["num_layers"])}  # two groups, permuted
-    assert len(kept) == 4 * SHAPE["num_layers"] - (len(down) if act_order else 0) and not (act_order and down & set(kept))
+    assert len(kept) == 4 * SHAPE["num_layers"] - (len(down) if act_order else 0)
+    assert not (act_order and down & set(kept))
     hf = AutoModelForCausalLM.from_pretrained(write_checkpoint(float_dir, tmp_path / "dense", dense, None),
                                               dtype=torch.float32).eval()
     assert_greedy_equal(engine_greedy(model_dir, tensor_parallel_size=2), hf)

@@ -133,7 +133,7 @@ class CompressedTensorsConfig:
         scheme, (rows, cols) = self.scheme_of(module), (int(v) for v in shape.tolist())
         per, end = 32 // scheme.num_bits, start + length
         scale, zero = get(f"{module}.weight_scale"), get(f"{module}.weight_zero_point")
-        if scale is None or scale.dim() != 2 or scheme.strategy not in ("group", "channel") or start % per or length % per:
+        if scale is None or scale.dim() != 2 or scheme.strategy not in ("group", "channel") or (start | length) % per:
             return None
         if dim == 0:
             tensor, shape = lazy[start:end], [length, cols]
@@ -144,7 +144,8 @@ class CompressedTensorsConfig:
                 return None
             tensor, shape = lazy[:, start // per:end // per], [rows, length]
             if group:
-                scale, zero = scale[:, start // group:end // group], None if zero is None else zero[:, start // group:end // group]
+                groups = slice(start // group, end // group)
+                scale, zero = scale[:, groups], None if zero is None else zero[:, groups]
         parts = {"weight_shape": torch.tensor(shape), "weight_scale": scale, "weight_zero_point": zero}
         return tensor, lambda k: parts[k.rsplit(".", 1)[1]] if k.startswith(module + ".") and \
             k.rsplit(".", 1)[1] in parts else get(k)

@@ -87,7 +87,8 @@ class GptqConfig:
         elif self.group_size == -1 or not (start % group or length % group):
             first = start // group if self.group_size != -1 else 0
             count = -(-length // group) if self.group_size != -1 else 1
-            tensor, scales, zeros = lazy[start // per:end // per], scales[first:first + count], zeros[first:first + count]
+            tensor = lazy[start // per:end // per]
+            scales, zeros = scales[first:first + count], zeros[first:first + count]
             g_idx = torch.arange(length) // (length if self.group_size == -1 else group)
         else:
             return None

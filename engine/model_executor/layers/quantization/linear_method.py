@@ -2,8 +2,9 @@
 kept quantized in memory. `attach(layer, method)` sets `layer.quant_method` and makes the layer's forward
 `layer.quant_method.apply(layer, x)`, except where the layer class `calls_quant_method` itself (a row-parallel
 layer: `apply(layer, x, bias=False)` is its partial sum, the all-reduce and the bias after it). Under tensor
-parallelism each rank holds its slice (IntWeight.narrow, model_executor/int_weights.py). LoRA deltas are computed beside the base product from
-the same input (models/llama.py `_project`), so an adapter stays in float over a quantized base.
+parallelism each rank holds its slice (IntWeight.narrow, model_executor/int_weights.py). LoRA deltas are
+computed beside the base product from the same input (models/llama.py `_project`), so an adapter stays in
+float over a quantized base.
 
 Which kernel, chosen by measurement (`python benchmarks/bench_quantized_decode.py --kernels`, one
 [tokens, 2048] x [8192, 2048] product; benchmarks/RESULTS.md; three runs on a loaded 2-core CPU):
