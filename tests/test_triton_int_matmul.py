@@ -49,3 +49,29 @@ def test_int_matmul_matches_torch_on_the_dequantized_weight(device, dtype, bits,
     want = x.double().cpu() @ weight.dequantize().double().t() + layer.bias.double().cpu()
     assert got.dtype == dtype
     torch.testing.assert_close(got.double().cpu(), want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits, symmetric", [(4, False), (8, True)])
+def test_tensor_parallel_slices_multiply_like_the_whole_weight(device, bits, symmetric):
+    """A rank's slice in the kernel's layout (model_executor/int_weights.py): output rows of a column-parallel
+    layer give those outputs; input columns of a row-parallel one, cut on group boundaries or inside groups
+    (regrouped, IntWeight.narrow), give partial sums that add up to the whole product."""
+    from kubeinfer.engine.model_executor.layers.quantization.linear_method import WeightOnlyIntMethod
+
+    out, cols = 48, 256
+    weight = random_int_weight(out, cols, bits, 64, symmetric, seed=7)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(2)).to(device)
+    whole = x.double().cpu() @ weight.dequantize().double().t()
+
+    def product(piece, inputs):
+        layer = torch.nn.Linear(piece.values.shape[1], piece.values.shape[0], bias=False, device=device)
+        return WeightOnlyIntMethod(layer, piece, "triton", torch.float32).apply(layer, inputs).double().cpu()
+
+    rows = product(weight.narrow(0, 16, 32), x)
+    torch.testing.assert_close(rows, whole[:, 16:48], **tolerance(torch.float32))
+    for cut in (128, 96):  # on a group boundary; inside a group (groups of 32 on both sides)
+        left, right = weight.narrow(1, 0, cut), weight.narrow(1, cut, cols - cut)
+        assert (left.group_size, right.group_size) == ((64, 64) if cut == 128 else (32, 32))
+        total = product(left, x[:, :cut]) + product(right, x[:, cut:])
+        torch.testing.assert_close(total, whole, **tolerance(torch.float32))

@@ -129,11 +129,13 @@ def memory_summary(runner: ModelRunner, num_blocks: int) -> str:
     """What the start-up log says of memory, true for every weight format and cache type: the weights' bytes as
     held (the parameters, tied ones once: a checkpoint dequantized at load counts at the model dtype, a kept-
     quantized layer its integers and scales), which linear layers are kept quantized, the KV cache's bytes per
-    token over all layers, and its blocks."""
+    token over all layers, and its blocks; with tensor parallelism, rank 0's (every rank holds as much)."""
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.device.type != "meta")
     per_token = sum(k.element_size() * k[0, 0].numel() + v.element_size() * v[0, 0].numel() for k, v in runner.kv_caches)
     kernels = Counter(getattr(runner.model, "quant_kernels", {}).values())
     kept = "".join(f", {n} linear layers {kernel}" for kernel, n in sorted(kernels.items()) if kernel != "dequantized")
+    ranks = runner.model.spec.tp_size
+    kept += f" (per rank, of {ranks})" if ranks > 1 else ""  # rank 0's slice: weights, KV heads and blocks alike
     return (f"weights {weights / (1 << 20):.2f} MiB{kept}, KV cache {str(runner.cache_dtype).removeprefix('torch.')} "
             f"{per_token} bytes per token, {num_blocks} blocks")
 

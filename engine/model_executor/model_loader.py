@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import FUSED_WEIGHTS, ModelSpec
+from .int_weights import rank_int_weight
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
 from .layers.quantization import QuantizationError, fp8, linear_method, resolve_quantization
@@ -153,11 +154,11 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
     special = getattr(model, "load_special_weight", None)
     if special is not None:
         expected.update((name, count) for name, count in model.expected_loads().items() if name in params)
-    # int8/int4 checkpoint weights kept quantized (layers/quantization/linear_method.py), per target and slice
+    # int8/int4 checkpoint weights kept quantized (layers/quantization/linear_method.py), per target and slice;
+    # under tensor parallelism each rank keeps its slice of the integers (int_weights.py)
     weight = next(iter(params.values()))
-    split = getattr(model.spec, "tp_size", 1) > 1  # tensor-parallel slices: dequantized whole, then cut
-    keep = hasattr(quantization, "int_weight") and not split and \
-        linear_method.keeps_quantized(weight.device, weight.dtype)
+    split = getattr(model.spec, "tp_size", 1) > 1
+    keep = hasattr(quantization, "int_weight") and linear_method.keeps_quantized(weight.device, weight.dtype)
     integers: dict[str, dict] = {}
     # --quantization fp8 on a float checkpoint: the decoder's projections and experts (not embeddings, lm_head,
     # norms or routers)
@@ -189,14 +190,14 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             if name not in params:
                 raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
             module = modules[name.rpartition(".")[0]]
-            parts = _int_weight(key, f, handles, quantization) if keep else None
+            parts = _int_weight(key, f, handles, quantization, module, params[name], shard, split) if keep else None
             if parts is not None:
                 integers.setdefault(name, {})[shard] = parts
                 loaded[name] = loaded.get(name, 0) + 1
                 continue
             if hasattr(module, "weight_pieces") and quantization is None and not _stored_as_fp8(f, key):
                 tensor = LazySlice(f, key)  # a split layer reads only its rank's slice
-            else:  # quantized weights are dequantized whole (their scales cover the whole tensor), then cut
+            else:  # other quantized weights are dequantized whole (their scales cover the tensor), then cut
                 tensor = _read(key, f, handles, quantization)
             if name in at_load:
                 tensor = fp8.roundtrip_per_channel(tensor, quantization, key)
@@ -229,10 +230,10 @@ def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
         raise ModelLoadError(str(error)) from None
 
 
-def _int_weight(key: str, f, handles: dict, quantization):
+def _int_weight(key: str, f, handles: dict, quantization, module, param, shard, split: bool):
     try:
-        return quantization.int_weight(key, f.get_tensor(key), lambda k: handles[k][0].get_tensor(k) if k in handles
-                                       else None)
+        return rank_int_weight(quantization, key, f, lambda k: handles[k][0].get_tensor(k) if k in handles else None,
+                               module, param, shard, split)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
 

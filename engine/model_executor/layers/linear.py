@@ -6,12 +6,15 @@ collective runs (the attention heads and MLP columns that follow are split alike
 columns side by side. Row-parallel layers hold a slice of the input features, so their products are
 partial sums: one all-reduce adds them, and the bias is added once, after it.
 
-Both are nn.Linear: `nn.Linear.forward` (F.linear) is the local product, so whatever replaces a plain
-layer's product (kept-quantized weights, OpenBLAS on the CPU) can replace theirs; the row-parallel
-collective stays outside it (`partial`, then `reduce`). In a group of one they are plain nn.Linear.
+Both are nn.Linear: F.linear is the local product, so whatever replaces a plain layer's product can replace
+theirs: OpenBLAS on the CPU (one rank only), and kept-quantized int weights, which a column-parallel layer
+multiplies through its replaced forward and a row-parallel one through `product` (its quant method's
+`apply`), the collective staying outside it (`partial`, then `reduce`). In a group of one they are plain
+nn.Linear.
 
 Weights are cut at load: `weight_pieces` takes the checkpoint's whole tensor, or a lazy view of it whose
-`narrow` reads only the slice (model_loader.py), and says which of this rank's slices goes where in the parameter."""
+`narrow` reads only the slice (model_loader.py), or an int weight (quantization/linear_method.IntWeight, whose
+`narrow` cuts its integers, scales and zeros alike), and says which of this rank's slices goes where."""
 from __future__ import annotations
 
 import torch
@@ -41,6 +44,8 @@ class ColumnParallelLinear(nn.Linear):
 
 
 class RowParallelLinear(nn.Linear):
+    calls_quant_method = True  # its forward multiplies through `product` (linear_method.attach leaves it)
+
     def __init__(self, input_part: Part, out_features: int, bias: bool, tp_size: int) -> None:
         """`input_part`: this rank's input features (the heads or MLP columns the layer before it computed)."""
         super().__init__(input_part.size, out_features, bias=bias)
@@ -48,12 +53,20 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return super().forward(x)
+            return self.product(x, bias=True)
         return self.reduce(self.partial(x))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the product: its input columns, no bias."""
-        return F.linear(x, self.weight)
+        return self.product(x, bias=False)
+
+    def product(self, x: torch.Tensor, bias: bool) -> torch.Tensor:
+        """The local product: a kept-quantized weight's quant method where one is attached
+        (layers/quantization/linear_method.py, which leaves this class's forward in place), else F.linear."""
+        method = getattr(self, "quant_method", None)
+        if method is not None:
+            return method.apply(self, x, bias)
+        return F.linear(x, self.weight, self.bias if bias else None)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The ranks' shares summed, then the bias (once)."""

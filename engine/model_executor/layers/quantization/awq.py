@@ -59,6 +59,27 @@ class AwqConfig:
         return IntWeight((values - 8).t().to(torch.int8).contiguous(), scales.t().to(torch.float32).contiguous(),
                          (zero - 8).t().to(torch.int8).contiguous(), self.group_size, 4)
 
+    def checkpoint_slice(self, key: str, lazy, get, dim: int, start: int, length: int):
+        """A tensor-parallel rank's part read from the file (`lazy`: get_slice): dim 0, output features (qweight's
+        and qzeros' columns, eight a word); dim 1, input rows on group boundaries. (qweight, get), or None
+        where the cut falls inside a word or group (the loader cuts the whole weight instead)."""
+        if not key.endswith(".qweight"):
+            return None
+        module, end, group = key[:-len(".qweight")], start + length, self.group_size
+        scales, zeros = get(f"{module}.scales"), get(f"{module}.qzeros")
+        if scales is None:
+            return None
+        if dim == 0 and not (start % 8 or length % 8):
+            tensor, scales = lazy[:, start // 8:end // 8], scales[:, start:end]
+            zeros = None if zeros is None else zeros[:, start // 8:end // 8]
+        elif dim == 1 and not (start % group or length % group):
+            tensor, scales = lazy[start:end], scales[start // group:end // group]
+            zeros = None if zeros is None else zeros[start // group:end // group]
+        else:
+            return None
+        parts = {f"{module}.scales": scales, f"{module}.qzeros": zeros}
+        return tensor, lambda k: parts[k] if k in parts else get(k)
+
     def _integers(self, key: str, tensor: torch.Tensor, get):
         """Unsigned values [in, out], zeros and scales [in / group_size, out]."""
         module = key[:-len(".qweight")]

@@ -123,6 +123,37 @@ class CompressedTensorsConfig:
         return IntWeight(values.to(torch.int8), scale.to(torch.float32).reshape(rows, groups),
                          None if zero is None else zero.to(torch.int8).reshape(rows, groups), group, scheme.num_bits)
 
+    def checkpoint_slice(self, key: str, lazy, get, dim: int, start: int, length: int):
+        """A tensor-parallel rank's part of a pack-quantized weight as a smaller checkpoint, read from the file
+        (`lazy`: safetensors' get_slice): (packed tensor, get) for `int_weight`. dim 0: output rows (the packed
+        zero points' words whole); dim 1: input columns, on word and group boundaries. None where the cut
+        does not fall so, or with g_idx: the loader cuts the whole weight instead."""
+        if not key.endswith(".weight_packed"):
+            return None
+        module = key.rsplit(".", 1)[0]
+        shape = get(f"{module}.weight_shape")
+        if shape is None or get(f"{module}.weight_g_idx") is not None:
+            return None
+        scheme, (rows, cols) = self.scheme_of(module), (int(v) for v in shape.tolist())
+        per, end = 32 // scheme.num_bits, start + length
+        scale, zero = get(f"{module}.weight_scale"), get(f"{module}.weight_zero_point")
+        if scale is None or scale.dim() != 2 or scheme.strategy not in ("group", "channel") or (start | length) % per:
+            return None
+        if dim == 0:
+            tensor, shape = lazy[start:end], [length, cols]
+            scale, zero = scale[start:end], None if zero is None else zero[start // per:end // per]
+        else:
+            group = scheme.group_size if scheme.strategy == "group" else None
+            if group and (start % group or length % group):
+                return None
+            tensor, shape = lazy[:, start // per:end // per], [rows, length]
+            if group:
+                groups = slice(start // group, end // group)
+                scale, zero = scale[:, groups], None if zero is None else zero[:, groups]
+        parts = {"weight_shape": torch.tensor(shape), "weight_scale": scale, "weight_zero_point": zero}
+        return tensor, lambda k: parts[k.rsplit(".", 1)[1]] if k.startswith(module + ".") and \
+            k.rsplit(".", 1)[1] in parts else get(k)
+
     def _integers(self, key: str, tensor: torch.Tensor, get):
         """(values, scale, zero, scheme, g_idx) of a quantized weight, or None for a float one."""
         module = key.rsplit(".", 1)[0]

@@ -74,6 +74,33 @@ class GptqConfig:
         return IntWeight((values - offset).t().to(torch.int8).contiguous(), scales.t().to(torch.float32).contiguous(),
                          (zero - offset).t().to(torch.int8).contiguous(), size, self.bits)
 
+    def checkpoint_slice(self, key: str, lazy, get, dim: int, start: int, length: int):
+        """A tensor-parallel rank's part read from the file (`lazy`: get_slice): dim 0, output features (qweight's
+        and scales' columns, qzeros' words); dim 1, input rows on word and group boundaries, g_idx rebased.
+        (qweight, get), or None where the cut falls inside a word or group, or g_idx is not sequential."""
+        if not key.endswith(".qweight"):
+            return None
+        module, end, per = key[:-len(".qweight")], start + length, 32 // self.bits
+        scales, zeros, g_idx = get(f"{module}.scales"), get(f"{module}.qzeros"), get(f"{module}.g_idx")
+        if scales is None or zeros is None or start % per or length % per:
+            return None
+        rows = lazy.get_shape()[0] * per
+        group = rows if self.group_size == -1 else self.group_size
+        if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(g_idx.numel()) // group):
+            return None  # act-order: each row's group read from the whole g_idx
+        if dim == 0:
+            tensor, scales, zeros = lazy[:, start:end], scales[:, start:end], zeros[:, start // per:end // per]
+        elif self.group_size == -1 or not (start % group or length % group):
+            first = start // group if self.group_size != -1 else 0
+            count = -(-length // group) if self.group_size != -1 else 1
+            tensor = lazy[start // per:end // per]
+            scales, zeros = scales[first:first + count], zeros[first:first + count]
+            g_idx = torch.arange(length) // (length if self.group_size == -1 else group)
+        else:
+            return None
+        parts = {f"{module}.scales": scales, f"{module}.qzeros": zeros, f"{module}.g_idx": g_idx}
+        return tensor, lambda k: parts[k] if k in parts else get(k)
+
     def _integers(self, key: str, tensor: torch.Tensor, get):
         """Unsigned values [in, out], true zeros and scales [groups, out], g_idx [in]."""
         module = key[:-len(".qweight")]

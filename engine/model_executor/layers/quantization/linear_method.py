@@ -1,8 +1,10 @@
 """Per-layer quant methods: how a linear layer whose checkpoint weight is int8/int4 multiplies, the weight
 kept quantized in memory. `attach(layer, method)` sets `layer.quant_method` and makes the layer's forward
-`layer.quant_method.apply(layer, x)`; a tensor-parallel linear subclass calls `quant_method.apply` where it
-called `nn.Linear.forward` (its collective after it). LoRA deltas are computed beside the base product from
-the same input (models/llama.py `_project`), so an adapter stays in float over a quantized base.
+`layer.quant_method.apply(layer, x)`, except where the layer class `calls_quant_method` itself (a row-parallel
+layer: `apply(layer, x, bias=False)` is its partial sum, the all-reduce and the bias after it). Under tensor
+parallelism each rank holds its slice (IntWeight.narrow, model_executor/int_weights.py). LoRA deltas are
+computed beside the base product from the same input (models/llama.py `_project`), so an adapter stays in
+float over a quantized base.
 
 Which kernel, chosen by measurement (`python benchmarks/bench_quantized_decode.py --kernels`, one
 [tokens, 2048] x [8192, 2048] product; benchmarks/RESULTS.md; three runs on a loaded 2-core CPU):
@@ -17,6 +19,7 @@ Which kernel, chosen by measurement (`python benchmarks/bench_quantized_decode.p
 KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, dequantized) overrides the choice where the kernel applies."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -48,6 +51,23 @@ class IntWeight:
         return IntWeight(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), zeros,
                          first.group_size, first.bits)
 
+    def narrow(self, dim: int, start: int, length: int) -> IntWeight:
+        """A tensor-parallel rank's slice, copied (the whole tensor is not kept): dim 0 cuts output rows
+        (column-parallel layers) with their scales and zeros; dim 1 cuts input columns (row-parallel layers).
+        A column slice that does not fall on group boundaries is regrouped exactly: its groups become
+        gcd(group_size, start, length) columns, each inside one checkpoint group, with that group's scale
+        and zero (more scale columns, the same weight)."""
+        if dim == 0:
+            cut = lambda t: None if t is None else _copy(t.narrow(0, start, length))
+            return IntWeight(cut(self.values), cut(self.scale), cut(self.zero), self.group_size, self.bits)
+        cols, size = self.values.shape[1], self.group_size
+        aligned = start % size == 0 and (length % size == 0 or start + length == cols)
+        group = size if aligned else math.gcd(size, start, length)
+        index = (start + torch.arange(0, length, group)) // size  # the checkpoint group of each local group
+        pick = lambda t: None if t is None else _copy(t.index_select(1, index.to(t.device)))
+        return IntWeight(_copy(self.values.narrow(1, start, length)), pick(self.scale), pick(self.zero), group,
+                         self.bits)
+
     def expand(self, grid: torch.Tensor) -> torch.Tensor:
         return grid.to(torch.float32).repeat_interleave(self.group_size, dim=1)[:, :self.values.shape[1]]
 
@@ -56,6 +76,10 @@ class IntWeight:
         if self.zero is not None:
             w = w - self.expand(self.zero)
         return w * self.expand(self.scale)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def keeps_quantized(device: torch.device, dtype: torch.dtype) -> bool:
@@ -123,7 +147,9 @@ class WeightOnlyIntMethod:
         # The float weight goes: its shape stays (on the meta device) for whoever reads it, its memory does not.
         layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
 
-    def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """`bias=False`: the product alone (a row-parallel layer's partial sum; its bias follows the sum)."""
+        bias = layer.bias if bias else None
         if self.kernel == "cpu_int4":
             shape = x.shape
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), layer.qweight, self.group_size,
@@ -136,8 +162,8 @@ class WeightOnlyIntMethod:
             from .triton_int_matmul import int_matmul
 
             return int_matmul(x, layer.qweight, layer.weight_scale, getattr(layer, "weight_zero", None),
-                              self.group_size, self.bits == 4, layer.bias)
-        return out if layer.bias is None else out + layer.bias
+                              self.group_size, self.bits == 4, bias)
+        return out if bias is None else out + bias
 
 
 _QUANTIZED_CLASSES: dict[type, type] = {}
@@ -148,10 +174,13 @@ def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def attach(layer: nn.Linear, method) -> None:
-    """Makes `layer` multiply through `method` (its class becomes a subclass whose forward is the method's)."""
+    """Makes `layer` multiply through `method`: its class becomes a subclass whose forward is the method's,
+    unless the class says it `calls_quant_method` in a forward of its own (RowParallelLinear: the local
+    product, then the collective)."""
     base = type(layer)
     if base not in _QUANTIZED_CLASSES:
-        _QUANTIZED_CLASSES[base] = type(f"Quantized{base.__name__}", (base,), {"forward": _quantized_forward})
+        body = {} if getattr(base, "calls_quant_method", False) else {"forward": _quantized_forward}
+        _QUANTIZED_CLASSES[base] = type(f"Quantized{base.__name__}", (base,), body)
     layer.quant_method = method
     layer.__class__ = _QUANTIZED_CLASSES[base]
 
