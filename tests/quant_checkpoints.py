@@ -88,11 +88,13 @@ def hf_greedy(model) -> list[list[int]]:
 
 
 def hf_compressed_tensors(model_dir, weight_only: bool):
-    """transformers' own load, decompressed by the compressed-tensors package: `run_compressed=False` for the
-    weight-only formats; `dequantize=True` for W8A8 (dense weights, activations unquantized, as we serve them)."""
+    """transformers' own load, decompressed by the compressed-tensors package: `dequantize=True` for the
+    weight-only formats (what `run_compressed=False` sets); for W8A8 the default `CompressedTensorsConfig()`,
+    whose forward wrapper decompresses the weights on the first call and fake-quantizes each quantized
+    layer's input (`dequantize=True` would leave the activations unquantized: test_quantized_w8a8.py)."""
     from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
-    config = CompressedTensorsConfig(run_compressed=False) if weight_only else CompressedTensorsConfig(dequantize=True)
+    config = CompressedTensorsConfig(dequantize=True) if weight_only else CompressedTensorsConfig()
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=config).eval()
 
 

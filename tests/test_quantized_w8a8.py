@@ -45,7 +45,7 @@ CHECKPOINTS = {
     "fp8_static": ("float", dict(type="float", strategy="tensor", dynamic=False, symmetric=True)),
     "fp8_group": ("float", dict(type="float", strategy="group", group_size=64, dynamic=True, symmetric=True)),
 }
-FAST = ("int8_dynamic", "fp8_static")  # the rest run in make test-all
+FAST = ("int8_static_asym", "fp8_static")  # the rest run in make test-all; test_quantized_int runs int8 and fp8 dynamic
 
 
 @pytest.fixture(scope="module")

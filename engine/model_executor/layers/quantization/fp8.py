@@ -13,8 +13,9 @@ group of all the columns, as transformers' FineGrainedFP8 runs a weight without 
 checkpoint's one `input_scale` (vLLM) or `activation_scale` (transformers) per layer.
 
 `--quantization fp8` on a float checkpoint quantizes the decoder's linear weights at load, per output channel
-to e4m3 (scale = amax / 448, as transformers' FP8 quantizer computes it), and dequantizes them the same way:
-the outputs are those of the FP8 model, the memory and speed those of the float one (until fp8 matmuls)."""
+to e4m3 (scale = amax / 448, as transformers' FP8 quantizer computes it), and dequantizes them the same way;
+their activations are quantized dynamically per token, as vLLM's online fp8 quantizes them (W8A8): the
+outputs are those of the FP8 model, the memory and speed those of the float one (until fp8 matmuls)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -55,6 +55,8 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
     if scheme_of is None:
         return {}
     parts: dict[str, dict] = {}
+    if getattr(quantization, "at_load", False):  # --quantization fp8: the projections the loader quantized
+        keys = [f"{n}.weight_scale" for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
     for key in keys:
         if not key.endswith(SCALE_SUFFIXES):
             continue
