@@ -228,7 +228,7 @@ def fake_quantize_inputs(model, args_of) -> None:
 
 
 def assert_greedy_equal_but_near_ties(ours: list[list[int]], ref: list[list[int]], model, tie: float = 0.05,
-                                      min_equal: int = 3) -> None:
+                                      min_equal: int = 2) -> None:
     """Activation quantization turns a last-bit difference of float sums into a whole quantization step now and
     then, so greedy tokens may part at a near tie: each sequence equals the reference's up to its first
     difference, where the reference's own logits (full forward of the common prefix) put the two tokens

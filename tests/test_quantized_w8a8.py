@@ -108,6 +108,26 @@ def test_w8a8_greedy_equals_transformers_with_activation_quantization(float_dir,
     assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
 
 
+@pytest.mark.parametrize("kernel", ["int_mm", pytest.param("fake_quant", marks=pytest.mark.slow)])
+def test_int8_kernels_give_the_reference_tokens(float_dir, monkeypatch, kernel):
+    """A float32 CPU model runs int8 per-token layers through torch._int_mm by default, its weights held in int8
+    (the float weight gone); fake quantization (KUBEINFER_W8A8_KERNEL) agrees with the reference as well."""
+    from kubeinfer.engine import LLM
+
+    model_dir = w8a8_checkpoint(float_dir, "int8_dynamic")
+    if kernel != "int_mm":
+        monkeypatch.setenv("KUBEINFER_W8A8_KERNEL", kernel)
+    model = LLM(model_dir, max_model_len=64, num_kv_blocks=16).engine.runner.model
+    assert set(model.activation_schemes.values()) == {f"int8 dynamic per token ({kernel})"}
+    down = model.model.layers[0].mlp.down_proj
+    assert (down.weight.device.type == "meta") == (kernel == "int_mm")
+    if kernel == "int_mm":
+        assert down.qweight_t.dtype == torch.int8 and down.qweight_t.shape == (SHAPE["intermediate_size"],
+                                                                               SHAPE["hidden_size"])
+    reference = hf_w8a8(model_dir)
+    assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
+
+
 def test_left_unquantized_activations_fail_the_comparison(float_dir, monkeypatch):
     """The guard: the reference's logits move measurably with its activation quantization, and the engine
     with its activations left in float (the weight-only serving before) fails the comparison above."""

@@ -11,13 +11,16 @@ the compressed-tensors package's numerics, which transformers runs for these che
   (float); dequantize: (q - zero) * scale, all in the activation's dtype.
 
 The product: the quantized activation multiplies the layer's (dequantized or kept-quantized) weight. On the
-CPU, fake quantization (quantize-dequantize, then the float product) against torch._int_mm (int8 x int8 ->
-int32, then both scales), `python benchmarks/bench_w8a8.py`, one [tokens, 2048] x [8192, 2048] product in
-float32 on the loaded 2-core CPU: equal within noise at 1 and 16 tokens, _int_mm 0.8-0.9x at 64
-(benchmarks/RESULTS.md, section w8a8). Both equal the reference up to float accumulation order; fake
-quantization is the reference's own computation (bit-for-bit the same logits), so it is the default;
-`int8_linear` (the _int_mm product) is kept separable for the int8 weight kernels. Dynamic per-tensor
-scales are refused: the reference takes them over one forward call's tokens, which batching changes."""
+CPU, fake quantization (quantize-dequantize, then the float product: the reference's own computation) against
+torch._int_mm (int8 x int8 -> exact int32 sums, then both scales: `int8_linear`, separable for the int8
+weight kernels), `python benchmarks/bench_w8a8.py`, one [tokens, 2048] x [8192, 2048] float32 product,
+interleaved, on the 2-core CPU at load average ~9: _int_mm / fake quantization 0.92-1.00 at 1 token,
+1.00-1.01 at 16, 0.44-0.67 at 64 (benchmarks/RESULTS.md, section w8a8), and it holds the weight in int8 (a
+quarter of float32's bytes). So a float32 CPU model runs int8 per-token W8A8 layers through _int_mm
+(w8a8.py; equal to the reference up to float accumulation order), and everything else (FP8, static or
+group scales, bf16, CUDA) through fake quantization, the same torch code on every device (no CUDA kernel
+here could be checked). Dynamic per-tensor scales are refused: the reference takes them over one forward
+call's tokens, which batching changes."""
 from __future__ import annotations
 
 from dataclasses import dataclass

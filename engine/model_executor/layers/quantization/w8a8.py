@@ -10,10 +10,12 @@ fake-quantizes the input, and feeds lora_A the original input) and vLLM does (th
 quantizes inside its apply; the LoRA shrink reads the layer's input)."""
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
-from .activations import ActivationScheme, fake_quantize
+from .activations import ActivationScheme, fake_quantize, int8_linear
 from .errors import QuantizationError
 from .linear_method import attach, dense
 
@@ -25,8 +27,15 @@ class ActivationQuantMethod:
     layer shares its input's quantization (dynamic scales, or equal static ones)."""
 
     def __init__(self, layer: nn.Linear, scheme: ActivationScheme, inner, segments: list[tuple[int, int, int]],
-                 scales: torch.Tensor | None, zeros: torch.Tensor | None) -> None:
-        self.scheme, self.inner, self.segments = scheme, inner, segments
+                 scales: torch.Tensor | None, zeros: torch.Tensor | None,
+                 int_mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.scheme, self.inner, self.segments, self.kernel = scheme, inner, segments, "fake_quant"
+        if int_mm is not None:  # int8 weights [in, out] and their row scales replace the float weight
+            self.kernel = "int_mm"
+            layer.register_buffer("qweight_t", int_mm[0], persistent=False)
+            layer.register_buffer("weight_row_scale", int_mm[1], persistent=False)
+            layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"),
+                                        requires_grad=False)
         if scales is not None:  # static: buffers, so .to() and CUDA graphs see them on the device
             # in the model dtype, as the reference's input_scale parameter holds it
             device = next(p.device for p in layer.parameters() if p.device.type != "meta")
@@ -35,6 +44,8 @@ class ActivationQuantMethod:
                 layer.register_buffer("input_zero_point", zeros.to(device), persistent=False)
 
     def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "int_mm":
+            return int8_linear(x, self.scheme, layer.qweight_t, layer.weight_row_scale, layer.bias)
         if self.scheme.dynamic:
             return self.inner(layer, fake_quantize(x, self.scheme))
         zeros = getattr(layer, "input_zero_point", None)
@@ -68,7 +79,7 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
         name, shard = target(ours)
         layer = _linear(model, name.removesuffix(".weight"), module)
         parts.setdefault(name.removesuffix(".weight"), {})[shard] = (scheme, layer, *_static(quantization, module,
-                                                                                              scheme, get))
+                                                                                              scheme, get), module)
     installed = {}
     for name, shards in parts.items():
         schemes = {s[0] for s in shards.values()}
@@ -78,10 +89,12 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
         scheme, layer = next(iter(shards.values()))[:2]
         inner = getattr(layer, "quant_method", None)
         segments, scales, zeros = _segments(layer, shards, scheme)
+        int_mm = _int8_weight(layer, [get(f"{shards[k][4]}.weight_scale") for k in sorted(
+            shards, key=lambda s: -1 if s is None else s)]) if inner is None and _int_mm_applies(layer, scheme) else None
         method = ActivationQuantMethod(layer, scheme, inner.apply if inner is not None else dense, segments,
-                                       scales, zeros)
+                                       scales, zeros, int_mm)
         attach(layer, method)
-        installed[name] = scheme.describe()
+        installed[name] = f"{scheme.describe()} ({method.kernel})"
     return installed
 
 
@@ -133,3 +146,30 @@ def _segments(layer: nn.Linear, shards: dict, scheme: ActivationScheme):
         raise QuantizationError(f"the parts of {layer} have static input scales for parts {order} only")
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [(starts[i], sizes[i], i) for i in range(len(sizes))], scales, zeros
+
+
+def _int_mm_applies(layer: nn.Linear, scheme: ActivationScheme) -> bool:
+    """torch._int_mm for a float32 CPU model's int8 inputs per token (activations.py: measured, it ties fake
+    quantization at 1 and 16 tokens and wins at 64, and holds int8 weights). Not under bf16/fp16: there the
+    reference rounds the dequantized weight and input to that dtype, which the exact int32 sums would not.
+    KUBEINFER_W8A8_KERNEL=fake_quant turns it off."""
+    wanted = os.environ.get("KUBEINFER_W8A8_KERNEL", "int_mm")
+    if wanted not in ("int_mm", "fake_quant"):
+        raise QuantizationError(f"KUBEINFER_W8A8_KERNEL must be int_mm or fake_quant; got {wanted!r}")
+    return (wanted == "int_mm" and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+            and scheme.type == "int" and scheme.symmetric and scheme.dynamic and scheme.strategy == "token")
+
+
+def _int8_weight(layer: nn.Linear, scales: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's int8 weight [in, out] and row scales, recovered exactly from its dequantized weight (q * scale,
+    the loader's float32 product), when the checkpoint's weights are int8 per output channel, symmetric."""
+    if any(s is None for s in scales):
+        return None
+    scale = torch.cat([s.reshape(-1) for s in scales]).to(torch.float32)
+    weight = layer.weight.detach()
+    if scale.numel() != weight.shape[0] or not bool((scale > 0).all()):
+        return None  # per tensor or per group, or an asymmetric checkpoint's zero points: fake quantization
+    q = torch.round(weight.to(torch.float32) / scale[:, None])
+    if q.min() < -128 or q.max() > 127 or not torch.equal((q * scale[:, None]).to(weight.dtype), weight):
+        return None
+    return q.to(torch.int8).t().contiguous(), scale
