@@ -263,3 +263,27 @@ def test_w8a8_experts_and_tensor_parallel_ranks_are_refused_by_name(tmp_path):
     dense = w8a8_checkpoint(dense_dir, "int8_dynamic", dst=tmp_path / "dense_w8a8")
     with pytest.raises(Exception, match="served with tensor_parallel_size 1"):
         LLM(dense, max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
+
+
+def test_lora_over_a_w8a8_base_equals_peft_over_the_reference(float_dir, tmp_path):
+    """The adapter reads the unquantized input beside the int8 product (torch._int_mm here), as PEFT does over
+    the reference: its LoRA layer calls the wrapped base layer, whose compressed-tensors forward quantizes the
+    input, and feeds lora_A the input as it came."""
+    from lora_helpers import ADAPTERS, make_peft_adapter
+    from lora_helpers import PROMPTS as LORA_PROMPTS
+    from lora_helpers import hf_greedy as peft_greedy
+    from peft import PeftModel
+
+    from kubeinfer.engine import LLM, SamplingParams
+    from kubeinfer.engine.lora.request import LoRARequest
+
+    model_dir = w8a8_checkpoint(float_dir, "int8_dynamic")
+    make_peft_adapter(float_dir, tmp_path / "adapter", seed=5, **ADAPTERS["all"])
+    peft = PeftModel.from_pretrained(hf_w8a8(model_dir), tmp_path / "adapter").eval()
+    expected = [peft_greedy(peft, p) for p in LORA_PROMPTS]
+    llm = LLM(model_dir, max_model_len=64, num_kv_blocks=32, enable_lora=True)
+    assert "(int_mm)" in next(iter(llm.engine.runner.model.activation_schemes.values()))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in LORA_PROMPTS],
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
+    assert [o.outputs[0].token_ids for o in outputs] == expected
