@@ -265,6 +265,7 @@ def test_w8a8_experts_and_tensor_parallel_ranks_are_refused_by_name(tmp_path):
         LLM(dense, max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
 
 
+@pytest.mark.slow  # the default suite has LoRA over an FP8 W8A8 base (test_quantized_fp8.py)
 def test_lora_over_a_w8a8_base_equals_peft_over_the_reference(float_dir, tmp_path):
     """The adapter reads the unquantized input beside the int8 product (torch._int_mm here), as PEFT does over
     the reference: its LoRA layer calls the wrapped base layer, whose compressed-tensors forward quantizes the
@@ -287,3 +288,14 @@ def test_lora_over_a_w8a8_base_equals_peft_over_the_reference(float_dir, tmp_pat
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                            lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
     assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_a_last_partial_activation_group_is_quantized_as_if_padded_with_zeros():
+    """A weight whose columns are not a multiple of the fp8 block: the last group's scale comes from its own
+    columns, as the block kernels (DeepSeek's act_quant, vLLM's per-token-group quantization) mask them; the
+    compressed-tensors functions need whole groups, so the reference runs on the zero-padded input."""
+    scheme = ActivationScheme("float", "group", True, group_size=32)
+    x = activation_batch(torch.float32)[:, :100]
+    padded = torch.nn.functional.pad(x, (0, 28)).unsqueeze(0)
+    expected = ct_fake_quantize(padded, ct_activation_args(type="float", strategy="group", group_size=32))[0, :, :100]
+    assert torch.equal(activations.fake_quantize(x, scheme), expected)
