@@ -121,9 +121,10 @@ def test_int8_kernels_give_the_reference_tokens(float_dir, monkeypatch, kernel):
     assert set(model.activation_schemes.values()) == {f"int8 dynamic per token ({kernel})"}
     down = model.model.layers[0].mlp.down_proj
     assert (down.weight.device.type == "meta") == (kernel == "int_mm")
-    if kernel == "int_mm":
+    if kernel == "int_mm":  # held as parameters: the start-up log's weight bytes (model_setup.py) count them
         assert down.qweight_t.dtype == torch.int8 and down.qweight_t.shape == (SHAPE["intermediate_size"],
                                                                                SHAPE["hidden_size"])
+        assert any(p is down.qweight_t for p in model.parameters())
     reference = hf_w8a8(model_dir)
     assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
 

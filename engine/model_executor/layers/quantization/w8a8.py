@@ -31,9 +31,9 @@ class ActivationQuantMethod:
                  int_mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.scheme, self.inner, self.segments, self.kernel = scheme, inner, segments, "fake_quant"
         if int_mm is not None:  # int8 weights [in, out] and their row scales replace the float weight
-            self.kernel = "int_mm"
-            layer.register_buffer("qweight_t", int_mm[0], persistent=False)
-            layer.register_buffer("weight_row_scale", int_mm[1], persistent=False)
+            self.kernel = "int_mm"  # parameters, as linear_method's: the start-up log's weight bytes count them
+            layer.register_parameter("qweight_t", nn.Parameter(int_mm[0], requires_grad=False))
+            layer.register_parameter("weight_row_scale", nn.Parameter(int_mm[1], requires_grad=False))
             layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"),
                                         requires_grad=False)
         if scales is not None:  # static: buffers, so .to() and CUDA graphs see them on the device
