@@ -117,8 +117,13 @@ def test_int8_kernels_give_the_reference_tokens(float_dir, monkeypatch, kernel):
     model_dir = w8a8_checkpoint(float_dir, "int8_dynamic")
     if kernel != "int_mm":
         monkeypatch.setenv("KUBEINFER_W8A8_KERNEL", kernel)
-    model = LLM(model_dir, max_model_len=64, num_kv_blocks=16).engine.runner.model
+    from kubeinfer.engine.core.model_setup import memory_summary
+
+    runner = LLM(model_dir, max_model_len=64, num_kv_blocks=16).engine.runner
+    model = runner.model
     assert set(model.activation_schemes.values()) == {f"int8 dynamic per token ({kernel})"}
+    # 2 layers x (q/k/v, o, gate/up, down), fused
+    assert f"8 linear layers with activations int8 dynamic per token ({kernel})" in memory_summary(runner, 16)
     down = model.model.layers[0].mlp.down_proj
     assert (down.weight.device.type == "meta") == (kernel == "int_mm")
     if kernel == "int_mm":  # held as parameters: the start-up log's weight bytes (model_setup.py) count them
