@@ -224,7 +224,8 @@ def fake_quantize_inputs(model, args_of) -> None:
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and ".layers." in name and name.endswith("_proj"):
             args, scale, zero = args_of(name)
-            module.register_forward_pre_hook(lambda m, inp, a=args, s=scale, z=zero: (ct_fake_quantize(inp[0], a, s, z),))
+            module.register_forward_pre_hook(
+                lambda m, inp, a=args, s=scale, z=zero: (ct_fake_quantize(inp[0], a, s, z),))
 
 
 def assert_greedy_equal_but_near_ties(ours: list[list[int]], ref: list[list[int]], model, tie: float = 0.05,

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from quant_checkpoints import assert_greedy_equal_but_near_ties, ct_activation_args, fake_quantize_inputs
 from safetensors.torch import load_file, save_file
 
 from kubeinfer.engine import LLM, SamplingParams
-from quant_checkpoints import assert_greedy_equal_but_near_ties, ct_activation_args, fake_quantize_inputs
 
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [40, 41, 42], list(range(60, 100)), [7]]
 MAX_TOKENS = [12, 16, 9, 20]

@@ -227,7 +227,8 @@ def test_int_mm_product_equals_fake_quantization_up_to_float_sums():
     weight_scale = torch.rand(96, generator=g) * 0.01
     scheme = ActivationScheme("int", "token", True)
     x = activation_batch(torch.float32)[:, :128].repeat(4, 1)  # _int_mm wants more than 16 rows on some builds
-    expected = torch.nn.functional.linear(activations.fake_quantize(x, scheme), weight_q.float() * weight_scale[:, None])
+    weight = weight_q.float() * weight_scale[:, None]
+    expected = torch.nn.functional.linear(activations.fake_quantize(x, scheme), weight)
     got = activations.int8_linear(x, scheme, weight_q.t().contiguous(), weight_scale)
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
@@ -254,11 +255,11 @@ def test_w8a8_experts_and_tensor_parallel_ranks_are_refused_by_name(tmp_path):
     """What is not served is a start-up error, not weight-only serving under a W8A8 label: fused MoE experts
     (their kernels do not quantize activations), and tensor-parallel ranks (a row-parallel rank sees part of
     each token, the scale spans all of it)."""
+    from test_quantized_fp8 import fp8_config, fp8_quantize
+
     from kubeinfer.engine import LLM
     from kubeinfer.engine.model_executor.model_loader import ModelLoadError
     from kubeinfer.testing.random_model import build_random_model
-
-    from test_quantized_fp8 import fp8_config, fp8_quantize
 
     moe_dir = build_random_model(tmp_path / "moe", "qwen3_moe", tokenizer=False, seed=3, **SHAPE)
     moe = write_checkpoint(moe_dir, tmp_path / "moe_fp8", fp8_quantize(float_weights(moe_dir), [16, 16]),

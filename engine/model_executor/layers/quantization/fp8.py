@@ -40,7 +40,8 @@ class Fp8Config:
     def from_dict(cls, qc: dict) -> Fp8Config:
         scheme = str(qc.get("activation_scheme", "dynamic")).lower()
         if scheme not in ("dynamic", "static"):
-            raise QuantizationError(f"fp8 checkpoint with activation_scheme {scheme!r}: 'dynamic' and 'static' are served")
+            raise QuantizationError(f"fp8 checkpoint with activation_scheme {scheme!r}: 'dynamic' and 'static' are "
+                                    "served")
         if qc.get("scale_fmt", "float") not in ("float", None):
             raise QuantizationError(f"fp8 checkpoint with scale_fmt {qc['scale_fmt']!r}: only 'float' scales are served")
         block = qc.get("weight_block_size")

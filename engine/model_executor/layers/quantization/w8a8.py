@@ -89,8 +89,10 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
         scheme, layer = next(iter(shards.values()))[:2]
         inner = getattr(layer, "quant_method", None)
         segments, scales, zeros = _segments(layer, shards, scheme)
-        int_mm = _int8_weight(layer, [get(f"{shards[k][4]}.weight_scale") for k in sorted(
-            shards, key=lambda s: -1 if s is None else s)]) if inner is None and _int_mm_applies(layer, scheme) else None
+        int_mm = None
+        if inner is None and _int_mm_applies(layer, scheme):
+            order = sorted(shards, key=lambda s: -1 if s is None else s)
+            int_mm = _int8_weight(layer, [get(f"{shards[k][4]}.weight_scale") for k in order])
         method = ActivationQuantMethod(layer, scheme, inner.apply if inner is not None else dense, segments,
                                        scales, zeros, int_mm)
         attach(layer, method)
