@@ -1,14 +1,20 @@
 """FP8 checkpoints (issue 29): tiny random models quantized by transformers' own FP8 quantizer
 (`Fp8Quantize`, the op `save_pretrained` uses for FineGrainedFP8Config), block-wise, per tensor and per
 channel; the engine's greedy tokens equal transformers loading the same checkpoint with
-`FineGrainedFP8Config(dequantize=True)`. Broken checkpoints and contradicting flags fail at start-up with a
-message that names what is wrong."""
+`FineGrainedFP8Config(dequantize=True)`, each decoder linear's input fake-quantized to e4m3 as the format
+defines it by the compressed-tensors package's functions (transformers' own FP8 kernels need a GPU and the
+hub's Triton kernel): `activation_scheme: dynamic` per token and group of the weight block's columns (per
+token without blocks), `static` the checkpoint's per-tensor activation_scale. Tokens may part at a near tie
+(quant_checkpoints.assert_greedy_equal_but_near_ties). Broken checkpoints and contradicting flags fail at
+start-up with a message that names what is wrong."""
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from quant_checkpoints import assert_greedy_equal_but_near_ties, ct_activation_args, fake_quantize_inputs
 from safetensors.torch import load_file, save_file
 
 from kubeinfer.engine import LLM, SamplingParams
@@ -62,6 +68,23 @@ def float_dir(tmp_path_factory):
     return build_random_model(tmp_path_factory.mktemp("fp8") / "float", "qwen3", tokenizer=False, seed=29, **SHAPE)
 
 
+def calibrated_activation_scales(float_dir) -> dict[str, torch.Tensor]:
+    """`<layer>.activation_scale` of each decoder linear: the amax its input reaches on a calibration prompt,
+    over 448; k_proj's and v_proj's a little off q_proj's (x1.25, x0.8), so the fused q/k/v layer needs each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    amax = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name:
+            module.register_forward_pre_hook(lambda m, inp, n=name: amax.__setitem__(n, inp[0].abs().max()))
+    with torch.no_grad():
+        model(torch.arange(1, 65).reshape(1, -1))
+    factor = {"k_proj": 1.25, "v_proj": 0.8}
+    return {f"{n}.activation_scale": (a / 448 * factor.get(n.rsplit(".", 1)[1], 1.0)).reshape(1).to(torch.float32)
+            for n, a in amax.items()}
+
+
 @pytest.fixture(scope="module")
 def checkpoints(float_dir):
     """name -> an FP8 checkpoint directory (and its weights) built from the float model."""
@@ -70,17 +93,46 @@ def checkpoints(float_dir):
     for name, block in (("block", [32, 16]), ("tensor", None), ("channel_as_block", [1, 64])):
         quantized = fp8_quantize(weights, block)
         made[name] = (write_checkpoint(float_dir, float_dir.parent / name, quantized, fp8_config(block)), quantized)
+    # Static activations: one e4m3 scale per layer, the calibrated amax / 448 (transformers' activation_scale,
+    # vLLM's input_scale name the same number).
+    static = {**made["block"][1], **calibrated_activation_scales(float_dir)}
+    made["static"] = (write_checkpoint(float_dir, float_dir.parent / "static", static,
+                                       {**fp8_config([32, 16]), "activation_scheme": "static"}), static)
+    renamed = {k.replace("activation_scale", "input_scale"): v for k, v in static.items()}
+    made["static_input_scale"] = (write_checkpoint(float_dir, float_dir.parent / "static_input_scale", renamed,
+                                                   {**fp8_config([32, 16]), "activation_scheme": "static"}), renamed)
     # The same per-channel numbers in the `weight_scale` layout ([rows, 1], no weight_block_size): vLLM's fp8 form.
     channel = {(k.replace("weight_scale_inv", "weight_scale")): v for k, v in made["channel_as_block"][1].items()}
     made["channel"] = (write_checkpoint(float_dir, float_dir.parent / "channel", channel, fp8_config(None)), channel)
     return made
 
 
-def hf_fp8_greedy(model_dir) -> list[list[int]]:
+def hf_fp8(model_dir):
+    """transformers' dequantized load, its decoder linears' inputs quantized as the checkpoint defines them."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    qc = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
+    block = qc.get("weight_block_size")
+    if qc["activation_scheme"] == "static":
+        scales = {k.rsplit(".", 1)[0]: v for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()
+                  if k.endswith(("activation_scale", "input_scale"))}
+        args = ct_activation_args(type="float", strategy="tensor", dynamic=False)
+        fake_quantize_inputs(model, lambda name: (args, scales[name].reshape(1), None))
+    else:
+        args = ct_activation_args(type="float", strategy="group", group_size=block[1]) if block else \
+            ct_activation_args(type="float", strategy="token")
+        fake_quantize_inputs(model, lambda name: (args, None, None))
+    return model
+
+
+def assert_fp8_greedy(model_dir, reference_dir=None, **kwargs) -> None:
+    reference = hf_fp8(reference_dir or model_dir)
+    assert_greedy_equal_but_near_ties(engine_greedy(model_dir, **kwargs), hf_fp8_greedy(reference), reference)
+
+
+def hf_fp8_greedy(model) -> list[list[int]]:
     out = []
     for prompt, n in zip(PROMPTS, MAX_TOKENS):
         ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -97,13 +149,27 @@ def engine_greedy(model_dir, **kwargs) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", ["block", "tensor", "channel_as_block"])
 def test_fp8_checkpoint_greedy_equals_transformers_dequantized(checkpoints, name):
-    model_dir, _ = checkpoints[name]
-    assert engine_greedy(model_dir) == hf_fp8_greedy(model_dir)
+    assert_fp8_greedy(checkpoints[name][0])
+
+
+@pytest.mark.parametrize("name", ["static", pytest.param("static_input_scale", marks=pytest.mark.slow)])
+def test_static_activation_scales_are_honoured(checkpoints, name):
+    assert_fp8_greedy(checkpoints[name][0])
+
+
+def test_unquantized_activations_would_fail_the_fp8_comparison(checkpoints, monkeypatch):
+    """The guard: the engine with its activations left in float (as it served fp8 before) parts from the
+    reference at a token that is no near tie."""
+    from kubeinfer.engine.model_executor.layers.quantization import w8a8
+
+    monkeypatch.setattr(w8a8, "install", lambda *args: {})
+    with pytest.raises(AssertionError):
+        assert_fp8_greedy(checkpoints["block"][0])
 
 
 def test_per_channel_weight_scale_layout_matches_the_block_layout(checkpoints):
     """`weight_scale` [rows, 1] (no weight_block_size) means what a [1, cols] block of weight_scale_inv means."""
-    assert engine_greedy(checkpoints["channel"][0]) == hf_fp8_greedy(checkpoints["channel_as_block"][0])
+    assert_fp8_greedy(checkpoints["channel"][0], checkpoints["channel_as_block"][0])
 
 
 @pytest.mark.parametrize("ours, reference", [("block", "block"), ("tensor", "tensor"),
@@ -132,7 +198,7 @@ def test_quantization_flag_naming_the_checkpoint_method_is_accepted(checkpoints)
     ("missing_scale", "has no scale in the checkpoint"),
     ("truncated_scale", "needs (2, 4)"),
     ("no_quantization_config", "has no quantization_config"),
-    ("static_activations", "activation_scheme 'static'"),
+    ("static_activations", "static input activations but the checkpoint has no one-value input_scale"),
 ])
 def test_broken_fp8_checkpoint_is_a_clear_start_up_error(checkpoints, float_dir, case, message):
     from kubeinfer.engine.model_executor.model_loader import ModelLoadError
@@ -179,11 +245,12 @@ def test_bad_quantization_flag_is_a_start_up_error(checkpoints, flag, message):
 
 def test_fp8_flag_on_a_float_checkpoint_quantizes_per_channel_at_load(float_dir, checkpoints):
     """--quantization fp8 on the float model gives transformers' FP8 quantizer's per-channel model ([1, 64]
-    blocks here), dequantized: the same weights bit for bit, the same greedy tokens; embeddings and lm_head stay."""
+    blocks here) with dynamic activations (vLLM's online fp8 is W8A8): the same weights bit for bit, the same
+    greedy tokens; embeddings and lm_head stay."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     reference = checkpoints["channel_as_block"][0]
-    assert engine_greedy(str(float_dir), quantization="fp8") == hf_fp8_greedy(reference)
+    assert_fp8_greedy(str(float_dir), reference, quantization="fp8")
     hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32,
                                               quantization_config=FineGrainedFP8Config(dequantize=True))
     model = LLM(str(float_dir), max_model_len=64, num_kv_blocks=16, quantization="fp8").engine.runner.model
@@ -229,8 +296,7 @@ def test_every_family_serves_block_fp8(tmp_path, family):
 
     float_dir = build_random_model(tmp_path / "float", family, tokenizer=False, seed=7, **SHAPE)
     weights = fp8_quantize(load_file(str(float_dir / "model.safetensors")), [32, 16])
-    model_dir = write_checkpoint(float_dir, tmp_path / "fp8", weights, fp8_config([32, 16]))
-    assert engine_greedy(model_dir) == hf_fp8_greedy(model_dir)
+    assert_fp8_greedy(write_checkpoint(float_dir, tmp_path / "fp8", weights, fp8_config([32, 16])))
 
 
 def test_gemma3_multimodal_fp8_checkpoint_serves_its_text(tmp_path):
@@ -249,21 +315,19 @@ def test_gemma3_multimodal_fp8_checkpoint_serves_its_text(tmp_path):
     weights = load_file(str(tmp_path / "mm" / "model.safetensors"))
     language = fp8_quantize({k: v for k, v in weights.items() if "language_model" in k}, [32, 16])
     mm_fp8 = write_checkpoint(tmp_path / "mm", tmp_path / "mm_fp8", {**weights, **language}, fp8_config([32, 16]))
-    assert engine_greedy(mm_fp8) == hf_fp8_greedy(text_fp8)
+    assert_fp8_greedy(mm_fp8, text_fp8)
 
 
 def test_lora_on_an_fp8_checkpoint_equals_peft_on_transformers_dequantized(checkpoints, float_dir, tmp_path):
-    """The adapter stays in float over the dequantized base: PEFT over transformers' dequantized FP8 load agrees."""
+    """The adapter stays in float on the unquantized input over the W8A8 base: PEFT over the reference agrees."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     from kubeinfer.engine.lora.request import LoRARequest
     from lora_helpers import ADAPTERS, PROMPTS as LORA_PROMPTS, hf_greedy, make_peft_adapter
 
     make_peft_adapter(float_dir, tmp_path / "adapter", seed=5, **ADAPTERS["all"])
     model_dir = checkpoints["block"][0]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                              quantization_config=FineGrainedFP8Config(dequantize=True))
+    hf = hf_fp8(model_dir)  # the base layers quantize their input; PEFT's adapters read it unquantized
     peft = PeftModel.from_pretrained(hf, tmp_path / "adapter").eval()
     expected = [hf_greedy(peft, p) for p in LORA_PROMPTS]
     llm = LLM(model_dir, max_model_len=64, num_kv_blocks=32, enable_lora=True)

@@ -16,7 +16,7 @@ from ..config import FUSED_WEIGHTS, ModelSpec
 from .int_weights import rank_int_weight
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
-from .layers.quantization import QuantizationError, fp8, linear_method, resolve_quantization
+from .layers.quantization import QuantizationError, fp8, linear_method, resolve_quantization, w8a8
 from .layers.quantization.kv_cache_dtype import SCALE_KEY as KV_SCALE_KEY
 from .layers.rotary_embedding import RotaryEmbedding
 from .models.llama import CausalLM
@@ -207,7 +207,12 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             else:
                 _copy_into(params[name], tensor, shard, model, name)
             loaded[name] = loaded.get(name, 0) + 1
-    _install_integers(model, params, integers, expected)
+        _install_integers(model, params, integers, expected)
+        try:  # W8A8: the quantized layers' inputs quantized as the checkpoint says (static scales read here)
+            model.activation_schemes = w8a8.install(model, quantization, handles, lambda k: handles[k][0].get_tensor(
+                k) if k in handles else None, (lambda k: (k, None)) if model.checkpoint_fused else _target)
+        except QuantizationError as error:
+            raise ModelLoadError(str(error)) from None
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
     if model.spec.tie_word_embeddings:
         missing = [n for n in missing if n != "lm_head.weight"]

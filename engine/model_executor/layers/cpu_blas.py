@@ -36,8 +36,8 @@ def use_openblas_for_small_steps(model: nn.Module) -> bool:
     """Route the float32 CPU nn.Linear layers of `model` through OpenBLAS during small steps; whether it did."""
     if os.environ.get("KUBEINFER_CPU_OPENBLAS", "1") == "0":
         return False
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear)
-              and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, "quant_method")
+              and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]  # quant methods run their own
     for layer in layers:
         layer.forward = _openblas_forward(layer, layer.forward)
     return bool(layers)

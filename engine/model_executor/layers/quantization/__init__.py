@@ -58,7 +58,7 @@ def resolve_quantization(config, requested: str | None):
             raise QuantizationError(f"quantization: {requested!r} needs a checkpoint quantized with it (config.json "
                                     f"quantization_config); this one is float, and only fp8 quantizes at load")
         from .fp8 import Fp8Config  # torch only where weights are loaded
-        return Fp8Config(block_size=None, at_load=True)
+        return Fp8Config(block_size=None, at_load=True, activation_scheme="dynamic")  # vLLM's online fp8: W8A8
     if wanted is not None and wanted != method:
         raise QuantizationError(f"quantization: {requested!r} does not match the checkpoint's method {method!r} "
                                 "(config.json quantization_config); leave --quantization out or name that method")

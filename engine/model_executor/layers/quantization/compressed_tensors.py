@@ -12,9 +12,10 @@ names) minus `ignore`, how each linear weight is stored:
 
 The weight is (q - zero_point) * scale, computed in float32 and stored in the model dtype. Served by
 dequantizing at load (layers/quantization/linear_method.py keeps int8/int4 weights quantized where it
-pays); W8A8's activations stay in the model dtype, as vLLM's weight-only fallback and transformers'
-`CompressedTensorsConfig(dequantize=True)` run them. `k_scale`/`v_scale` (a `kv_cache_scheme`) are the FP8 KV
-cache's scales (kv_cache_dtype.py)."""
+pays). A group's `input_activations` (W8A8: int8 or FP8, dynamic per token or group, static per tensor with
+`input_scale` / `input_zero_point`) quantize each quantized layer's input as the compressed-tensors package's
+forward does (activations.py, w8a8.py); `output_activations` are refused. `k_scale`/`v_scale` (a
+`kv_cache_scheme`) are the FP8 KV cache's scales (kv_cache_dtype.py)."""
 from __future__ import annotations
 
 import re
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .activations import ActivationScheme
 from .errors import QuantizationError
 from .packing import unpack_columns, unpack_rows
 
@@ -40,6 +42,7 @@ class WeightScheme:
     block: tuple[int, int] | None
     format: str
     targets: tuple[str, ...]
+    inputs: ActivationScheme | None = None  # input_activations (W8A8), None: weight-only
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class CompressedTensorsConfig:
     schemes: tuple[WeightScheme, ...]
     ignore: tuple[str, ...]
     kv_cache_scheme: dict | None = None
+    input_scale_names = ("input_scale",)
 
     @classmethod
     def from_dict(cls, qc: dict) -> CompressedTensorsConfig:
@@ -55,8 +59,13 @@ class CompressedTensorsConfig:
         schemes = []
         for name, group in (qc.get("config_groups") or {}).items():
             weights = group.get("weights")
+            if group.get("output_activations"):
+                raise QuantizationError(f"compressed-tensors output_activations (config group {name}) are not served")
             if not weights:
-                continue  # activation-only groups leave the weights in float
+                if group.get("input_activations"):
+                    raise QuantizationError(f"compressed-tensors config group {name} quantizes activations of float "
+                                            "weights, which is not served; W8A8 and weight-only groups are")
+                continue
             fmt = group.get("format") or default_format
             if fmt not in FORMATS:
                 raise QuantizationError(f"compressed-tensors format {fmt!r} (config group {name}) is not served; "
@@ -71,14 +80,21 @@ class CompressedTensorsConfig:
                 raise QuantizationError(f"compressed-tensors {kind}{bits} weights (config group {name}) are not "
                                         "served; int4, int8 and float8 are")
             block = weights.get("block_structure")
+            inputs = group.get("input_activations")
             schemes.append(WeightScheme(bits, kind, bool(weights.get("symmetric", True)), strategy,
                                         weights.get("group_size"), tuple(block) if block else None, fmt,
-                                        tuple(group.get("targets") or ())))
+                                        tuple(group.get("targets") or ()),
+                                        ActivationScheme.from_args(inputs, f"config group {name}") if inputs else None))
         return cls(tuple(schemes), tuple(qc.get("ignore") or ()), qc.get("kv_cache_scheme"))
 
     def describe(self) -> str:
-        kinds = sorted({f"{s.format} {s.type}{s.num_bits} {s.strategy}" for s in self.schemes})
+        kinds = sorted({f"{s.format} {s.type}{s.num_bits} {s.strategy}"
+                        + (f", activations {s.inputs.describe()}" if s.inputs else "") for s in self.schemes})
         return f"{self.method} ({'; '.join(kinds)}), weights dequantized to the model dtype"
+
+    def input_activations(self, module: str) -> ActivationScheme | None:
+        """How a quantized layer's input is quantized (w8a8.py); None: it stays in the model dtype."""
+        return self.scheme_of(module).inputs
 
     @staticmethod
     def auxiliary(key: str) -> bool:

@@ -4,13 +4,18 @@ write weights as float8 (e4m3) with a float32 scale beside each: `weight_scale_i
 The true weight is fp8 * scale (a block's scale covers its rows x cols tile; the last tiles may be partial).
 
 Served by dequantizing at load: each weight is multiplied out in float32 and stored in the model dtype, so the
-matmuls run as for a float checkpoint (no memory saving yet; a CPU has no fp8 matmul). `activation_scheme:
-dynamic` then means nothing to do: activations stay in the model dtype, as transformers' `dequantize=True` and
-vLLM's weight-only fallback run them. `static` (checkpoint input scales) is refused until it is emulated.
+matmuls run as for a float checkpoint (no memory saving yet; a CPU has no fp8 matmul). The activations are
+quantized to e4m3 as the format defines them (activations.py, w8a8.py): `activation_scheme: dynamic` per token
+and per group of the weight block's columns (`weight_block_size` [128, 128]: 128 columns, as DeepSeek's
+`act_quant` and vLLM's per-token-group quantization; the numbers are compressed-tensors' dynamic `group`
+scheme, amax / 448 with its eps for an all-zero group), per token for per-tensor and per-channel weights (one
+group of all the columns, as transformers' FineGrainedFP8 runs a weight without blocks); `static`: the
+checkpoint's one `input_scale` (vLLM) or `activation_scale` (transformers) per layer.
 
 `--quantization fp8` on a float checkpoint quantizes the decoder's linear weights at load, per output channel
-to e4m3 (scale = amax / 448, as transformers' FP8 quantizer computes it), and dequantizes them the same way:
-the outputs are those of the FP8 model, the memory and speed those of the float one (until fp8 matmuls).
+to e4m3 (scale = amax / 448, as transformers' FP8 quantizer computes it), and dequantizes them the same way;
+their activations are quantized dynamically per token, as vLLM's online fp8 quantizes them (W8A8): the
+outputs are those of the FP8 model, the memory and speed those of the float one (until fp8 matmuls).
 In the MoE families that includes every expert (per expert and output row, the per-channel scales of vLLM's
 fp8 MoE method) and the shared expert; the routers stay float, as vLLM and transformers leave them."""
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .activations import ActivationScheme
 from .errors import QuantizationError
 
 SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale", "input_scale", "activation_scale")
@@ -29,23 +35,38 @@ class Fp8Config:
     method = "fp8"
     block_size: tuple[int, int] | None  # weight_block_size [rows, cols]; None: per tensor or per channel
     at_load: bool = False  # a float checkpoint quantized at load (--quantization fp8)
+    activation_scheme: str | None = None  # dynamic | static; None: weight-only (quantized at load)
+    input_scale_names = ("input_scale", "activation_scale")
 
     @classmethod
     def from_dict(cls, qc: dict) -> Fp8Config:
         scheme = str(qc.get("activation_scheme", "dynamic")).lower()
-        if scheme != "dynamic":
-            raise QuantizationError(f"fp8 checkpoint with activation_scheme {scheme!r}: only 'dynamic' is served yet")
+        if scheme not in ("dynamic", "static"):
+            raise QuantizationError(f"fp8 checkpoint with activation_scheme {scheme!r}: 'dynamic' and 'static' are "
+                                    "served")
         if qc.get("scale_fmt", "float") not in ("float", None):
             raise QuantizationError(f"fp8 checkpoint with scale_fmt {qc['scale_fmt']!r}: only 'float' scales are served")
         block = qc.get("weight_block_size")
         if block is not None and (len(block) != 2 or any(not isinstance(b, int) or b < 1 for b in block)):
             raise QuantizationError(f"fp8 weight_block_size must be two positive integers, got {block!r}")
-        return cls(tuple(block) if block is not None else None)
+        return cls(tuple(block) if block is not None else None, activation_scheme=scheme)
 
     def describe(self) -> str:
         """What the start-up log says of these weights: their method, and that they are held dequantized."""
         source = "quantized at load" if self.at_load else "checkpoint"
-        return f"{self.method} {source}, weights dequantized to the model dtype"
+        inputs = self.input_activations("")
+        return f"{self.method} {source}, weights dequantized to the model dtype" + (
+            f", activations {inputs.describe()}" if inputs else "")
+
+    def input_activations(self, module: str) -> ActivationScheme | None:
+        """How a quantized layer's input is quantized (w8a8.py): e4m3, symmetric."""
+        if self.activation_scheme is None:
+            return None
+        if self.activation_scheme == "static":
+            return ActivationScheme("float", "tensor", dynamic=False)
+        if self.block_size is None:
+            return ActivationScheme("float", "token", dynamic=True)
+        return ActivationScheme("float", "group", dynamic=True, group_size=self.block_size[1])
 
     @staticmethod
     def auxiliary(key: str) -> bool:

@@ -1,0 +1,177 @@
+"""W8A8 layers: the input of each linear layer whose checkpoint weight is quantized with an activation scheme
+(compressed-tensors `input_activations`, the fp8 method's `activation_scheme`) is quantized as the scheme says
+(activations.py) before the layer's own product: the dense dequantized weight, or its kept-quantized kernel
+(linear_method.py). A fused projection (q/k/v, gate/up) whose parts carry different static input scales
+quantizes the input once per part and keeps each part's output columns, as the reference's separate layers do.
+
+LoRA over a W8A8 base: the adapter's delta is computed beside the base product from the unquantized input
+(models/llama.py `_project`), as PEFT does (its LoRA layer calls the wrapped base layer, whose forward
+fake-quantizes the input, and feeds lora_A the original input) and vLLM does (the base quant method
+quantizes inside its apply; the LoRA shrink reads the layer's input)."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .activations import ActivationScheme, fake_quantize, int8_linear
+from .errors import QuantizationError
+from .linear_method import attach, dense
+
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")  # a quantized weight's scale: its module is quantized
+
+
+class ActivationQuantMethod:
+    """`segments`: (first output column, columns, static scale index) per part; one part when the whole
+    layer shares its input's quantization (dynamic scales, or equal static ones)."""
+
+    def __init__(self, layer: nn.Linear, scheme: ActivationScheme, inner, segments: list[tuple[int, int, int]],
+                 scales: torch.Tensor | None, zeros: torch.Tensor | None,
+                 int_mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.scheme, self.inner, self.segments, self.kernel = scheme, inner, segments, "fake_quant"
+        if int_mm is not None:  # int8 weights [in, out] and their row scales replace the float weight
+            self.kernel = "int_mm"  # parameters, as linear_method's: the start-up log's weight bytes count them
+            layer.register_parameter("qweight_t", nn.Parameter(int_mm[0], requires_grad=False))
+            layer.register_parameter("weight_row_scale", nn.Parameter(int_mm[1], requires_grad=False))
+            layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"),
+                                        requires_grad=False)
+        if scales is not None:  # static: buffers, so .to() and CUDA graphs see them on the device
+            # in the model dtype, as the reference's input_scale parameter holds it
+            device = next(p.device for p in layer.parameters() if p.device.type != "meta")
+            layer.register_buffer("input_scale", scales.to(device, layer.weight.dtype), persistent=False)
+            if zeros is not None:
+                layer.register_buffer("input_zero_point", zeros.to(device), persistent=False)
+
+    def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "int_mm":
+            return int8_linear(x, self.scheme, layer.qweight_t, layer.weight_row_scale, layer.bias)
+        if self.scheme.dynamic:
+            return self.inner(layer, fake_quantize(x, self.scheme))
+        zeros = getattr(layer, "input_zero_point", None)
+        outs = []
+        for start, size, index in self.segments:
+            scale = layer.input_scale[index:index + 1]
+            zero = None if zeros is None else zeros[index:index + 1]
+            out = self.inner(layer, fake_quantize(x, self.scheme, scale, zero))
+            outs.append(out if len(self.segments) == 1 else out[..., start:start + size])
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]:
+    """Each linear layer whose checkpoint weight has an activation scheme quantizes its input; returns
+    {layer: scheme description}. `keys`: the checkpoint's tensor names; `get(key)`: a tensor or None;
+    `target(name)`: (our fused parameter, part index or None) of a checkpoint parameter name."""
+    scheme_of = getattr(quantization, "input_activations", None)
+    if scheme_of is None:
+        return {}
+    parts: dict[str, dict] = {}
+    if getattr(quantization, "at_load", False):  # --quantization fp8: the projections the loader quantized
+        keys = [f"{n}.weight_scale" for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    for key in keys:
+        if not key.endswith(SCALE_SUFFIXES):
+            continue
+        module = key.rsplit(".", 1)[0]
+        scheme = scheme_of(module)
+        ours = model.checkpoint_name(f"{module}.weight") if scheme is not None else None
+        if ours is None:
+            continue
+        name, shard = target(ours)
+        layer = _linear(model, name.removesuffix(".weight"), module)
+        parts.setdefault(name.removesuffix(".weight"), {})[shard] = (scheme, layer, *_static(quantization, module,
+                                                                                              scheme, get), module)
+    installed = {}
+    for name, shards in parts.items():
+        schemes = {s[0] for s in shards.values()}
+        if len(schemes) != 1:
+            raise QuantizationError(f"the parts fused into {name} quantize their input differently: "
+                                    f"{', '.join(s.describe() for s in schemes)}")
+        scheme, layer = next(iter(shards.values()))[:2]
+        inner = getattr(layer, "quant_method", None)
+        segments, scales, zeros = _segments(layer, shards, scheme)
+        int_mm = None
+        if inner is None and _int_mm_applies(layer, scheme):
+            order = sorted(shards, key=lambda s: -1 if s is None else s)
+            int_mm = _int8_weight(layer, [get(f"{shards[k][4]}.weight_scale") for k in order])
+        method = ActivationQuantMethod(layer, scheme, inner.apply if inner is not None else dense, segments,
+                                       scales, zeros, int_mm)
+        attach(layer, method)
+        installed[name] = f"{scheme.describe()} ({method.kernel})"
+    return installed
+
+
+def _linear(model: nn.Module, name: str, module: str) -> nn.Linear:
+    try:
+        layer = model.get_submodule(name)
+    except AttributeError:
+        layer = None
+    if not isinstance(layer, nn.Linear):
+        raise QuantizationError(f"{module} quantizes its input activations, but kubeinfer holds it in a fused "
+                                "expert kernel that does not quantize activations yet (W8A8 experts are not served)")
+    if getattr(layer, "tp_size", 1) > 1 or len(getattr(layer, "parts", [])) and any(
+            p.size != p.total for p in layer.parts):
+        raise QuantizationError("checkpoints that quantize activations (W8A8, fp8 activation_scheme) are served "
+                                "with tensor_parallel_size 1: a rank sees part of each token, and the scales "
+                                "span the whole token")
+    return layer
+
+
+def _static(quantization, module: str, scheme: ActivationScheme, get) -> tuple:
+    if scheme.dynamic:
+        return None, None
+    scale = next((get(f"{module}.{n}") for n in quantization.input_scale_names if get(f"{module}.{n}") is not None),
+                 None)
+    if scale is None or scale.numel() != 1:
+        raise QuantizationError(f"{module} has static input activations but the checkpoint has no one-value "
+                                f"{' or '.join(quantization.input_scale_names)} for it")
+    zero = None
+    if not scheme.symmetric:
+        zero = get(f"{module}.input_zero_point")
+        if zero is None or zero.numel() != 1:
+            raise QuantizationError(f"{module} has asymmetric static input activations but no one-value "
+                                    "input_zero_point in the checkpoint")
+        zero = zero.reshape(1).to(torch.int8)
+    return scale.reshape(1).to(torch.float32), zero
+
+
+def _segments(layer: nn.Linear, shards: dict, scheme: ActivationScheme):
+    """(segments, static scales [parts], static zeros [parts] or None) of a layer's parts."""
+    if scheme.dynamic:
+        return [(0, layer.out_features, 0)], None, None
+    order = sorted(shards, key=lambda s: -1 if s is None else s)
+    scales = torch.cat([shards[s][2] for s in order])
+    zeros = None if scheme.symmetric else torch.cat([shards[s][3] for s in order])
+    if order == [None] or (bool((scales == scales[0]).all()) and (zeros is None or bool((zeros == zeros[0]).all()))):
+        return [(0, layer.out_features, 0)], scales[:1], None if zeros is None else zeros[:1]
+    sizes = [p.size for p in getattr(layer, "parts", [])]
+    if sorted(order) != list(range(len(sizes))):
+        raise QuantizationError(f"the parts of {layer} have static input scales for parts {order} only")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [(starts[i], sizes[i], i) for i in range(len(sizes))], scales, zeros
+
+
+def _int_mm_applies(layer: nn.Linear, scheme: ActivationScheme) -> bool:
+    """torch._int_mm for a float32 CPU model's int8 inputs per token (activations.py: measured, it ties fake
+    quantization at 1 and 16 tokens and wins at 64, and holds int8 weights). Not under bf16/fp16: there the
+    reference rounds the dequantized weight and input to that dtype, which the exact int32 sums would not.
+    KUBEINFER_W8A8_KERNEL=fake_quant turns it off."""
+    wanted = os.environ.get("KUBEINFER_W8A8_KERNEL", "int_mm")
+    if wanted not in ("int_mm", "fake_quant"):
+        raise QuantizationError(f"KUBEINFER_W8A8_KERNEL must be int_mm or fake_quant; got {wanted!r}")
+    return (wanted == "int_mm" and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+            and scheme.type == "int" and scheme.symmetric and scheme.dynamic and scheme.strategy == "token")
+
+
+def _int8_weight(layer: nn.Linear, scales: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The layer's int8 weight [in, out] and row scales, recovered exactly from its dequantized weight (q * scale,
+    the loader's float32 product), when the checkpoint's weights are int8 per output channel, symmetric."""
+    if any(s is None for s in scales):
+        return None
+    scale = torch.cat([s.reshape(-1) for s in scales]).to(torch.float32)
+    weight = layer.weight.detach()
+    if scale.numel() != weight.shape[0] or not bool((scale > 0).all()):
+        return None  # per tensor or per group, or an asymmetric checkpoint's zero points: fake quantization
+    q = torch.round(weight.to(torch.float32) / scale[:, None])
+    if q.min() < -128 or q.max() > 127 or not torch.equal((q * scale[:, None]).to(weight.dtype), weight):
+        return None
+    return q.to(torch.int8).t().contiguous(), scale
