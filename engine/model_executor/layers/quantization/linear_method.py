@@ -201,6 +201,7 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype)
     return chosen
 
 
-def dense(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The unquantized product, for callers that dispatch on `getattr(layer, "quant_method", None)`."""
-    return F.linear(x, layer.weight, layer.bias)
+def dense(layer: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+    """The unquantized product, for callers that dispatch on `getattr(layer, "quant_method", None)`;
+    `bias=False` as in IntLinearMethod.apply."""
+    return F.linear(x, layer.weight, layer.bias if bias else None)

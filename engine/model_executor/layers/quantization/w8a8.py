@@ -43,17 +43,18 @@ class ActivationQuantMethod:
             if zeros is not None:
                 layer.register_buffer("input_zero_point", zeros.to(device), persistent=False)
 
-    def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """`bias=False`: the product alone, as the other quant methods' (a row-parallel layer adds its bias)."""
         if self.kernel == "int_mm":
-            return int8_linear(x, self.scheme, layer.qweight_t, layer.weight_row_scale, layer.bias)
+            return int8_linear(x, self.scheme, layer.qweight_t, layer.weight_row_scale, layer.bias if bias else None)
         if self.scheme.dynamic:
-            return self.inner(layer, fake_quantize(x, self.scheme))
+            return self.inner(layer, fake_quantize(x, self.scheme), bias)
         zeros = getattr(layer, "input_zero_point", None)
         outs = []
         for start, size, index in self.segments:
             scale = layer.input_scale[index:index + 1]
             zero = None if zeros is None else zeros[index:index + 1]
-            out = self.inner(layer, fake_quantize(x, self.scheme, scale, zero))
+            out = self.inner(layer, fake_quantize(x, self.scheme, scale, zero), bias)
             outs.append(out if len(self.segments) == 1 else out[..., start:start + size])
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
