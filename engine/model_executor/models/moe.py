@@ -142,6 +142,13 @@ class MoECausalLM(CausalLM):
         for moe in self.experts_modules().values():
             moe.weight_transform = transform
 
+    def expert_of(self, name: str) -> tuple[str, int, str] | None:
+        """(experts module, expert, gate_proj | up_proj | down_proj) of a per-expert weight's name (ours), else
+        None (layers/quantization/w8a8_experts.py)."""
+        if match := _PER_EXPERT.fullmatch(name):
+            return match.group(1), int(match.group(2)), _PROJECTION.get(match.group(3), match.group(3))
+        return None
+
     def expected_loads(self) -> dict[str, int]:
         """Slices each stacked parameter needs: one per expert and projection (a stacked tensor counts for all)."""
         counts = {}

@@ -5,7 +5,10 @@ its two matmuls at once, the results weighted and summed back per token. No Pyth
 Where torch has it, one grouped product per projection (`torch._grouped_mm` over the sorted rows, with the
 experts' row offsets) runs every expert at once, as transformers' CPU default does: 3-5x faster than a pair
 of products per active expert for a 32-expert layer at batch 1-256 here, and bit-equal to it (measured with
-the layer's shapes of benchmarks/bench_moe.py). Otherwise, and for dtypes it refuses, one pair per expert."""
+the layer's shapes of benchmarks/bench_moe.py). Otherwise, and for dtypes it refuses, one pair per expert.
+
+`input_quant` (W8A8 experts, input_quant.py): the hidden states quantized before the gathered block (once per
+token, or per row with its expert's static scale), the activation's rows before the down product."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -15,7 +18,8 @@ import torch
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
-                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> torch.Tensor:
+                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                    input_quant=None) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights, topk_ids [T, k]; activation: [n, 2I] -> [n, I].
     Returns [T, H]: sum over each token's k experts of weight * expert(x)."""
     num_tokens, top_k = topk_ids.shape
@@ -24,10 +28,17 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
     groups = [(e, slice(start - n, start)) for e, n, start in zip(range(len(counts)), counts, _ends(counts)) if n]
     tokens = order // top_k
-    gathered = x.index_select(0, tokens)
+    experts = flat[order] if input_quant is not None else None  # float models: as before, no extra op
+    if input_quant is None:
+        gathered = x.index_select(0, tokens)
+    elif (quantized := input_quant.hidden(x)) is not None:  # every expert reads the token alike
+        gathered = quantized.index_select(0, tokens)
+    else:
+        gathered = input_quant.hidden_rows(x.index_select(0, tokens), experts)
+    activation = activation if input_quant is None else _then_quantize(activation, input_quant, experts)
     if _grouped_mm_serves(gathered, gate_up):  # one product per projection over every expert's rows
         offsets = torch.tensor(_ends(counts), dtype=torch.int32, device=x.device)
-        experts = flat[order]
+        experts = flat[order] if experts is None else experts
         h = torch._grouped_mm(gathered, gate_up.transpose(1, 2), offs=offsets)
         if gate_up_bias is not None:
             h.add_(gate_up_bias.index_select(0, experts))
@@ -48,6 +59,11 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
 
 USE_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _then_quantize(activation, input_quant, experts: torch.Tensor):
+    """The activation, then each (token, expert) row quantized as its expert's down_proj quantizes its input."""
+    return lambda h: input_quant.intermediate(activation(h), experts)
 
 
 def _grouped_mm_serves(x: torch.Tensor, weights: torch.Tensor) -> bool:

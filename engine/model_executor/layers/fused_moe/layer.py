@@ -12,6 +12,7 @@ Quantized checkpoints reach these methods already dequantized (the loader reads 
 its format): the experts are held as float, so every format runs the same kernels. `weight_transform`, when
 set, maps each full weight in our [..., out, in] orientation before it is sliced and stored
 (--quantization fp8 on a float checkpoint: the per-channel round trip, before TP's slice, as for a dense layer).
+`input_quant` (input_quant.py), when set, quantizes the experts' inputs as W8A8 checkpoints define them.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class FusedMoE(nn.Module):
         self.activation = silu_and_mul if swiglu_limit is None else clamped_swiglu(swiglu_alpha, swiglu_limit)
         self.fused = False  # the Triton kernels (set by the model's use_triton_kernels)
         self.weight_transform: Callable[[torch.Tensor, str], torch.Tensor] | None = None
+        self.input_quant = None  # an ExpertInputQuant (set by layers/quantization/w8a8_experts.py)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H] (this rank's partial sum under TP)."""
@@ -52,9 +54,10 @@ class FusedMoE(nn.Module):
             from .triton_moe import fused_experts
             return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,
                                  gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
-                                 swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
+                                 swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
+                                 input_quant=self.input_quant)
         return grouped_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation,
-                               self.gate_up_proj_bias, self.down_proj_bias)
+                               self.gate_up_proj_bias, self.down_proj_bias, self.input_quant)
 
     # -- loading: full checkpoint tensors in, this rank's slices stored --------------------------------------
     def _rows(self) -> slice:

@@ -6,6 +6,10 @@ BLOCK_M x BLOCK_N tile whose rows all belong to one expert; padding rows read no
 Finally the k results of each token are summed.
 
 Maths is fp32 with ieee dots in the interpreter and for fp32 weights; half precision feeds tensor cores.
+
+`input_quant` (W8A8 experts, input_quant.py) quantizes in torch what the kernels read: the hidden states once
+(or, with a static scale per expert, one row per pair, read with A_ROWS_PER_TOKEN 1), and the materialized
+activation's pair rows before the down GEMM.
 """
 from __future__ import annotations
 
@@ -94,7 +98,7 @@ def _gemm(a, b, out, bias, weights, sorted_ids, expert_ids, num_padded, rows_per
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
                   down_bias: torch.Tensor | None = None, swiglu_limit: float | None = None,
-                  swiglu_alpha: float = 1.702, block_m: int | None = None) -> torch.Tensor:
+                  swiglu_alpha: float = 1.702, block_m: int | None = None, input_quant=None) -> torch.Tensor:
     """As grouped.grouped_experts: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_* [T, k] -> [T, H]."""
     num_tokens, top_k = topk_ids.shape
     if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
@@ -106,8 +110,16 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
     sorted_ids, expert_ids, num_padded = align_by_expert(topk_ids, gate_up.shape[0], block_m)
     pairs = num_tokens * top_k
     h = torch.empty(pairs, gate_up.shape[1], dtype=x.dtype, device=x.device)
-    _gemm(x, gate_up, h, gate_up_bias, None, sorted_ids, expert_ids, num_padded, top_k, block_m)
+    a, rows_per_token = x, top_k
+    if input_quant is not None:
+        experts = topk_ids.reshape(-1)
+        a = input_quant.hidden(x)
+        if a is None:  # a static scale per expert: pair p's row is token p // top_k, quantized for its expert
+            a, rows_per_token = input_quant.hidden_rows(x.repeat_interleave(top_k, dim=0), experts), 1
+    _gemm(a, gate_up, h, gate_up_bias, None, sorted_ids, expert_ids, num_padded, rows_per_token, block_m)
     act = silu_and_mul(h) if swiglu_limit is None else clamped_swiglu(swiglu_alpha, swiglu_limit)(h)
+    if input_quant is not None:
+        act = input_quant.intermediate(act, experts)
     out = torch.empty(pairs, down.shape[1], dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
     _gemm(act.contiguous(), down, out, down_bias, weights, sorted_ids, expert_ids, num_padded, 1, block_m)

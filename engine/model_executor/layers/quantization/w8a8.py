@@ -18,6 +18,7 @@ from torch import nn
 from .activations import ActivationScheme, fake_quantize, int8_linear
 from .errors import QuantizationError
 from .linear_method import attach, dense
+from .w8a8_experts import ExpertSchemes
 
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")  # a quantized weight's scale: its module is quantized
 
@@ -67,15 +68,19 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
     if scheme_of is None:
         return {}
     parts: dict[str, dict] = {}
+    experts = ExpertSchemes(model)  # MoE experts' projections: w8a8_experts.py
     if getattr(quantization, "at_load", False):  # --quantization fp8: the projections the loader quantized
-        keys = [f"{n}.weight_scale" for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+        routers = model.router_names() if hasattr(model, "router_names") else set()  # float, not quantized
+        keys = [f"{n}.weight_scale" for n, m in model.named_modules()
+                if isinstance(m, nn.Linear) and n != "lm_head" and n not in routers]
+        experts.at_load(scheme_of(""))
     for key in keys:
         if not key.endswith(SCALE_SUFFIXES):
             continue
         module = key.rsplit(".", 1)[0]
         scheme = scheme_of(module)
         ours = model.checkpoint_name(f"{module}.weight") if scheme is not None else None
-        if ours is None:
+        if ours is None or experts.take(ours, module, scheme, lambda: _static(quantization, module, scheme, get)):
             continue
         name, shard = target(ours)
         layer = _linear(model, name.removesuffix(".weight"), module)
@@ -98,7 +103,7 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
                                        scales, zeros, int_mm)
         attach(layer, method)
         installed[name] = f"{scheme.describe()} ({method.kernel})"
-    return installed
+    return {**installed, **experts.install()}
 
 
 def _linear(model: nn.Module, name: str, module: str) -> nn.Linear:
@@ -107,8 +112,8 @@ def _linear(model: nn.Module, name: str, module: str) -> nn.Linear:
     except AttributeError:
         layer = None
     if not isinstance(layer, nn.Linear):
-        raise QuantizationError(f"{module} quantizes its input activations, but kubeinfer holds it in a fused "
-                                "expert kernel that does not quantize activations yet (W8A8 experts are not served)")
+        raise QuantizationError(f"{module} quantizes its input activations, but it is no linear layer of kubeinfer's "
+                                "model (W8A8 experts are served from per-expert checkpoint tensors only)")
     if getattr(layer, "tp_size", 1) > 1 or len(getattr(layer, "parts", [])) and any(
             p.size != p.total for p in layer.parts):
         raise QuantizationError("checkpoints that quantize activations (W8A8, fp8 activation_scheme) are served "

@@ -1,0 +1,104 @@
+"""W8A8 inside the MoE experts: the activation schemes of a checkpoint's per-expert projections
+(`experts.E.gate_proj / up_proj / down_proj`, Mixtral's w1 / w3 / w2), gathered per MoE layer and installed on
+its stacked experts as one ExpertInputQuant (layers/fused_moe/input_quant.py), which quantizes the hidden
+states before the gate/up product and each (token, expert) intermediate row before the down product.
+
+Served: every expert of a layer with the same scheme per projection (gate/up and down may differ, or one of
+them stay float); static scales one per expert (equal or not), gate_proj's and up_proj's equal for each expert
+(they read the same input; llm-compressor's observers give them the same scale). Refused by name: experts of
+one layer with different schemes, or some with and some without; an expert whose gate_proj and up_proj have
+different static scales (the fused gate/up product quantizes its input once); under tensor parallelism, a
+dynamic down_proj scale that spans more of the intermediate row than a rank holds."""
+from __future__ import annotations
+
+import torch
+
+from ..fused_moe.input_quant import ExpertInputQuant
+from .activations import ActivationScheme
+from .errors import QuantizationError
+
+GATE_UP, DOWN = ("gate_proj", "up_proj"), ("down_proj",)
+
+
+class ExpertSchemes:
+    """Collects (projection, expert) -> (scheme, static scale, static zero, checkpoint module) per MoE layer."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.found: dict[str, dict[tuple[str, int], tuple]] = {}
+
+    def take(self, ours: str, module: str, scheme: ActivationScheme, static) -> bool:
+        """Records `ours` (our weight name) when it is an expert's projection; `static()` -> (scale, zero)."""
+        expert_of = getattr(self.model, "expert_of", None)
+        hit = expert_of(ours) if expert_of is not None else None
+        if hit is None:
+            return False
+        name, expert, projection = hit
+        self.found.setdefault(name, {})[(projection, expert)] = (scheme, *static(), module)
+        return True
+
+    def at_load(self, scheme: ActivationScheme) -> None:
+        """--quantization fp8 on a float checkpoint: every expert of every layer, dynamic (vLLM's online fp8)."""
+        for name, moe in getattr(self.model, "experts_modules", dict)().items():
+            self.found[name] = {(p, e): (scheme, None, None, f"{name}.{e}.{p}")
+                                for e in range(moe.num_experts) for p in GATE_UP + DOWN}
+
+    def install(self) -> dict[str, str]:
+        installed = {}
+        for name, entries in self.found.items():
+            moe = self.model.get_submodule(name)
+            gate_up, gate_up_static = _projection(name, moe, entries, GATE_UP)
+            down, down_static = _projection(name, moe, entries, DOWN)
+            _check_tensor_parallel(name, moe, down)
+            scales = {which: static for which, static in (("gate_up", gate_up_static), ("down", down_static))
+                      if static is not None}
+            moe.input_quant = ExpertInputQuant(gate_up, down, scales)
+            schemes = {s.describe() for s in (gate_up, down) if s is not None}
+            installed[name] = f"{' / '.join(sorted(schemes))} (fused experts)"
+        return installed
+
+
+def _projection(name: str, moe, entries: dict, projections: tuple[str, ...]):
+    """(the scheme of these projections in every expert or None, static (scale [E] or [1], zero or None))."""
+    present = [entries.get((p, e)) for e in range(moe.num_experts) for p in projections]
+    if all(entry is None for entry in present):
+        return None, None
+    if any(entry is None for entry in present):
+        missing = next(f"expert {e} {p}" for e in range(moe.num_experts) for p in projections
+                       if (p, e) not in entries)
+        raise QuantizationError(f"{name}: some experts' {'/'.join(projections)} quantize their input activations "
+                                f"and others' do not ({missing}): mixed experts in one layer are not served")
+    schemes = {entry[0] for entry in present}
+    if len(schemes) != 1:
+        raise QuantizationError(f"{name}: the experts' {'/'.join(projections)} quantize their input differently "
+                                f"({', '.join(sorted(s.describe() for s in schemes))}): not served")
+    scheme = schemes.pop()
+    if scheme.dynamic:
+        return scheme, None
+    per_expert = []
+    for e in range(moe.num_experts):
+        parts = [entries[(p, e)] for p in projections]
+        first = parts[0]
+        for other in parts[1:]:
+            if not torch.equal(other[1], first[1]) or (first[2] is not None and not torch.equal(other[2], first[2])):
+                raise QuantizationError(f"{first[3]} and {other[3]} have different static input scales: the fused "
+                                        "gate/up product quantizes its input once per expert, so this is not served")
+        per_expert.append(first)
+    weight = moe.gate_up_proj
+    scale = torch.cat([entry[1] for entry in per_expert]).to(weight.device, weight.dtype)  # the model dtype, as
+    zero = None if scheme.symmetric else torch.cat([entry[2] for entry in per_expert]).to(weight.device)  # w8a8
+    if bool((scale == scale[0]).all()) and (zero is None or bool((zero == zero[0]).all())):
+        scale, zero = scale[:1], None if zero is None else zero[:1]  # one scale: the tokens quantized once
+    return scheme, (scale, zero)
+
+
+def _check_tensor_parallel(name: str, moe, down: ActivationScheme | None) -> None:
+    """A rank holds I / tp columns of each expert's intermediate row: a dynamic down_proj scale must not span
+    more (per token never does; groups must tile the rank's slice). Gate/up read the whole hidden state."""
+    if moe.tp_size == 1 or down is None or not down.dynamic:
+        return
+    if down.strategy == "group" and moe.intermediate_size % down.group_size == 0:
+        return
+    raise QuantizationError(f"{name}: the experts' down_proj input is quantized {down.describe()}, a scale over "
+                            f"the whole intermediate row, but each of the {moe.tp_size} tensor-parallel ranks "
+                            f"holds {moe.intermediate_size} of its columns: served with tensor_parallel_size 1")

@@ -1,0 +1,152 @@
+"""W8A8 inside the MoE experts (issue 29): FP8 MoE checkpoints (block-wise, `activation_scheme: dynamic`, as
+Qwen3-30B-A3B-FP8 ships), `--quantization fp8` on a float MoE checkpoint, and compressed-tensors W8A8 (int8
+and fp8) MoE checkpoints, served with each expert's inputs quantized as the format defines them.
+
+The reference: transformers loading the same checkpoint with dequantized weights (`FineGrainedFP8Config(
+dequantize=True)`, `CompressedTensorsConfig(dequantize=True)`) into its eager experts (one expert at a time,
+`F.linear` on each expert's slice of the stacked weights), every product's input fake-quantized by the
+compressed-tensors package's functions: the dense projections' by forward pre-hooks (quant_checkpoints.
+fake_quantize_inputs), the experts' by intercepting each F.linear call of the experts' forward and telling
+the expert and projection from the weight slice it multiplies. A token's hidden state is quantized as a
+[1, tokens, hidden] input, per token (or per token group) as the format defines: the package itself, fed
+the 2-D [tokens, hidden] block transformers 4 passed each expert, would take one scale over all of them
+(compute_dynamic_scales_and_zp keeps dims 0 and 1 only), which no serving engine does.
+Near ties are excused as in test_quantized_w8a8.py. One case runs in the default suite, the rest are slow."""
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from quant_checkpoints import (
+    assert_greedy_equal_but_near_ties,
+    ct_activation_args,
+    ct_compress,
+    ct_fake_quantize,
+    ct_scheme,
+    engine_greedy,
+    fake_quantize_inputs,
+    float_weights,
+    hf_greedy,
+    write_checkpoint,
+)
+from safetensors.torch import load_file
+
+# Every input dimension 64: [32, 32] fp8 blocks give two activation groups per row.
+SHAPE = dict(hidden_size=64, intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=2)
+FAMILIES = {"qwen3_moe": {"moe_intermediate_size": 64}, "mixtral": {},
+            "qwen2_moe": {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64}}
+ROUTERS = {"qwen3_moe": ("re:.*mlp.gate$",), "mixtral": ("re:.*block_sparse_moe.gate$",),
+           "qwen2_moe": ("re:.*mlp.gate$", "re:.*shared_expert_gate$")}
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def float_dirs(tmp_path_factory):
+    from kubeinfer.testing.random_model import build_random_model
+
+    root, built = tmp_path_factory.mktemp("moe_w8a8"), {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = build_random_model(root / family, family, tokenizer=False, seed=29, **SHAPE,
+                                               **FAMILIES[family])
+        return built[family]
+    return get
+
+
+@contextmanager
+def _linear_inputs_quantized(experts, args_of):
+    real = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        for projection in ("gate_up_proj", "down_proj"):
+            stacked = getattr(experts, projection)
+            offset = weight.data_ptr() - stacked.data_ptr()
+            if weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr() and 0 <= offset:
+                expert = offset // (stacked.stride(0) * stacked.element_size())
+                args, scale, zero = args_of(projection, int(expert))
+                x = ct_fake_quantize(x.unsqueeze(0), args, scale, zero)[0]
+        return real(x, weight, bias)
+
+    torch.nn.functional.linear = linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = real
+
+
+def quantize_expert_inputs(model, args_of) -> None:
+    """transformers' eager experts with each product's input fake-quantized by the package:
+    `args_of(layer, projection, expert)` -> (QuantizationArgs, scale, zero) for `gate_up_proj` / `down_proj`."""
+    model.set_experts_implementation("eager")
+    for index, layer in enumerate(model.model.layers):
+        block = getattr(layer, "mlp", None)
+        experts = getattr(block, "experts", None)
+        if experts is None:
+            continue
+        forward = experts.forward
+
+        def wrapped(*args, _forward=forward, _experts=experts, _layer=index, **kwargs):
+            with _linear_inputs_quantized(_experts, lambda p, e: args_of(_layer, p, e)):
+                return _forward(*args, **kwargs)
+        experts.forward = wrapped
+
+
+def fp8_moe_reference(model_dir, quantize_experts: bool = True):
+    """FineGrainedFP8Config(dequantize=True), every decoder projection's input (experts' included) e4m3 per
+    token per group of the weight block's columns (per token without blocks)."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
+    block = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]["weight_block_size"]
+    args = ct_activation_args(type="float", strategy="group", group_size=block[1]) if block else \
+        ct_activation_args(type="float", strategy="token")
+    fake_quantize_inputs(model, lambda name: (args, None, None))
+    if quantize_experts:
+        quantize_expert_inputs(model, lambda layer, projection, expert: (args, None, None))
+    else:
+        model.set_experts_implementation("eager")
+    return model
+
+
+def fp8_moe_checkpoint(float_dir, dst, block=(32, 32)) -> str:
+    from test_quantized_fp8 import fp8_config, fp8_quantize
+
+    block = list(block) if block else None
+    return write_checkpoint(float_dir, dst, fp8_quantize(float_weights(float_dir), block), fp8_config(block))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=slow),
+                                    pytest.param("qwen2_moe", marks=slow)])
+def test_fp8_block_moe_checkpoint_quantizes_the_experts_inputs(float_dirs, tmp_path, family):
+    """Qwen3-30B-A3B-FP8's format: block-wise weights, activations e4m3 per token per group of 32 (the
+    block's columns) in the attention, the shared expert and every expert."""
+    model_dir = fp8_moe_checkpoint(float_dirs(family), tmp_path / "fp8")
+    reference = fp8_moe_reference(model_dir)
+    assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
+
+
+def test_unquantized_expert_inputs_would_fail_the_comparison(float_dirs, tmp_path, monkeypatch):
+    """The guard: the reference moves with its experts' activation quantization, and the engine with its
+    experts' inputs left in float (the dense projections still quantized) fails the comparison above."""
+    from kubeinfer.engine.model_executor.layers.quantization import w8a8_experts
+
+    model_dir = fp8_moe_checkpoint(float_dirs("qwen3_moe"), tmp_path / "fp8")
+    reference, float_experts = fp8_moe_reference(model_dir), fp8_moe_reference(model_dir, quantize_experts=False)
+    ids = torch.tensor([list(range(60, 100))])
+    with torch.no_grad():
+        assert (reference(ids).logits - float_experts(ids).logits).abs().max().item() > 0.05
+    monkeypatch.setattr(w8a8_experts.ExpertSchemes, "install", lambda self: {})
+    with pytest.raises(AssertionError):
+        assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
+
+
+@slow
+def test_fp8_per_tensor_moe_checkpoint_quantizes_per_token(float_dirs, tmp_path):
+    model_dir = fp8_moe_checkpoint(float_dirs("qwen3_moe"), tmp_path / "fp8", block=None)
+    reference = fp8_moe_reference(model_dir)
+    assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
