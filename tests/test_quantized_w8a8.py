@@ -251,21 +251,13 @@ def test_unserved_activation_schemes_are_refused_at_start_up(float_dir, tmp_path
         LLM(model_dir, max_model_len=64, num_kv_blocks=16)
 
 
-def test_w8a8_experts_and_tensor_parallel_ranks_are_refused_by_name(tmp_path):
-    """What is not served is a start-up error, not weight-only serving under a W8A8 label: fused MoE experts
-    (their kernels do not quantize activations), and tensor-parallel ranks (a row-parallel rank sees part of
-    each token, the scale spans all of it)."""
-    from test_quantized_fp8 import fp8_config, fp8_quantize
-
+def test_w8a8_tensor_parallel_ranks_are_refused_by_name(tmp_path):
+    """What is not served is a start-up error, not weight-only serving under a W8A8 label: tensor-parallel
+    ranks (a row-parallel rank sees part of each token, the scale spans all of it). W8A8 MoE experts are
+    served (test_quantized_moe_w8a8.py, which also has their refusals)."""
     from kubeinfer.engine import LLM
-    from kubeinfer.engine.model_executor.model_loader import ModelLoadError
     from kubeinfer.testing.random_model import build_random_model
 
-    moe_dir = build_random_model(tmp_path / "moe", "qwen3_moe", tokenizer=False, seed=3, **SHAPE)
-    moe = write_checkpoint(moe_dir, tmp_path / "moe_fp8", fp8_quantize(float_weights(moe_dir), [16, 16]),
-                           fp8_config([16, 16]))
-    with pytest.raises(ModelLoadError, match="W8A8 experts are not served"):
-        LLM(moe, max_model_len=64, num_kv_blocks=16)
     dense_dir = build_random_model(tmp_path / "dense", "llama", tokenizer=False, seed=3, **SHAPE)
     dense = w8a8_checkpoint(dense_dir, "int8_dynamic", dst=tmp_path / "dense_w8a8")
     with pytest.raises(Exception, match="served with tensor_parallel_size 1"):
