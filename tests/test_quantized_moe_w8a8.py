@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from quant_checkpoints import (
     fake_quantize_inputs,
     float_weights,
     hf_greedy,
+    is_decoder_linear,
     write_checkpoint,
 )
 from safetensors.torch import load_file
@@ -58,17 +60,18 @@ def float_dirs(tmp_path_factory):
 
 
 @contextmanager
-def _linear_inputs_quantized(experts, args_of):
+def _linear_inputs_seen(experts, input_of):
+    """F.linear, while the experts' forward runs, with each input x replaced by input_of(projection, expert)(x),
+    the expert told from the stacked weight's slice it multiplies."""
     real = torch.nn.functional.linear
 
     def linear(x, weight, bias=None):
         for projection in ("gate_up_proj", "down_proj"):
             stacked = getattr(experts, projection)
-            offset = weight.data_ptr() - stacked.data_ptr()
-            if weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr() and 0 <= offset:
-                expert = offset // (stacked.stride(0) * stacked.element_size())
-                args, scale, zero = args_of(projection, int(expert))
-                x = ct_fake_quantize(x.unsqueeze(0), args, scale, zero)[0]
+            if weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr():
+                expert = (weight.data_ptr() - stacked.data_ptr()) // (stacked.stride(0) * stacked.element_size())
+                seen = input_of(projection, int(expert))(x)
+                x = x if seen is None else seen
         return real(x, weight, bias)
 
     torch.nn.functional.linear = linear
@@ -76,6 +79,11 @@ def _linear_inputs_quantized(experts, args_of):
         yield
     finally:
         torch.nn.functional.linear = real
+
+
+def _fake_quantizer(args, scale, zero):
+    """x [tokens, D] as the package quantizes a [1, tokens, D] layer input."""
+    return lambda x: ct_fake_quantize(x.unsqueeze(0), args, scale, zero)[0]
 
 
 def quantize_expert_inputs(model, args_of) -> None:
@@ -90,7 +98,7 @@ def quantize_expert_inputs(model, args_of) -> None:
         forward = experts.forward
 
         def wrapped(*args, _forward=forward, _experts=experts, _layer=index, **kwargs):
-            with _linear_inputs_quantized(_experts, lambda p, e: args_of(_layer, p, e)):
+            with _linear_inputs_seen(_experts, lambda p, e: _fake_quantizer(*args_of(_layer, p, e))):
                 return _forward(*args, **kwargs)
         experts.forward = wrapped
 
@@ -114,10 +122,17 @@ def fp8_moe_reference(model_dir, quantize_experts: bool = True):
 
 
 def fp8_moe_checkpoint(float_dir, dst, block=(32, 32)) -> str:
-    from test_quantized_fp8 import fp8_config, fp8_quantize
+    """Every decoder projection, experts included (Mixtral's w1/w3/w2), through transformers' FP8 quantizer."""
+    from test_quantized_fp8 import fp8_config
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
     block = list(block) if block else None
-    return write_checkpoint(float_dir, dst, fp8_quantize(float_weights(float_dir), block), fp8_config(block))
+    quantize = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=block)))
+    weights = {}
+    for key, tensor in float_weights(float_dir).items():
+        weights.update(quantize.convert({key: tensor}) if is_decoder_linear(key) else {key: tensor})
+    return write_checkpoint(float_dir, dst, weights, fp8_config(block))
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=slow),
@@ -149,6 +164,143 @@ def test_unquantized_expert_inputs_would_fail_the_comparison(float_dirs, tmp_pat
 def test_fp8_per_tensor_moe_checkpoint_quantizes_per_token(float_dirs, tmp_path):
     model_dir = fp8_moe_checkpoint(float_dirs("qwen3_moe"), tmp_path / "fp8", block=None)
     reference = fp8_moe_reference(model_dir)
+    assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
+
+
+# --- compressed-tensors W8A8 (int-quantized, float-quantized) MoE checkpoints ---
+CT_MOE = {  # name: (weights' type, input_activations); static scales from calibration (moe_static_inputs)
+    "int8_dynamic": ("int", dict(type="int", strategy="token", dynamic=True, symmetric=True)),
+    "fp8_dynamic": ("float", dict(type="float", strategy="token", dynamic=True, symmetric=True)),
+    "int8_static_asym": ("int", dict(type="int", strategy="tensor", dynamic=False, symmetric=False)),
+    "fp8_static": ("float", dict(type="float", strategy="tensor", dynamic=False, symmetric=True)),
+}
+
+
+def _observed_inputs(float_dir) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """min and max of every decoder projection's input on a calibration prompt, the experts' per expert
+    (checkpoint names: `...experts.E.gate_proj`, Mixtral's `block_sparse_moe.experts.E.w1`)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    model.set_experts_implementation("eager")
+    seen = {}
+
+    def note(name, x):
+        lo, hi = seen.get(name, (x.min(), x.max()))
+        seen[name] = (torch.minimum(lo, x.min()), torch.maximum(hi, x.max()))
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in name and name.endswith("_proj"):
+            module.register_forward_pre_hook(lambda m, inp, n=name: note(n, inp[0]))
+    mixtral = model.config.model_type == "mixtral"
+    names = {"gate_up_proj": ("w1", "w3") if mixtral else ("gate_proj", "up_proj"),
+             "down_proj": ("w2",) if mixtral else ("down_proj",)}
+    block = "block_sparse_moe" if mixtral else "mlp"
+
+    def observe(layer, projection, expert):
+        def record(x):
+            for n in names[projection]:
+                note(f"model.layers.{layer}.{block}.experts.{expert}.{n}", x)
+        return record
+    for index, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        forward = experts.forward
+
+        def wrapped(*args, _forward=forward, _experts=experts, _layer=index, **kwargs):
+            with _linear_inputs_seen(_experts, lambda p, e: observe(_layer, p, e)):
+                return _forward(*args, **kwargs)
+        experts.forward = wrapped
+    with torch.no_grad():
+        model(torch.arange(1, 65).reshape(1, -1))
+    return seen
+
+
+def moe_static_inputs(float_dir, args) -> dict:
+    """Per-tensor input qparams of every projection (each expert its own) by the package's calculate_qparams."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    out = {}
+    for name, (lo, hi) in _observed_inputs(float_dir).items():
+        scale, zero = calculate_qparams(lo.reshape(1), hi.reshape(1), args)
+        out[f"{name}.input_scale"] = scale.to(torch.float32)
+        if not args.symmetric:
+            out[f"{name}.input_zero_point"] = zero.to(torch.int8)
+    return out
+
+
+def ct_moe_checkpoint(float_dir, name: str, dst) -> str:
+    kind, inputs = CT_MOE[name]
+    config = ct_scheme("int-quantized" if kind == "int" else "float-quantized", 8, kind, "channel", True, None,
+                       activations=True, ignore=ROUTERS[float_dir.name])
+    config["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "observer": None, **inputs}
+    weights = ct_compress(float_weights(float_dir), config)
+    if not inputs["dynamic"]:
+        weights.update(moe_static_inputs(float_dir, ct_activation_args(**inputs)))
+    return write_checkpoint(float_dir, dst, weights, config)
+
+
+def ct_decompressed(model_dir) -> dict:
+    """Every quantized weight through its format's registered compressor's `decompress` (the package's own),
+    the other tensors as stored, quantization parameters dropped."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
+    compressor = BaseCompressor.get_value_from_registry(config["format"])
+    tensors = float_weights(model_dir)
+    out = {}
+    for key, tensor in tensors.items():
+        prefix, _, leaf = key.rpartition(".")
+        if leaf == "weight" and f"{prefix}.weight_scale" in tensors:
+            state = {n: tensors[f"{prefix}.{n}"] for n in ("weight", "weight_scale", "weight_zero_point")
+                     if f"{prefix}.{n}" in tensors}
+            out[key] = compressor.decompress(state, scheme)["weight"].to(torch.float32)
+        elif not leaf.startswith(("weight_", "input_")):
+            out[key] = tensor
+    return out
+
+
+def ct_moe_reference(model_dir, float_dir, dst):
+    """The package's decompression of the checkpoint (transformers 5.24 cannot load int-quantized or
+    float-quantized experts: its concatenation finds no `weight` tensors for them; the package's whole-model
+    dequantizer takes every `weight` of these formats for a quantized one, embeddings included), loaded by
+    transformers as a float model, every projection's input fake-quantized by the package with the
+    checkpoint's scheme and static qparams."""
+    from test_quantized_moe import hf_float
+
+    dense = ct_decompressed(model_dir)
+    assert set(dense) == set(float_weights(float_dir))
+    model = hf_float(write_checkpoint(float_dir, dst, dense, None))
+    group = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]["config_groups"]
+    args = ct_activation_args(**{k: v for k, v in group["group_0"]["input_activations"].items() if k != "observer"})
+    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
+    mixtral = model.config.model_type == "mixtral"
+
+    def qparams(name):
+        if args.dynamic:
+            return args, None, None
+        return args, tensors[f"{name}.input_scale"], tensors.get(f"{name}.input_zero_point")
+    fake_quantize_inputs(model, qparams)
+    block = "block_sparse_moe" if mixtral else "mlp"
+    first = {"gate_up_proj": "w1" if mixtral else "gate_proj", "down_proj": "w2" if mixtral else "down_proj"}
+    quantize_expert_inputs(model, lambda layer, projection, expert: qparams(
+        f"model.layers.{layer}.{block}.experts.{expert}.{first[projection]}"))
+    return model
+
+
+@pytest.mark.parametrize("family, name", [
+    ("qwen3_moe", "int8_static_asym"),  # each expert its own static scale and zero point
+    pytest.param("qwen3_moe", "int8_dynamic", marks=slow),
+    pytest.param("qwen3_moe", "fp8_dynamic", marks=slow),
+    pytest.param("mixtral", "fp8_static", marks=slow),
+    pytest.param("qwen2_moe", "int8_dynamic", marks=slow),
+])
+def test_compressed_tensors_w8a8_moe_equals_the_reference(float_dirs, tmp_path, family, name):
+    float_dir = float_dirs(family)
+    model_dir = ct_moe_checkpoint(float_dir, name, tmp_path / "ct")
+    down = "model.layers.1." + ("block_sparse_moe.experts.3.w2" if family == "mixtral" else "mlp.experts.3.down_proj")
+    assert float_weights(model_dir)[f"{down}.weight"].dtype in (torch.int8, torch.float8_e4m3fn)
+    reference = ct_moe_reference(model_dir, float_dir, tmp_path / "dense")
     assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
 
 
