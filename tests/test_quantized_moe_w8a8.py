@@ -387,7 +387,8 @@ def test_expert_rows_quantized_bit_for_bit_as_the_package(name):
     experts = ids.reshape(-1)
     rows = x.repeat_interleave(K, dim=0)
     hidden = quant.hidden(x)
-    got = {"gate_up_proj": hidden.repeat_interleave(K, dim=0) if hidden is not None else quant.hidden_rows(rows, experts),
+    shared = hidden is not None
+    got = {"gate_up_proj": hidden.repeat_interleave(K, dim=0) if shared else quant.hidden_rows(rows, experts),
            "down_proj": quant.intermediate(rows, experts)}
     for projection, quantized in got.items():
         for p, e in enumerate(experts.tolist()):
@@ -414,3 +415,68 @@ def test_triton_experts_quantize_inputs_as_the_grouped_path(name):
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got.cpu(), grouped_experts(x, gate_up, down, weights, ids, silu_and_mul,
                                                           input_quant=quant), atol=1e-4, rtol=1e-4)
+
+
+# --- What is not served is refused by name ---
+class _OneMoELayer(torch.nn.Module):
+    """The part of a model ExpertSchemes reads: `expert_of` and the experts module (2 experts, I = 32)."""
+
+    def __init__(self, tp_size: int = 1):
+        from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
+
+        super().__init__()
+        self.experts = FusedMoE(2, 16, 64, tp_size=tp_size)
+
+    def expert_of(self, name: str):
+        _, expert, projection, _ = name.rsplit(".", 3)
+        return "experts", int(expert), projection
+
+
+def _schemes(model, entries: dict):
+    """entries: (expert, projection) -> (ActivationScheme, scale or None)."""
+    from kubeinfer.engine.model_executor.layers.quantization.w8a8_experts import ExpertSchemes
+
+    schemes = ExpertSchemes(model)
+    for (e, p), (scheme, scale) in entries.items():
+        static = (None, None) if scale is None else (torch.tensor([scale]), None)
+        assert schemes.take(f"experts.{e}.{p}.weight", f"experts.{e}.{p}", scheme, lambda s=static: s)
+    return schemes.install()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("gate_up_scales_differ", "experts.1.gate_proj and experts.1.up_proj have different static input scales"),
+    ("mixed", r"some experts' down_proj quantize their input activations and others' do not \(expert 1 down_proj\)"),
+    ("schemes_differ", "the experts' down_proj quantize their input differently"),
+    ("tensor_parallel_token", "each of the 2 tensor-parallel ranks holds 32 of its columns"),
+])
+def test_unserved_expert_activation_schemes_are_refused_by_name(case, message):
+    from kubeinfer.engine.model_executor.layers.quantization import QuantizationError
+    from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
+
+    static = ActivationScheme("int", "tensor", dynamic=False)
+    token = ActivationScheme("int", "token", dynamic=True)
+    entries = {(e, p): (static, 0.01) for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")}
+    if case == "gate_up_scales_differ":
+        entries[(1, "up_proj")] = (static, 0.02)
+    elif case == "mixed":
+        del entries[(1, "down_proj")]
+    elif case == "schemes_differ":
+        entries[(1, "down_proj")] = (token, None)
+    else:
+        entries = {key: (token, None) for key in entries}
+    with pytest.raises(QuantizationError, match=message):
+        _schemes(_OneMoELayer(tp_size=2 if case.startswith("tensor_parallel") else 1), entries)
+
+
+def test_served_expert_schemes_are_described_and_static_scales_kept_per_expert():
+    from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
+
+    static, group = ActivationScheme("int", "tensor", dynamic=False), ActivationScheme("float", "group", True, True, 16)
+    model = _OneMoELayer()
+    entries = {(e, p): (static, 0.01 * (e + 1)) for e in range(2) for p in ("gate_proj", "up_proj")}
+    installed = _schemes(model, {**entries, **{(e, "down_proj"): (group, None) for e in range(2)}})
+    described = "gate/up int8 static per tensor, down fp8 e4m3 dynamic per group of 16 (fused experts)"
+    assert installed == {"experts": described}
+    assert model.experts.input_quant.gate_up_input_scale.tolist() == pytest.approx([0.01, 0.02])
+    tp = _OneMoELayer(tp_size=2)  # groups of 16 tile a rank's 32 columns: served under tensor parallelism
+    assert _schemes(tp, {(e, p): (group, None) for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")})

@@ -80,7 +80,8 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
         module = key.rsplit(".", 1)[0]
         scheme = scheme_of(module)
         ours = model.checkpoint_name(f"{module}.weight") if scheme is not None else None
-        if ours is None or experts.take(ours, module, scheme, lambda: _static(quantization, module, scheme, get)):
+        static = lambda m=module, s=scheme: _static(quantization, m, s, get)  # an expert's scales, read by experts.take
+        if ours is None or experts.take(ours, module, scheme, static):
             continue
         name, shard = target(ours)
         layer = _linear(model, name.removesuffix(".weight"), module)

@@ -53,9 +53,15 @@ class ExpertSchemes:
             scales = {which: static for which, static in (("gate_up", gate_up_static), ("down", down_static))
                       if static is not None}
             moe.input_quant = ExpertInputQuant(gate_up, down, scales)
-            schemes = {s.describe() for s in (gate_up, down) if s is not None}
-            installed[name] = f"{' / '.join(sorted(schemes))} (fused experts)"
+            installed[name] = f"{_describe(gate_up, down)} (fused experts)"
         return installed
+
+
+def _describe(gate_up: ActivationScheme | None, down: ActivationScheme | None) -> str:
+    if gate_up == down:
+        return gate_up.describe()
+    return ", ".join(f"{which} {'float' if s is None else s.describe()}" for which, s in (("gate/up", gate_up),
+                                                                                         ("down", down)))
 
 
 def _projection(name: str, moe, entries: dict, projections: tuple[str, ...]):
