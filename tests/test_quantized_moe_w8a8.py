@@ -167,6 +167,47 @@ def test_fp8_per_tensor_moe_checkpoint_quantizes_per_token(float_dirs, tmp_path)
     assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
 
 
+@slow
+def test_fp8_flag_on_float_gpt_oss_quantizes_its_experts_inputs(tmp_path):
+    """--quantization fp8 on float gpt-oss (biases, clamped SwiGLU, experts stacked [E, in, out]): the
+    reference is transformers' float model with every projection round-tripped per output row by its FP8
+    quantizer (the weights test_quantized_moe.py checks bit for bit), the attention projections' inputs
+    fake-quantized per token by the package, and, per token too, the experts' hidden states (the same for
+    every expert) and each expert's gated output before its down product (`_apply_gate`'s result: gpt-oss's
+    eager experts multiply with `@`, not F.linear)."""
+    from test_quantized_moe import hf_float
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize
+
+    from kubeinfer.testing.random_model import build_random_model
+
+    float_dir = build_random_model(tmp_path / "float", "gpt_oss", tokenizer=False, seed=3, hidden_size=64,
+                                   intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=2)
+    reference = hf_float(str(float_dir))
+    quantize = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=[1, 64])))
+
+    def roundtrip(weight):  # [out, in]
+        pair = quantize.convert({"w.weight": weight})
+        return pair["w.weight"].float() * pair["w.weight_scale_inv"]
+    args = ct_activation_args(type="float", strategy="token")
+    quantized = _fake_quantizer(args, None, None)
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.endswith("_proj"):
+                module.weight.copy_(roundtrip(module.weight))
+        for layer in reference.model.layers:
+            experts = layer.mlp.experts
+            for stacked in (experts.gate_up_proj, experts.down_proj):  # [E, in, out]: rows of the transpose
+                for e in range(stacked.shape[0]):
+                    stacked[e].copy_(roundtrip(stacked[e].t().contiguous()).t())
+            experts.register_forward_pre_hook(lambda m, inputs: (quantized(inputs[0]), *inputs[1:]))
+            apply_gate = experts._apply_gate
+            experts._apply_gate = lambda gate_up, _apply=apply_gate: quantized(_apply(gate_up))
+    fake_quantize_inputs(reference, lambda name: (args, None, None))
+    tokens = engine_greedy(str(float_dir), quantization="fp8")
+    assert_greedy_equal_but_near_ties(tokens, hf_greedy(reference), reference)
+
+
 # --- compressed-tensors W8A8 (int-quantized, float-quantized) MoE checkpoints ---
 CT_MOE = {  # name: (weights' type, input_activations); static scales from calibration (moe_static_inputs)
     "int8_dynamic": ("int", dict(type="int", strategy="token", dynamic=True, symmetric=True)),
