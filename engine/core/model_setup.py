@@ -136,7 +136,8 @@ def memory_summary(runner: ModelRunner, num_blocks: int) -> str:
     kernels = Counter(getattr(runner.model, "quant_kernels", {}).values())
     kept = "".join(f", {n} linear layers {kernel}" for kernel, n in sorted(kernels.items()) if kernel != "dequantized")
     w8a8 = Counter(getattr(runner.model, "activation_schemes", {}).values())  # layers/quantization/w8a8.py
-    kept += "".join(f", {n} linear layers with activations {scheme}" for scheme, n in sorted(w8a8.items()))
+    kept += "".join(f", {n} {'MoE expert' if scheme.endswith('(fused experts)') else 'linear'} layers with "
+                    f"activations {scheme.removesuffix(' (fused experts)')}" for scheme, n in sorted(w8a8.items()))
     ranks = runner.model.spec.tp_size
     kept += f" (per rank, of {ranks})" if ranks > 1 else ""  # rank 0's slice: weights, KV heads and blocks alike
     return (f"weights {weights / (1 << 20):.2f} MiB{kept}, KV cache {str(runner.cache_dtype).removeprefix('torch.')} "

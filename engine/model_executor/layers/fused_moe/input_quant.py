@@ -33,9 +33,8 @@ class ExpertInputQuant(nn.Module):
             if zero is not None:
                 self.register_buffer(f"{which}_input_zero_point", zero, persistent=False)
 
-    def describe(self) -> str:
-        parts = [f"{which} {scheme.describe()}" for which, scheme in self.schemes.items() if scheme is not None]
-        return f"experts: {', '.join(parts)}"
+    def extra_repr(self) -> str:
+        return ", ".join(f"{which}={'float' if s is None else s.describe()}" for which, s in self.schemes.items())
 
     def _static(self, which: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return getattr(self, f"{which}_input_scale", None), getattr(self, f"{which}_input_zero_point", None)
