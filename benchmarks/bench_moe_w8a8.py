@@ -19,7 +19,7 @@ from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_exp
 from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
 
-E, H, I, K = 32, 1024, 512, 4
+E, H, INTER, K = 32, 1024, 512, 4
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
         spec.loader.exec_module(module)
         runners["float (baseline)"] = lambda *a: module.grouped_experts(*a, silu_and_mul)
     g = torch.Generator().manual_seed(0)
-    gate_up, down = torch.randn(E, 2 * I, H, generator=g) * 0.02, torch.randn(E, H, I, generator=g) * 0.02
+    gate_up, down = torch.randn(E, 2 * INTER, H, generator=g) * 0.02, torch.randn(E, H, INTER, generator=g) * 0.02
     for tokens in (1, 16, 64):
         x = torch.randn(tokens, H, generator=g)
         weights = torch.softmax(torch.randn(tokens, K, generator=g), -1)

@@ -347,7 +347,7 @@ def test_compressed_tensors_w8a8_moe_equals_the_reference(float_dirs, tmp_path, 
 
 # --- The kernels: CPU grouped (torch._grouped_mm and the per-expert fallback) and Triton, against the
 # definition (token by token, expert by expert, each input fake-quantized by the package) ---
-E, H, I, K = 8, 32, 48, 2
+E, H, INTER, K = 8, 32, 48, 2  # test_fused_moe.random_experts' shapes
 KERNEL_SCHEMES = {  # name: (ActivationScheme fields, static scales: None, "shared" or "per_expert")
     "fp8_group_dynamic": (dict(type="float", strategy="group", dynamic=True, group_size=16), None),
     "int8_token_dynamic_asym": (dict(type="int", strategy="token", dynamic=True, symmetric=False), None),
@@ -460,7 +460,7 @@ def test_triton_experts_quantize_inputs_as_the_grouped_path(name):
 
 # --- What is not served is refused by name ---
 class _OneMoELayer(torch.nn.Module):
-    """The part of a model ExpertSchemes reads: `expert_of` and the experts module (2 experts, I = 32)."""
+    """The part of a model ExpertSchemes reads: `expert_of` and the experts module (2 experts, hidden 16, intermediate 64)."""
 
     def __init__(self, tp_size: int = 1):
         from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE

@@ -11,6 +11,7 @@ quantizes inside its apply; the LoRA shrink reads the layer's input)."""
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 from torch import nn
@@ -80,7 +81,7 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
         module = key.rsplit(".", 1)[0]
         scheme = scheme_of(module)
         ours = model.checkpoint_name(f"{module}.weight") if scheme is not None else None
-        static = lambda m=module, s=scheme: _static(quantization, m, s, get)  # an expert's scales, read by experts.take
+        static = partial(_static, quantization, module, scheme, get)  # an expert's scales, read by experts.take
         if ours is None or experts.take(ours, module, scheme, static):
             continue
         name, shard = target(ours)
