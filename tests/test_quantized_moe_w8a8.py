@@ -460,7 +460,7 @@ def test_triton_experts_quantize_inputs_as_the_grouped_path(name):
 
 # --- What is not served is refused by name ---
 class _OneMoELayer(torch.nn.Module):
-    """The part of a model ExpertSchemes reads: `expert_of` and the experts module (2 experts, hidden 16, intermediate 64)."""
+    """What ExpertSchemes reads of a model: `expert_of` and the experts (2 experts, hidden 16, intermediate 64)."""
 
     def __init__(self, tp_size: int = 1):
         from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
