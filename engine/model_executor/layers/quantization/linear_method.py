@@ -24,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("triton", "cpu_int4", "cpu_int8", "dequantized")
+KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "dequantized")
+# torch's CPU weight-only products with the activations rounded to bf16 (the format's "A16") in a float32 model
+BF16_ACTIVATIONS = {"cpu_int4_bf16": "cpu_int4", "cpu_int8_bf16": "cpu_int8"}
 
 
 @dataclass
@@ -63,7 +65,7 @@ def keeps_quantized(device: torch.device, dtype: torch.dtype) -> bool:
     forced = os.environ.get("KUBEINFER_QUANT_KERNEL")
     if forced:
         return forced != "dequantized"
-    return device.type == "cuda" or dtype in (torch.bfloat16, torch.float16)
+    return device.type in ("cuda", "cpu")
 
 
 def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype) -> str:
@@ -75,12 +77,15 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype) -
         return forced if applies(forced, weight) else "dequantized"
     if device.type == "cuda":
         return "triton"
+    if dtype == torch.float32:
+        return next((k for k in ("cpu_int4_bf16", "cpu_int8_bf16") if applies(k, weight)), "dequantized")
     if dtype in (torch.bfloat16, torch.float16) and applies("cpu_int4", weight):
         return "cpu_int4"
     return "dequantized"
 
 
 def applies(kernel: str, w: IntWeight) -> bool:
+    kernel = BF16_ACTIVATIONS.get(kernel, kernel)
     out, cols = w.values.shape
     if kernel == "cpu_int4":
         return w.bits == 4 and w.group_size in (32, 64, 128, 256) and cols % w.group_size == 0 and out % 16 == 0
@@ -93,10 +98,14 @@ def applies(kernel: str, w: IntWeight) -> bool:
 
 class WeightOnlyIntMethod:
     """Holds the quantized weight on the layer (parameters, so memory accounting and .to() see them) and
-    multiplies with the chosen kernel; activations stay in the model dtype."""
+    multiplies with the chosen kernel; activations stay in the model dtype, except for the *_bf16 kernels,
+    whose product takes and returns bf16 (the output goes back to the model dtype)."""
 
     def __init__(self, layer: nn.Linear, weight: IntWeight, kernel: str, dtype: torch.dtype) -> None:
-        self.kernel, self.group_size, self.bits = kernel, weight.group_size, weight.bits
+        model_dtype = dtype
+        if kernel in BF16_ACTIVATIONS:
+            kernel, dtype = BF16_ACTIVATIONS[kernel], torch.bfloat16
+        self.kernel, self.group_size, self.bits, self.act_dtype = kernel, weight.group_size, weight.bits, dtype
         device = layer.weight.device
         keep = {}
         if kernel == "cpu_int4":
@@ -121,17 +130,18 @@ class WeightOnlyIntMethod:
             layer.register_parameter(name, nn.Parameter(tensor.to(device), requires_grad=False))
         self.names = tuple(keep)
         # The float weight goes: its shape stays (on the meta device) for whoever reads it, its memory does not.
-        layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
+        layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=model_dtype, device="meta"),
+                                    requires_grad=False)
 
     def apply(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "cpu_int4":
-            shape = x.shape
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), layer.qweight, self.group_size,
-                                                             layer.scales_and_zeros).reshape(*shape[:-1], -1)
-        elif self.kernel == "cpu_int8":
-            shape = x.shape
-            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), layer.qweight,
-                                                     layer.weight_scale).reshape(*shape[:-1], -1)
+        if self.kernel in ("cpu_int4", "cpu_int8"):
+            rows = x.reshape(-1, x.shape[-1]).to(self.act_dtype)  # no copy when the dtypes agree
+            if self.kernel == "cpu_int4":
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.qweight, self.group_size,
+                                                                 layer.scales_and_zeros)
+            else:
+                out = torch.ops.aten._weight_int8pack_mm(rows, layer.qweight, layer.weight_scale)
+            out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
         else:
             from .triton_int_matmul import int_matmul
 
