@@ -71,9 +71,10 @@ def kernel_times(calls: int = 15) -> None:
     lines = ["| torch threads | tokens | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     lines += [f"| {t} | {n} | " + " | ".join(f"{best[k] * 1e3:.2f}" for k in names) + " |"
               for (t, n), best in results.items()]
-    body = "\n".join([f"Command: `python benchmarks/bench_quantized_decode.py --kernels`. Machine: {platform.machine()}, "
-                      f"{os.cpu_count()} cores shared with other jobs (load average {os.getloadavg()[0]:.1f} at the end), "
-                      f"torch {torch.__version__}. One [tokens, {COLS}] x [{OUT}, {COLS}] product in ms, fastest of "
+    body = "\n".join([f"Command: `python benchmarks/bench_quantized_decode.py --kernels`. Machine: "
+                      f"{platform.machine()}, {os.cpu_count()} cores shared with other jobs (load average "
+                      f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}. One [tokens, {COLS}] x "
+                      f"[{OUT}, {COLS}] product in ms, fastest of "
                       f"{calls} interleaved calls (OpenBLAS uses its own threads whatever torch's count).", "", *lines,
                       "", "The engine's choice on the CPU (layers/quantization/linear_method.py) follows: int4 and "
                       "int8 weights kept, through torch's products with bf16 activations."])
