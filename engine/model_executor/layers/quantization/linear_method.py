@@ -4,17 +4,29 @@ kept quantized in memory. `attach(layer, method)` sets `layer.quant_method` and 
 called `nn.Linear.forward` (its collective after it). LoRA deltas are computed beside the base product from
 the same input (models/llama.py `_project`), so an adapter stays in float over a quantized base.
 
-Which kernel, chosen by measurement (`python benchmarks/bench_quantized_decode.py --kernels`, one
-[tokens, 2048] x [8192, 2048] product; benchmarks/RESULTS.md; three runs on a loaded 2-core CPU):
+Which kernel, chosen by measurement (benchmarks/RESULTS.md "Quantized weights"; a 2-core AVX-512 VNNI CPU
+without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
 - CUDA: the Triton dequantize-and-multiply kernel (triton_int_matmul.py), int8 one byte and int4 half a byte
   per weight.
-- CPU, float32 model (the CPU default): dequantized float32 weights. With float32 activations torch's
-  weight-only products took 3.5-6.5x (int8) and 6-14x (int4) F.linear's time at 1 and 16 tokens, and the
-  engine's small float32 steps run through OpenBLAS besides.
-- CPU, bf16/fp16 model: int4 (groups of 32-256) through `_weight_int4pack_mm_for_cpu`: from 0.76x to 1.44x
-  bf16 F.linear's time at one token (runs disagree), 0.99-1.07x at 16, a quarter of the memory. int8 through
-  `_weight_int8pack_mm` was 0.29-1.0x at one token but 1.6-1.9x at 16: int8 weights are dequantized to bf16.
-KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, dequantized) overrides the choice where the kernel applies."""
+- CPU, float32 model (the CPU default): int4 (groups of 32-256) and int8 (per channel, symmetric) kept, through
+  torch's weight-only products with the activations rounded to bf16 and the bf16 output widened back
+  (`cpu_int4_bf16`, `cpu_int8_bf16`): the formats' "A16", and the only way torch's products are fast here. One
+  [tokens, 2048] x [8192, 2048] product on one torch thread (what a decode step runs, layers/cpu_blas.py;
+  `bench_quantized_decode.py --kernels`), ms at 1 / 16 tokens: int4 bf16 0.58 / 3.4, int8 bf16 1.07 / 4.5,
+  float32 through OpenBLAS 4.7 / 59 and `F.linear` 3.0 / 34, dequantized bf16 `F.linear` 2.2 / 3.0; with float32
+  activations torch's int8 and int4 products take 34 / 333 and 53 / 645 (not vectorized). Whole engine, 222M
+  Llama (`bench_quantized_decode.py --model large`), tok/s at batch 1 / 16, best of 3 rounds: float32 5.0 / 16,
+  W8A16 17.6 / 87, W4A16 27.6 / 115. Numerics: log-probabilities within 0.25 of transformers' float32 on the
+  decompressed checkpoint (tests/test_quantized_kept.py; measured 0.07-0.13 on a tiny random model). Other
+  int layouts (asymmetric or grouped int8) are dequantized to float32. Decode steps keep torch on one thread:
+  with two (KUBEINFER_CPU_OPENBLAS=0) the same engine ran 3x slower at batch 1 and 1.4-2.5x at 16 under this load.
+  `torch._int_mm` with int8 activations per token (llama.cpp's Q8_0 arithmetic) was the fastest at 16 tokens
+  (2.85 ms) but slower at one (2.1 ms), and changes a weight-only checkpoint's numerics: not used.
+- CPU, bf16/fp16 model: int4 through `_weight_int4pack_mm_for_cpu` (0.76x-1.44x bf16 F.linear's time at one
+  token, on a par at 16, a quarter of the memory); int8 dequantized to bf16 (`_weight_int8pack_mm` was
+  0.29-1.0x at one token but 1.6-1.9x at 16).
+KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, dequantized) overrides the
+choice where the kernel applies; cpu_int4/cpu_int8 take the activations in the model dtype (float32 included)."""
 from __future__ import annotations
 
 import os
