@@ -12,9 +12,9 @@ names) minus `ignore`, how each linear weight is stored:
 
 The weight is (q - zero_point) * scale, computed in float32 and stored in the model dtype. Served by
 dequantizing at load (layers/quantization/linear_method.py keeps int8/int4 weights quantized where it
-pays); W8A8's activations stay in the model dtype, as vLLM's weight-only fallback and transformers'
-`CompressedTensorsConfig(dequantize=True)` run them. `k_scale`/`v_scale` (a `kv_cache_scheme`) are the FP8 KV
-cache's scales (kv_cache_dtype.py)."""
+pays: on the CPU's float32, int4 and per-channel int8 run with bf16 activations); W8A8's activations are not
+quantized, as vLLM's weight-only fallback and transformers' `CompressedTensorsConfig(dequantize=True)` run
+them. `k_scale`/`v_scale` (a `kv_cache_scheme`) are the FP8 KV cache's scales (kv_cache_dtype.py)."""
 from __future__ import annotations
 
 import re
