@@ -109,7 +109,7 @@ class EngineSystem:
         return min(times[1:]) * 1e3
 
     def close(self) -> None:
-        self.llm.engine.shutdown() if hasattr(self.llm.engine, "shutdown") else None
+        self.llm.shutdown()
 
 
 class LlamaCppSystem:
