@@ -269,7 +269,7 @@ def test_w8a8_experts_and_tensor_parallel_group_cuts_are_refused_by_name(tmp_pat
         LLM(moe, max_model_len=64, num_kv_blocks=16)
     dense_dir = build_random_model(tmp_path / "dense", "llama", tokenizer=False, seed=3, **SHAPE)
     dense = w8a8_checkpoint(dense_dir, "fp8_group", dst=tmp_path / "dense_w8a8",
-                            inputs=dict(type="float", strategy="group", group_size=128, dynamic=True))
+                            inputs={"type": "float", "strategy": "group", "group_size": 128, "dynamic": True})
     with pytest.raises(Exception, match=r"o_proj: with tensor_parallel_size 2 .* cut a group of 128"):
         LLM(dense, max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
 
