@@ -148,3 +148,15 @@ def test_fp8_over_two_ranks_equals_the_reference(name, tmp_path_factory):
     served, kwargs = (str(float_fp8), {"quantization": "fp8"}) if name == "flag" else (
         served if name == "channel" else reference, {})
     assert_two_ranks_equal(served, fp8.hf_fp8(reference), **kwargs)
+
+
+@pytest.mark.slow
+def test_phi3_fused_checkpoint_over_two_ranks_equals_the_reference(tmp_path):
+    """Phi-3's checkpoint fuses q/k/v and gate/up in one tensor each: each rank's int_mm layers take their rows
+    of the fused per-channel scales at the parts' checkpoint offsets (w8a8_tp.rank_rows)."""
+    from kubeinfer.testing.random_model import build_random_model
+
+    phi3 = build_random_model(tmp_path / "float", "phi3", tokenizer=False, seed=7, **SHAPE)
+    model_dir = w8a8_checkpoint(phi3, "int8_dynamic")
+    assert set(rank_model(model_dir, 1, 2).activation_schemes.values()) == {"int8 dynamic per token (int_mm)"}
+    assert_two_ranks_equal(model_dir, hf_w8a8(model_dir))
