@@ -251,10 +251,11 @@ def test_unserved_activation_schemes_are_refused_at_start_up(float_dir, tmp_path
         LLM(model_dir, max_model_len=64, num_kv_blocks=16)
 
 
-def test_w8a8_experts_and_tensor_parallel_ranks_are_refused_by_name(tmp_path):
+def test_w8a8_experts_and_tensor_parallel_group_cuts_are_refused_by_name(tmp_path):
     """What is not served is a start-up error, not weight-only serving under a W8A8 label: fused MoE experts
-    (their kernels do not quantize activations), and tensor-parallel ranks (a row-parallel rank sees part of
-    each token, the scale spans all of it)."""
+    (their kernels do not quantize activations), and tensor-parallel ranks whose row-parallel columns cut an
+    activation group (o_proj's 128 columns, 64 a rank, in groups of 128; the rest of W8A8 under tensor
+    parallelism is served: test_quantized_w8a8_tp.py)."""
     from test_quantized_fp8 import fp8_config, fp8_quantize
 
     from kubeinfer.engine import LLM
@@ -267,8 +268,9 @@ def test_w8a8_experts_and_tensor_parallel_ranks_are_refused_by_name(tmp_path):
     with pytest.raises(ModelLoadError, match="W8A8 experts are not served"):
         LLM(moe, max_model_len=64, num_kv_blocks=16)
     dense_dir = build_random_model(tmp_path / "dense", "llama", tokenizer=False, seed=3, **SHAPE)
-    dense = w8a8_checkpoint(dense_dir, "int8_dynamic", dst=tmp_path / "dense_w8a8")
-    with pytest.raises(Exception, match="served with tensor_parallel_size 1"):
+    dense = w8a8_checkpoint(dense_dir, "fp8_group", dst=tmp_path / "dense_w8a8",
+                            inputs={"type": "float", "strategy": "group", "group_size": 128, "dynamic": True})
+    with pytest.raises(Exception, match=r"o_proj: with tensor_parallel_size 2 .* cut a group of 128"):
         LLM(dense, max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
 
 
