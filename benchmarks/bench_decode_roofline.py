@@ -11,6 +11,7 @@ token by token through a streamer; and the step's matrix products alone (every w
 through a one-token `F.linear`, nothing else), which shows how much of a step the kernels themselves take;
 with `--peer llama.cpp`, llama.cpp in f32 and f16 on the same model and token ids (llama_cpp_peer.py says
 what it needs; without it the row is skipped with instructions). Results go to benchmarks/RESULTS.md.
+int8/int4 weights against llama.cpp Q8_0/Q4_0, at batch 1 and 16: bench_quantized_decode.py --peer llama.cpp.
 
     python benchmarks/bench_decode_roofline.py [--tokens 256] [--repeats 3] [--peer llama.cpp]
 """

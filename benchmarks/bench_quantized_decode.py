@@ -1,12 +1,19 @@
-"""Decode speed of quantized weights on the CPU: the engine at batch 1 and batch 16 with the float32 checkpoint
-(the CPU default), the bf16 one, and compressed-tensors W8A16 (int8 per channel) and W4A16 (int4, groups of
-128) checkpoints of the same model, kept quantized through torch's weight-only products
-(layers/quantization/linear_method.py; KUBEINFER_QUANT_KERNEL picks the kernel), plus the KV cache's capacity
-with --kv-cache-dtype fp8 against bf16 in the same bytes. The checkpoints are written by the
-`compressed-tensors` package (the test extra). llama.cpp Q8_0/Q4_0 rows need llama-cpp-python, which is not
-installed here (it builds from source): see bench_decode_roofline.py --peer llama.cpp.
+"""Decode speed of quantized weights on the CPU, side by side in one run on the same model: the engine at batch 1
+and batch 16 with the float32 checkpoint (the CPU default) and compressed-tensors W8A16 (int8 per channel) and
+W4A16 (int4, groups of 128) checkpoints of it, kept quantized (layers/quantization/linear_method.py: on a float32
+model torch's weight-only products with bf16 activations; KUBEINFER_QUANT_KERNEL picks another kernel), against
+llama.cpp f32, Q8_0 and Q4_0 of the same weights (`--peer llama.cpp`; llama_cpp_peer.py says exactly how it is
+run and what it needs: without it the rows are skipped with instructions). Also: the time a step spends in its
+matrix products alone (every projection of the engine's loaded model through its own kernel, back to back, in
+the engine's small-step threading), and the KV cache's capacity with --kv-cache-dtype fp8 against bf16.
 
-    python benchmarks/bench_quantized_decode.py [--tokens 64] [--repeats 3]
+Models (random-init Llamas built here; the checkpoints written by the `compressed-tensors` package, the test
+extra): `small`, the 33.6M model of the throughput benchmark, where a step is mostly per-step overhead rather
+than weight reads; `large`, 222M parameters (hidden 1024, 12 layers), where the weights dominate. Every
+system runs --repeats rounds, the systems interleaved within each round; the best round is reported (the
+machine is shared: the best round is the one least disturbed), with the median beside it.
+
+    python benchmarks/bench_quantized_decode.py --model small,large --peer llama.cpp [--tokens 32] [--repeats 3]
     python benchmarks/bench_quantized_decode.py --kernels     # one layer's product per kernel (the CPU choice)
 """
 from __future__ import annotations
@@ -16,6 +23,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,135 +31,210 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+import llama_cpp_peer  # noqa: E402
+from bench_quantized_kernels import kernel_times  # noqa: E402
 from bench_throughput import MODEL_SHAPE  # noqa: E402
 from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_checkpoint  # noqa: E402
 from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
+from kubeinfer.engine.model_executor.layers import cpu_blas  # noqa: E402
 from kubeinfer.testing.random_model import build_random_model  # noqa: E402
 
 PROMPT_LEN = 32
+BATCHES = (1, 16)
+MODELS = {"small": ("bench-llama-33m", MODEL_SHAPE),
+          "large": ("bench-llama-222m", dict(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=8,
+                                             intermediate_size=4096, vocab_size=16384, max_position_embeddings=1024))}
+SCHEMES = {"w8a16": ("pack-quantized", 8, "int", "channel", True, None),
+           "w4a16": ("pack-quantized", 4, "int", "group", True, 128)}
 
 
-def decode_rate(model_dir: str, dtype: str, kernel: str | None, batch: int, tokens: int, repeats: int) -> float:
-    """Median aggregate decode tokens/s of `batch` requests at once, from the last first token to the end."""
-    if kernel:
-        os.environ["KUBEINFER_QUANT_KERNEL"] = kernel
-    try:
-        llm = LLM(model_dir, dtype=dtype, max_num_seqs=batch, enable_prefix_caching=False, num_kv_blocks=64 * batch)
-    finally:
-        os.environ.pop("KUBEINFER_QUANT_KERNEL", None)
-    engine = llm.engine
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, MODEL_SHAPE["vocab_size"], (PROMPT_LEN,), generator=gen).tolist() for _ in range(batch)]
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    rates = []
-    for r in range(repeats + 1):  # the first round warms up
+def checkpoints(name: str) -> dict[str, Path]:
+    """The float32 model and its W8A16 / W4A16 checkpoints, built once under .cache."""
+    directory, shape = MODELS[name]
+    root = Path(".cache")
+    made = {"float32": root / directory}
+    if not (made["float32"] / "config.json").exists():
+        build_random_model(made["float32"], "llama", tokenizer=False, initializer_range=0.02, **shape)
+    for scheme, args in SCHEMES.items():
+        made[scheme] = root / f"{directory}-{scheme}"
+        if not (made[scheme] / "config.json").exists():
+            config = ct_scheme(*args)
+            write_checkpoint(made["float32"], made[scheme], ct_compress(float_weights(made["float32"]), config),
+                             config)
+    return made
+
+
+class EngineSystem:
+    """One engine (max_num_seqs 16) that runs a round at any batch size up to 16."""
+
+    def __init__(self, path: Path, tokens: int, kernel: str | None = None) -> None:
+        if kernel:
+            os.environ["KUBEINFER_QUANT_KERNEL"] = kernel
+        try:
+            self.llm = LLM(str(path), max_num_seqs=max(BATCHES), enable_prefix_caching=False,
+                           num_kv_blocks=64 * max(BATCHES))
+        finally:
+            os.environ.pop("KUBEINFER_QUANT_KERNEL", None)
+        self.tokens, self.rounds = tokens, 0
+        model = self.llm.engine.runner.model
+        self.kernels = sorted(set(getattr(model, "quant_kernels", {}).values())) or ["float32"]
+
+    def rate(self, prompts: list[list[int]]) -> float:
+        """Aggregate decode tokens/s: from the last first token to the last token."""
+        engine, self.rounds = self.llm.engine, self.rounds + 1
+        params = SamplingParams(temperature=0, max_tokens=self.tokens, ignore_eos=True)
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{r}-{i}", prompt, params)
+            engine.add_request(f"r{self.rounds}-{i}", list(prompt), params)
         done = []
         while engine.has_unfinished_requests():
             done += [o.metrics for o in engine.step() if o.finished]
         start, end = max(m["first_token_time"] for m in done), max(m["last_token_time"] for m in done)
-        if r:
-            rates.append(batch * (tokens - 1) / (end - start))
-    return statistics.median(rates)
+        return len(prompts) * (self.tokens - 1) / (end - start)
 
-
-def kernel_times(out: int = 8192, cols: int = 2048, calls: int = 30) -> None:
-    """Median ms of one [tokens, 2048] x [8192, 2048] product: F.linear against torch's weight-only int8 and int4
-    (group 128) products, float32 and bf16 activations: what linear_method.choose_kernel is based on."""
-    import time
-
-    def median_ms(fn) -> float:
-        fn()
+    def products_ms(self, batch: int, calls: int = 3) -> float:
+        """ms of one step's matrix products alone: every projection and lm_head of the loaded model through its own
+        forward (kept-quantized kernel, OpenBLAS or torch), back to back, in a decode step's threading."""
+        model = self.llm.engine.runner.model
+        layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        inputs = [torch.rand(batch, m.in_features) for m in layers]
         times = []
-        for _ in range(calls):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times) * 1e3
+        with torch.inference_mode(), cpu_blas.small_step(getattr(model, "openblas_small_steps", False)):
+            for _ in range(calls + 1):
+                start = time.perf_counter()
+                for layer, x in zip(layers, inputs):
+                    layer(x)
+                times.append(time.perf_counter() - start)
+        return min(times[1:]) * 1e3
 
+    def close(self) -> None:
+        self.llm.shutdown()
+
+
+class LlamaCppSystem:
+    def __init__(self, gguf: Path, tokens: int) -> None:
+        self.decoder = llama_cpp_peer.BatchedDecoder(gguf, torch.get_num_threads(), PROMPT_LEN, tokens)
+        self.rate = self.decoder.rate
+        self.decoder.rate([[11] * PROMPT_LEN])  # warm-up (page faults, repacking)
+
+    def close(self) -> None:
+        self.decoder.close()
+
+
+def run_model(name: str, args) -> str:
+    """The side-by-side table of one model (markdown), printed as it goes."""
+    made = checkpoints(name)
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(out, cols, generator=gen)
-    q8 = torch.randint(-128, 128, (out, cols), generator=gen, dtype=torch.int8)
-    q4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (out, cols), generator=gen,
-                                                                          dtype=torch.int32), 1)
-    lines = ["| activations | tokens | `F.linear` ms | `_weight_int8pack_mm` ms | `_weight_int4pack_mm_for_cpu` ms |",
-             "|---|---|---|---|---|"]
-    for dtype in (torch.float32, torch.bfloat16):
-        w, scale = weight.to(dtype), torch.rand(out, dtype=dtype)
-        scales_zeros = torch.rand(cols // 128, out, 2, generator=gen).to(dtype)
-        for tokens in (1, 16):
-            x = torch.randn(tokens, cols, generator=gen).to(dtype)
-            row = [median_ms(lambda: torch.nn.functional.linear(x, w)),
-                   median_ms(lambda: torch.ops.aten._weight_int8pack_mm(x, q8, scale)),
-                   median_ms(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, q4, 128, scales_zeros))]
-            print(dtype, tokens, " ".join(f"{t:.2f}" for t in row))
-            lines.append(f"| {str(dtype).removeprefix('torch.')} | {tokens} | " + " | ".join(f"{t:.2f}" for t in row) + " |")
-    body = "\n".join([f"Command: `python benchmarks/bench_quantized_decode.py --kernels`. Machine: {platform.machine()}, "
-                      f"{os.cpu_count()} cores (shared with other jobs while measured), torch {torch.__version__}, "
-                      f"{torch.get_num_threads()} threads. One [tokens, {cols}] x [{out}, {cols}] product, median of "
-                      f"{calls} calls.", "", *lines, "",
-                      "The engine's choice on the CPU (layers/quantization/linear_method.py) follows: float32 models "
-                      "keep int weights dequantized; bf16 models run int4 through torch's product."])
-    update_results("quantized-kernels", "Quantized weights: one layer's product per CPU kernel", body)
+    prompts = [torch.randint(10, MODELS[name][1]["vocab_size"], (PROMPT_LEN,), generator=gen).tolist()
+               for _ in range(max(BATCHES))]
+    systems = {"engine float32 checkpoint (float32)": EngineSystem(made["float32"], args.tokens),
+               "engine W8A16 (float32 model)": EngineSystem(made["w8a16"], args.tokens),
+               "engine W4A16 (float32 model)": EngineSystem(made["w4a16"], args.tokens)}
+    peer_note = ""
+    if args.peer:
+        why_not = llama_cpp_peer.missing(args.llama_cpp_converter)
+        if why_not:
+            peer_note = llama_cpp_peer.HOW_TO_INSTALL.format(missing=why_not)
+            print(peer_note)
+        else:
+            f32 = llama_cpp_peer.convert(made["float32"], "f32", args.llama_cpp_converter, Path(".cache"))
+            systems["llama.cpp f32"] = LlamaCppSystem(f32, args.tokens)
+            for kind in ("Q8_0", "Q4_0"):
+                systems[f"llama.cpp {kind}"] = LlamaCppSystem(llama_cpp_peer.quantize(f32, kind), args.tokens)
+    for system in systems.values():  # warm-up round
+        if isinstance(system, EngineSystem):
+            system.rate(prompts[:1])
+    rates: dict[tuple[str, int], list[float]] = {}
+    products: dict[tuple[str, int], float] = {}
+    loads = []
+    for _ in range(args.repeats):
+        for batch in BATCHES:
+            for label, system in systems.items():
+                rates.setdefault((label, batch), []).append(system.rate(prompts[:batch]))
+                if isinstance(system, EngineSystem):  # right after its round, under the same load
+                    alone = system.products_ms(batch)
+                    products[(label, batch)] = min(products.get((label, batch), alone), alone)
+        loads.append(os.getloadavg()[0])
+        print(name, {f"{k[0]} @{k[1]}": f"{max(v):.1f}" for k, v in rates.items()}, f"load {loads[-1]:.1f}")
+    kernels = {label: ", ".join(s.kernels) for label, s in systems.items() if isinstance(s, EngineSystem)}
+    for system in systems.values():
+        system.close()
+    return table(name, rates, products, kernels, loads, peer_note)
+
+
+def table(name: str, rates, products, kernels, loads, peer_note: str) -> str:
+    best = {key: max(v) for key, v in rates.items()}
+    params = {"small": "33.6M", "large": "222M"}[name]
+    lines = [f"**{name}** ({params} parameters; load average {min(loads):.1f}-{max(loads):.1f} on 2 cores "
+             "while measured)", "",
+             "| system | kernels | batch 1 tok/s (best / median) | ms per step | products alone ms | "
+             "batch 16 tok/s (best / median) | ms per step | products alone ms |", "|---|---|---|---|---|---|---|---|"]
+    labels = list(dict.fromkeys(label for label, _ in rates))
+    for label in labels:
+        cells = []
+        for batch in BATCHES:
+            r = rates[(label, batch)]
+            alone = products.get((label, batch))
+            cells += [f"{max(r):.1f} / {statistics.median(r):.1f}", f"{1000 * batch / max(r):.2f}",
+                      f"{alone:.2f}" if alone is not None else "-"]
+        lines.append(f"| {label} | {kernels.get(label, 'llama.cpp')} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for ours, theirs in (("engine W8A16 (float32 model)", "llama.cpp Q8_0"),
+                         ("engine W4A16 (float32 model)", "llama.cpp Q4_0"),
+                         ("engine float32 checkpoint (float32)", "llama.cpp f32")):
+        if (theirs, 1) in best:
+            ratios = [best[(ours, b)] / best[(theirs, b)] for b in BATCHES]
+            goals = "" if "checkpoint" in ours else (
+                f"; issue 29's goals (batch 1 >= 1x, batch 16 >= 1.5x): batch 1 "
+                f"{'met' if ratios[0] >= 1 else 'not met'}"
+                f", batch 16 {'met' if ratios[1] >= 1.5 else 'not met'}")
+            lines.append(f"- {ours} / {theirs}: batch 1 {ratios[0]:.2f}x, batch 16 {ratios[1]:.2f}x (best rounds)"
+                         + goals)
+    if peer_note:
+        lines.append(f"- {peer_note}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per system, interleaved")
+    parser.add_argument("--model", default="small,large", help="comma-separated: small, large")
+    parser.add_argument("--peer", choices=("llama.cpp",), help="also run llama.cpp f32, Q8_0 and Q4_0")
+    parser.add_argument("--llama-cpp-converter", default=llama_cpp_peer.default_converter(),
+                        help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_CONVERTER)")
     parser.add_argument("--kernels", action="store_true", help="time one layer's product per kernel instead")
     args = parser.parse_args()
     if args.kernels:
         kernel_times()
         return
-    root = Path(".cache")
-    model_dir = root / "bench-llama-33m"  # the model of bench_throughput.py, built the same way
-    if not (model_dir / "config.json").exists():
-        build_random_model(model_dir, "llama", tokenizer=False, initializer_range=0.02, **MODEL_SHAPE)
-    checkpoints = {}
-    for name, scheme in (("w8a16", ("pack-quantized", 8, "int", "channel", True, None)),
-                         ("w4a16", ("pack-quantized", 4, "int", "group", True, 128))):
-        target = root / f"bench-llama-33m-{name}"
-        if not (target / "config.json").exists():
-            config = ct_scheme(*scheme)
-            write_checkpoint(model_dir, target, ct_compress(float_weights(model_dir), config), config)
-        checkpoints[name] = str(target)
-    systems = [  # (row, checkpoint, dtype, kernel)
-        ("float32 checkpoint, float32 (CPU default)", str(model_dir), "float32", None),
-        ("float32 checkpoint, bf16", str(model_dir), "bfloat16", None),
-        ("W8A16, bf16, int8 kept (`_weight_int8pack_mm`)", checkpoints["w8a16"], "bfloat16", "cpu_int8"),
-        ("W8A16, bf16, dequantized (its default)", checkpoints["w8a16"], "bfloat16", None),
-        ("W4A16, bf16, int4 kept (`_weight_int4pack_mm_for_cpu`, its default)", checkpoints["w4a16"], "bfloat16", None),
-        ("W8A16, float32, int8 kept (not chosen)", checkpoints["w8a16"], "float32", "cpu_int8"),
-        ("W4A16, float32, int4 kept (not chosen)", checkpoints["w4a16"], "float32", "cpu_int4"),
-    ]
-    rows = []
-    for name, path, dtype, kernel in systems:
-        one = decode_rate(path, dtype, kernel, 1, args.tokens, args.repeats)
-        sixteen = decode_rate(path, dtype, kernel, 16, args.tokens, args.repeats)
-        print(f"{name:70s} {one:7.1f} {sixteen:8.1f} tok/s")
-        rows.append((name, one, sixteen))
-    base1, base16 = rows[0][1], rows[0][2]
+    models = args.model.split(",")
+    unknown = set(models) - set(MODELS)
+    if unknown:
+        parser.error(f"unknown --model {', '.join(sorted(unknown))}; choose from {', '.join(MODELS)}")
+    tables = [run_model(name, args) for name in models]
     budget = 64 << 20
-    blocks = {kv: LLM(str(model_dir), dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory_bytes=budget,
-                      max_num_seqs=4096).engine.num_kv_blocks for kv in ("auto", "fp8")}
-    table = ["| system | batch 1 tok/s | vs float32 | batch 16 tok/s | vs float32 |", "|---|---|---|---|---|"]
-    table += [f"| {n} | {a:.1f} | {a / base1:.2f}x | {b:.1f} | {b / base16:.2f}x |" for n, a, b in rows]
+    blocks = {kv: LLM(str(checkpoints(models[0])["float32"]), dtype="bfloat16", kv_cache_dtype=kv,
+                      kv_cache_memory_bytes=budget, max_num_seqs=4096).engine.num_kv_blocks for kv in ("auto", "fp8")}
     body = "\n".join([
-        f"Command: `python benchmarks/bench_quantized_decode.py --tokens {args.tokens} --repeats {args.repeats}`. "
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores (shared with other jobs while measured), torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads.",
-        f"Model: the random-init Llama of the throughput benchmark; W8A16/W4A16 written by the compressed-tensors "
-        f"package. {PROMPT_LEN}-token prompts, {args.tokens} tokens greedy; aggregate decode rate, median of "
-        f"{args.repeats}. llama.cpp Q8_0/Q4_0: not measured (llama-cpp-python is not installed and builds from "
-        "source here). The machine was shared with other jobs (load 8-15 on 2 cores): rows were measured at "
-        "different moments, so differences under about 2x are noise; rerun on a quiet machine.", "", *table, "",
+        f"Command: `python benchmarks/bench_quantized_decode.py --model {args.model} --tokens {args.tokens} "
+        f"--repeats {args.repeats}" + (f" --peer {args.peer}" if args.peer else "") + "`. "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs (load below), torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads for the engine and for llama.cpp"
+        + (f", llama-cpp-python {llama_cpp_peer.version()} (built here, native AVX-512 VNNI)" if args.peer and
+           not llama_cpp_peer.missing(args.llama_cpp_converter) else "") + ".",
+        f"Same weights and token ids on both sides: W8A16/W4A16 written by the compressed-tensors package from the "
+        f"float32 model; llama.cpp's f32 GGUF by its converter, Q8_0/Q4_0 by its quantizer from that f32 GGUF with "
+        f"the output matrix kept f32 as the checkpoints keep lm_head (llama_cpp_peer.py). {PROMPT_LEN}-token prompts, "
+        f"{args.tokens} tokens greedy; aggregate decode tokens/s from the last first token to the last token; "
+        f"{args.repeats} rounds, systems interleaved; best and median round. 'products alone': one step's "
+        "projections and lm_head through the engine's own layers, back to back (the rest of the step is the "
+        "difference to 'ms per step'; each timed right after the system's round, the best kept).", "",
+        *[t + "\n" for t in tables],
         f"KV capacity in {budget >> 20} MiB (bf16 model): {blocks['auto']} blocks with the bf16 cache, {blocks['fp8']} "
         f"with `--kv-cache-dtype fp8` ({blocks['fp8'] / blocks['auto']:.2f}x)."])
-    update_results("quantized-decode", "Quantized weights: decode at batch 1 and 16 (CPU)", body)
+    update_results("quantized-decode", "Quantized weights: decode at batch 1 and 16 against llama.cpp (CPU)", body)
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def _schemes(model, entries: dict):
     ("gate_up_scales_differ", "experts.1.gate_proj and experts.1.up_proj have different static input scales"),
     ("mixed", r"some experts' down_proj quantize their input activations and others' do not \(expert 1 down_proj\)"),
     ("schemes_differ", "the experts' down_proj quantize their input differently"),
-    ("tensor_parallel_token", "each of the 2 tensor-parallel ranks holds 32 of its columns"),
+    ("tensor_parallel_group_cut", "each rank holds 32 of the experts' intermediate columns, which cut a group of 24"),
 ])
 def test_unserved_expert_activation_schemes_are_refused_by_name(case, message):
     from kubeinfer.engine.model_executor.layers.quantization import QuantizationError
@@ -169,12 +169,13 @@ def test_unserved_expert_activation_schemes_are_refused_by_name(case, message):
     elif case == "schemes_differ":
         entries[(1, "down_proj")] = (token, None)
     else:
-        entries = {key: (token, None) for key in entries}
+        entries = {key: (ActivationScheme("float", "group", True, group_size=24), None) for key in entries}
     with pytest.raises(QuantizationError, match=message):
         _schemes(_OneMoELayer(tp_size=2 if case.startswith("tensor_parallel") else 1), entries)
 
 
 def test_served_expert_schemes_are_described_and_static_scales_kept_per_expert():
+    from kubeinfer.engine.model_executor.layers.quantization import w8a8_tp
     from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
 
     static, group = ActivationScheme("int", "tensor", dynamic=False), ActivationScheme("float", "group", True, True, 16)
@@ -186,3 +187,8 @@ def test_served_expert_schemes_are_described_and_static_scales_kept_per_expert()
     assert model.experts.input_quant.gate_up_input_scale.tolist() == pytest.approx([0.01, 0.02])
     tp = _OneMoELayer(tp_size=2)  # groups of 16 tile a rank's 32 columns: served under tensor parallelism
     assert _schemes(tp, {(e, p): (group, None) for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")})
+    assert tp.experts.input_quant.ranges == {"gate_up": None, "down": None}  # exact locally
+    tp = _OneMoELayer(tp_size=2)  # per token: the down input's range made whole over the ranks
+    token = ActivationScheme("int", "token", True)
+    assert _schemes(tp, {(e, p): (token, None) for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")})
+    assert tp.experts.input_quant.ranges == {"gate_up": None, "down": w8a8_tp.whole_token_range}

@@ -45,6 +45,13 @@ CT_SCHEMES = {  # name: (format, bits, type, strategy, symmetric, group_size, W8
 }
 
 
+@pytest.fixture(autouse=True)
+def dequantized_kernel(monkeypatch):
+    """These tests hold the loader's dequantized weights and tokens to transformers' exactly; the kept-quantized
+    kernels (on the CPU's float32, torch's products with bf16 activations) are tested in test_quantized_kept.py."""
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "dequantized")
+
+
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
     from kubeinfer.testing.random_model import build_random_model

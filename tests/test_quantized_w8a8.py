@@ -251,16 +251,18 @@ def test_unserved_activation_schemes_are_refused_at_start_up(float_dir, tmp_path
         LLM(model_dir, max_model_len=64, num_kv_blocks=16)
 
 
-def test_w8a8_tensor_parallel_ranks_are_refused_by_name(tmp_path):
+def test_w8a8_tensor_parallel_group_cuts_are_refused_by_name(tmp_path):
     """What is not served is a start-up error, not weight-only serving under a W8A8 label: tensor-parallel
-    ranks (a row-parallel rank sees part of each token, the scale spans all of it). W8A8 MoE experts are
-    served (test_quantized_moe_w8a8.py, which also has their refusals)."""
+    ranks whose row-parallel columns cut an activation group (o_proj's 128 columns, 64 a rank, in groups of
+    128; the rest of W8A8 under tensor parallelism is served: test_quantized_w8a8_tp.py). W8A8 MoE experts are
+    served (test_quantized_moe_w8a8.py; their refusals: test_fused_moe_w8a8.py)."""
     from kubeinfer.engine import LLM
     from kubeinfer.testing.random_model import build_random_model
 
     dense_dir = build_random_model(tmp_path / "dense", "llama", tokenizer=False, seed=3, **SHAPE)
-    dense = w8a8_checkpoint(dense_dir, "int8_dynamic", dst=tmp_path / "dense_w8a8")
-    with pytest.raises(Exception, match="served with tensor_parallel_size 1"):
+    dense = w8a8_checkpoint(dense_dir, "fp8_group", dst=tmp_path / "dense_w8a8",
+                            inputs={"type": "float", "strategy": "group", "group_size": 128, "dynamic": True})
+    with pytest.raises(Exception, match=r"o_proj: with tensor_parallel_size 2 .* cut a group of 128"):
         LLM(dense, max_model_len=64, num_kv_blocks=16, tensor_parallel_size=2)
 
 

@@ -1,8 +1,8 @@
-"""This process's place in the tensor-parallel group, and the two collectives the layers need.
+"""This process's place in the tensor-parallel group, and the collectives the layers need.
 
 One group per engine: every rank holds a slice of every layer. Outside a group (the default, and every
-single-device engine) the rank is 0 of 1 and no collective runs: `all_reduce` and `gather_last_dim`
-return their input. The group is gloo on the CPU and NCCL on CUDA (torch.distributed)."""
+single-device engine) the rank is 0 of 1 and no collective runs: `all_reduce`, `all_reduce_max` and
+`gather_last_dim` return their input. The group is gloo on the CPU and NCCL on CUDA (torch.distributed)."""
 from __future__ import annotations
 
 import datetime
@@ -50,6 +50,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over ranks of each rank's `x`, in place (row-parallel projections, vocab-parallel embedding)."""
     if _group.size > 1:
         dist.all_reduce(x)
+    return x
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise max over ranks of each rank's `x`, in place (the whole token's activation range of a
+    W8A8 row-parallel layer, layers/quantization/w8a8_tp.py); the same collective as `all_reduce`, so it is
+    captured in CUDA graphs alike."""
+    if _group.size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x
 
 

@@ -114,7 +114,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             else:
                 _copy_into(params[name], tensor, shard, model, name)
             loaded[name] = loaded.get(name, 0) + 1
-        _install_integers(model, params, integers, expected)
+        w8a8_checkpoint = any(s.inputs for s in getattr(quantization, "schemes", ()))  # compressed-tensors W8A8
+        _install_integers(model, params, integers, expected, w8a8_checkpoint)
         try:  # W8A8: the quantized layers' inputs quantized as the checkpoint says (static scales read here)
             model.activation_schemes = w8a8.install(model, quantization, handles, lambda k: handles[k][0].get_tensor(
                 k) if k in handles else None, (lambda k: (k, None)) if model.checkpoint_fused else _target)
@@ -150,7 +151,8 @@ def _int_weight(key: str, f, handles: dict, quantization, module, param, shard, 
         raise ModelLoadError(str(error)) from None
 
 
-def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], expected: dict[str, int]) -> None:
+def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], expected: dict[str, int],
+                      w8a8: bool) -> None:
     """Kept-quantized weights onto their layers; a fused weight with a slice that had to be dequantized is
     dequantized whole."""
     whole = {}
@@ -164,7 +166,7 @@ def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], 
         else:
             for shard, part in slices.items():
                 _copy_into(params[name], part.dequantize(), shard, model, name)
-    model.quant_kernels = linear_method.install(model, whole, next(iter(params.values())).dtype)
+    model.quant_kernels = linear_method.install(model, whole, next(iter(params.values())).dtype, w8a8)
 
 
 def _target(key: str) -> tuple[str, int | None]:

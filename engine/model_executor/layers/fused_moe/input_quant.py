@@ -25,9 +25,12 @@ class ExpertInputQuant(nn.Module):
     the scales (and zero points) as buffers: [E], one per expert, or [1] when every expert has the same."""
 
     def __init__(self, gate_up: ActivationScheme | None, down: ActivationScheme | None,
-                 scales: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+                 scales: dict[str, tuple[torch.Tensor, torch.Tensor | None]], down_range=None) -> None:
+        """`down_range`: activations.dynamic_qparams' `reduce_range` for the down input (under tensor
+        parallelism, a rank's slice of each intermediate row made whole: quantization/w8a8_tp.py)."""
         super().__init__()
         self.schemes = {"gate_up": gate_up, "down": down}
+        self.ranges = {"gate_up": None, "down": down_range}
         for which, (scale, zero) in scales.items():
             self.register_buffer(f"{which}_input_scale", scale, persistent=False)
             if zero is not None:
@@ -67,4 +70,4 @@ class ExpertInputQuant(nn.Module):
         if scale is not None and scale.numel() > 1:  # each row its expert's scale: the same x / s per element
             scale = scale.index_select(0, experts).unsqueeze(1)
             zero = None if zero is None else zero.index_select(0, experts).unsqueeze(1)
-        return fake_quantize(rows, scheme, scale, zero)
+        return fake_quantize(rows, scheme, scale, zero, reduce_range=self.ranges[which])

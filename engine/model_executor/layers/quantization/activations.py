@@ -78,14 +78,18 @@ def q_range(scheme: ActivationScheme) -> tuple[float, float]:
     return (-128.0, 127.0) if scheme.type == "int" else (-FP8_MAX, FP8_MAX)
 
 
-def dynamic_qparams(x: torch.Tensor, scheme: ActivationScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero point of each token ([..., 1]) or token group ([..., groups]) of x [..., hidden]."""
+def dynamic_qparams(x: torch.Tensor, scheme: ActivationScheme, reduce_range=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of each token ([..., 1]) or token group ([..., groups]) of x [..., hidden].
+    `reduce_range(lo, hi)`: the whole token's min and max from a tensor-parallel rank's slice of its columns
+    (w8a8_tp.py); min and max are exact, so the scales are those of the whole token."""
     if scheme.strategy == "group":
         x = _grouped(x, scheme.group_size)
     lo, hi = x.amin(dim=-1), x.amax(dim=-1)
     if scheme.strategy == "token":
         lo, hi = lo.unsqueeze(-1), hi.unsqueeze(-1)
     lo, hi = torch.min(lo, torch.zeros_like(lo)), torch.max(hi, torch.zeros_like(hi))
+    if reduce_range is not None:
+        lo, hi = reduce_range(lo, hi)
     q_min, q_max = q_range(scheme)
     span = q_max - q_min
     if scheme.symmetric:
@@ -140,24 +144,25 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, sc
 
 
 def fake_quantize(x: torch.Tensor, scheme: ActivationScheme, scale: torch.Tensor | None = None,
-                  zero: torch.Tensor | None = None) -> torch.Tensor:
-    """The layer input as the reference multiplies it: dynamic scales computed from x, else the static ones."""
+                  zero: torch.Tensor | None = None, reduce_range=None) -> torch.Tensor:
+    """The layer input as the reference multiplies it: dynamic scales computed from x (and `reduce_range`, as
+    dynamic_qparams), else the static ones."""
     if x.numel() == 0:
         return x
     if scheme.dynamic:
-        scale, zero = dynamic_qparams(x, scheme)
+        scale, zero = dynamic_qparams(x, scheme, reduce_range)
     return quantize(x, scale, zero, scheme)
 
 
 def int8_linear(x: torch.Tensor, scheme: ActivationScheme, weight_t: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, reduce_range=None) -> torch.Tensor:
     """The int8 W8A8 product through torch._int_mm: x [..., in] quantized per token (symmetric, dynamic),
     `weight_t` int8 [in, out] (transposed, contiguous), `weight_scale` [out] float32. Equals fake quantization
     then the float product up to accumulation order (exact int32 sums, then both scales)."""
     assert scheme.type == "int" and scheme.symmetric and scheme.strategy == "token" and scheme.dynamic
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
-    scale, _ = dynamic_qparams(rows, scheme)
+    scale, _ = dynamic_qparams(rows, scheme, reduce_range)
     q = quantize(rows, scale, None, scheme, dequantize=False)
     out = torch._int_mm(q, weight_t).to(torch.float32) * scale.to(torch.float32) * weight_scale
     out = out.to(x.dtype).reshape(*shape[:-1], -1)

@@ -6,17 +6,29 @@ parallelism each rank holds its slice (IntWeight.narrow, model_executor/int_weig
 computed beside the base product from the same input (models/llama.py `_project`), so an adapter stays in
 float over a quantized base.
 
-Which kernel, chosen by measurement (`python benchmarks/bench_quantized_decode.py --kernels`, one
-[tokens, 2048] x [8192, 2048] product; benchmarks/RESULTS.md; three runs on a loaded 2-core CPU):
+Which kernel, chosen by measurement (benchmarks/RESULTS.md "Quantized weights"; a 2-core AVX-512 VNNI CPU
+without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
 - CUDA: the Triton dequantize-and-multiply kernel (triton_int_matmul.py), int8 one byte and int4 half a byte
   per weight.
-- CPU, float32 model (the CPU default): dequantized float32 weights. With float32 activations torch's
-  weight-only products took 3.5-6.5x (int8) and 6-14x (int4) F.linear's time at 1 and 16 tokens, and the
-  engine's small float32 steps run through OpenBLAS besides.
-- CPU, bf16/fp16 model: int4 (groups of 32-256) through `_weight_int4pack_mm_for_cpu`: from 0.76x to 1.44x
-  bf16 F.linear's time at one token (runs disagree), 0.99-1.07x at 16, a quarter of the memory. int8 through
-  `_weight_int8pack_mm` was 0.29-1.0x at one token but 1.6-1.9x at 16: int8 weights are dequantized to bf16.
-KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, dequantized) overrides the choice where the kernel applies."""
+- CPU, float32 model (the CPU default): int4 (groups of 32-256) and int8 (per channel, symmetric) kept, through
+  torch's weight-only products with the activations rounded to bf16 and the bf16 output widened back
+  (`cpu_int4_bf16`, `cpu_int8_bf16`): the formats' "A16", and the only way torch's products are fast here. One
+  [tokens, 2048] x [8192, 2048] product on one torch thread (what a decode step runs, layers/cpu_blas.py;
+  `bench_quantized_decode.py --kernels`), ms at 1 / 16 tokens: int4 bf16 0.58 / 3.4, int8 bf16 1.07 / 4.5,
+  float32 through OpenBLAS 4.7 / 59 and `F.linear` 3.0 / 34, dequantized bf16 `F.linear` 2.2 / 3.0; with float32
+  activations torch's int8 and int4 products take 34 / 333 and 53 / 645 (not vectorized). Whole engine, 222M
+  Llama (`bench_quantized_decode.py --model large`), tok/s at batch 1 / 16, best of 3 rounds: float32 5.0 / 16,
+  W8A16 17.6 / 87, W4A16 27.6 / 115. Numerics: log-probabilities within 0.25 of transformers' float32 on the
+  decompressed checkpoint (tests/test_quantized_kept.py; measured 0.07-0.13 on a tiny random model). Other
+  int layouts (asymmetric or grouped int8) are dequantized to float32. Decode steps keep torch on one thread:
+  with two (KUBEINFER_CPU_OPENBLAS=0) the same engine ran 3x slower at batch 1 and 1.4-2.5x at 16 under this load.
+  `torch._int_mm` with int8 activations per token (llama.cpp's Q8_0 arithmetic) was the fastest at 16 tokens
+  (2.85 ms) but slower at one (2.1 ms), and changes a weight-only checkpoint's numerics: not used.
+- CPU, bf16/fp16 model: int4 through `_weight_int4pack_mm_for_cpu` (0.76x-1.44x bf16 F.linear's time at one
+  token, on a par at 16, a quarter of the memory); int8 dequantized to bf16 (`_weight_int8pack_mm` was
+  0.29-1.0x at one token but 1.6-1.9x at 16).
+KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, dequantized) overrides the
+choice where the kernel applies; cpu_int4/cpu_int8 take the activations in the model dtype (float32 included)."""
 from __future__ import annotations
 
 import math
@@ -27,7 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("triton", "cpu_int4", "cpu_int8", "dequantized")
+KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "dequantized")
+# torch's CPU weight-only products with the activations rounded to bf16 (the format's "A16") in a float32 model
+BF16_ACTIVATIONS = {"cpu_int4_bf16": "cpu_int4", "cpu_int8_bf16": "cpu_int8"}
 
 
 @dataclass
@@ -87,11 +101,13 @@ def keeps_quantized(device: torch.device, dtype: torch.dtype) -> bool:
     forced = os.environ.get("KUBEINFER_QUANT_KERNEL")
     if forced:
         return forced != "dequantized"
-    return device.type == "cuda" or dtype in (torch.bfloat16, torch.float16)
+    return device.type in ("cuda", "cpu")
 
 
-def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype) -> str:
-    """The measured choice (module docstring); KUBEINFER_QUANT_KERNEL forces one where it applies."""
+def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w8a8: bool = False) -> str:
+    """The measured choice (module docstring); KUBEINFER_QUANT_KERNEL forces one where it applies. `w8a8`: the
+    checkpoint quantizes activations too (w8a8.py quantizes them, then multiplies), so no kernel rounds them
+    to bf16 on the way."""
     forced = os.environ.get("KUBEINFER_QUANT_KERNEL")
     if forced:
         if forced not in KERNELS:
@@ -99,12 +115,15 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype) -
         return forced if applies(forced, weight) else "dequantized"
     if device.type == "cuda":
         return "triton"
+    if dtype == torch.float32 and not w8a8:
+        return next((k for k in ("cpu_int4_bf16", "cpu_int8_bf16") if applies(k, weight)), "dequantized")
     if dtype in (torch.bfloat16, torch.float16) and applies("cpu_int4", weight):
         return "cpu_int4"
     return "dequantized"
 
 
 def applies(kernel: str, w: IntWeight) -> bool:
+    kernel = BF16_ACTIVATIONS.get(kernel, kernel)
     out, cols = w.values.shape
     if kernel == "cpu_int4":
         return w.bits == 4 and w.group_size in (32, 64, 128, 256) and cols % w.group_size == 0 and out % 16 == 0
@@ -117,10 +136,14 @@ def applies(kernel: str, w: IntWeight) -> bool:
 
 class WeightOnlyIntMethod:
     """Holds the quantized weight on the layer (parameters, so memory accounting and .to() see them) and
-    multiplies with the chosen kernel; activations stay in the model dtype."""
+    multiplies with the chosen kernel; activations stay in the model dtype, except for the *_bf16 kernels,
+    whose product takes and returns bf16 (the output goes back to the model dtype)."""
 
     def __init__(self, layer: nn.Linear, weight: IntWeight, kernel: str, dtype: torch.dtype) -> None:
-        self.kernel, self.group_size, self.bits = kernel, weight.group_size, weight.bits
+        model_dtype = dtype
+        if kernel in BF16_ACTIVATIONS:
+            kernel, dtype = BF16_ACTIVATIONS[kernel], torch.bfloat16
+        self.kernel, self.group_size, self.bits, self.act_dtype = kernel, weight.group_size, weight.bits, dtype
         device = layer.weight.device
         keep = {}
         if kernel == "cpu_int4":
@@ -145,19 +168,20 @@ class WeightOnlyIntMethod:
             layer.register_parameter(name, nn.Parameter(tensor.to(device), requires_grad=False))
         self.names = tuple(keep)
         # The float weight goes: its shape stays (on the meta device) for whoever reads it, its memory does not.
-        layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
+        layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=model_dtype, device="meta"),
+                                    requires_grad=False)
 
     def apply(self, layer: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """`bias=False`: the product alone (a row-parallel layer's partial sum; its bias follows the sum)."""
         bias = layer.bias if bias else None
-        if self.kernel == "cpu_int4":
-            shape = x.shape
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]), layer.qweight, self.group_size,
-                                                             layer.scales_and_zeros).reshape(*shape[:-1], -1)
-        elif self.kernel == "cpu_int8":
-            shape = x.shape
-            out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]), layer.qweight,
-                                                     layer.weight_scale).reshape(*shape[:-1], -1)
+        if self.kernel in ("cpu_int4", "cpu_int8"):
+            rows = x.reshape(-1, x.shape[-1]).to(self.act_dtype)  # no copy when the dtypes agree
+            if self.kernel == "cpu_int4":
+                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.qweight, self.group_size,
+                                                                 layer.scales_and_zeros)
+            else:
+                out = torch.ops.aten._weight_int8pack_mm(rows, layer.qweight, layer.weight_scale)
+            out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
         else:
             from .triton_int_matmul import int_matmul
 
@@ -185,13 +209,13 @@ def attach(layer: nn.Linear, method) -> None:
     layer.__class__ = _QUANTIZED_CLASSES[base]
 
 
-def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype) -> dict[str, str]:
+def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype, w8a8: bool = False) -> dict[str, str]:
     """Each `<module>.weight` of `weights` kept quantized where its kernel applies, else dequantized into the
-    float weight; returns {module: kernel}."""
+    float weight; returns {module: kernel}. `w8a8`: as in choose_kernel."""
     chosen = {}
     for name, weight in weights.items():
         layer = model.get_submodule(name.removesuffix(".weight"))
-        kernel = choose_kernel(weight, layer.weight.device, dtype)
+        kernel = choose_kernel(weight, layer.weight.device, dtype, w8a8)
         if kernel == "dequantized":
             with torch.no_grad():
                 layer.weight.copy_(weight.dequantize())

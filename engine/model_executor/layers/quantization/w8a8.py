@@ -20,6 +20,8 @@ from .activations import ActivationScheme, fake_quantize, int8_linear
 from .errors import QuantizationError
 from .linear_method import attach, dense
 from .w8a8_experts import ExpertSchemes
+from .w8a8_tp import check as check_tensor_parallel
+from .w8a8_tp import range_reducer, rank_rows
 
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv")  # a quantized weight's scale: its module is quantized
 
@@ -32,6 +34,7 @@ class ActivationQuantMethod:
                  scales: torch.Tensor | None, zeros: torch.Tensor | None,
                  int_mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.scheme, self.inner, self.segments, self.kernel = scheme, inner, segments, "fake_quant"
+        self.reduce_range = range_reducer(layer, scheme)  # a row-parallel rank's token range made whole (w8a8_tp)
         if int_mm is not None:  # int8 weights [in, out] and their row scales replace the float weight
             self.kernel = "int_mm"  # parameters, as linear_method's: the start-up log's weight bytes count them
             layer.register_parameter("qweight_t", nn.Parameter(int_mm[0], requires_grad=False))
@@ -48,9 +51,10 @@ class ActivationQuantMethod:
     def apply(self, layer: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """`bias=False`: the product alone, as the other quant methods' (a row-parallel layer adds its bias)."""
         if self.kernel == "int_mm":
-            return int8_linear(x, self.scheme, layer.qweight_t, layer.weight_row_scale, layer.bias if bias else None)
+            return int8_linear(x, self.scheme, layer.qweight_t, layer.weight_row_scale, layer.bias if bias else None,
+                               self.reduce_range)
         if self.scheme.dynamic:
-            return self.inner(layer, fake_quantize(x, self.scheme), bias)
+            return self.inner(layer, fake_quantize(x, self.scheme, reduce_range=self.reduce_range), bias)
         zeros = getattr(layer, "input_zero_point", None)
         outs = []
         for start, size, index in self.segments:
@@ -95,12 +99,13 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
             raise QuantizationError(f"the parts fused into {name} quantize their input differently: "
                                     f"{', '.join(s.describe() for s in schemes)}")
         scheme, layer = next(iter(shards.values()))[:2]
+        check_tensor_parallel(layer, scheme, name)
         inner = getattr(layer, "quant_method", None)
         segments, scales, zeros = _segments(layer, shards, scheme)
         int_mm = None
         if inner is None and _int_mm_applies(layer, scheme):
             order = sorted(shards, key=lambda s: -1 if s is None else s)
-            int_mm = _int8_weight(layer, [get(f"{shards[k][4]}.weight_scale") for k in order])
+            int_mm = _int8_weight(layer, [rank_rows(layer, get(f"{shards[k][4]}.weight_scale"), k) for k in order])
         method = ActivationQuantMethod(layer, scheme, inner.apply if inner is not None else dense, segments,
                                        scales, zeros, int_mm)
         attach(layer, method)
@@ -116,11 +121,6 @@ def _linear(model: nn.Module, name: str, module: str) -> nn.Linear:
     if not isinstance(layer, nn.Linear):
         raise QuantizationError(f"{module} quantizes its input activations, but it is no linear layer of kubeinfer's "
                                 "model (W8A8 experts are served from per-expert checkpoint tensors only)")
-    if getattr(layer, "tp_size", 1) > 1 or len(getattr(layer, "parts", [])) and any(
-            p.size != p.total for p in layer.parts):
-        raise QuantizationError("checkpoints that quantize activations (W8A8, fp8 activation_scheme) are served "
-                                "with tensor_parallel_size 1: a rank sees part of each token, and the scales "
-                                "span the whole token")
     return layer
 
 

@@ -8,7 +8,7 @@ them stay float); static scales one per expert (equal or not), gate_proj's and u
 (they read the same input; llm-compressor's observers give them the same scale). Refused by name: experts of
 one layer with different schemes, or some with and some without; an expert whose gate_proj and up_proj have
 different static scales (the fused gate/up product quantizes its input once); under tensor parallelism, a
-dynamic down_proj scale that spans more of the intermediate row than a rank holds."""
+rank's slice of the intermediate row that cuts a down_proj activation group."""
 from __future__ import annotations
 
 import torch
@@ -16,6 +16,7 @@ import torch
 from ..fused_moe.input_quant import ExpertInputQuant
 from .activations import ActivationScheme
 from .errors import QuantizationError
+from .w8a8_tp import whole_token_range
 
 GATE_UP, DOWN = ("gate_proj", "up_proj"), ("down_proj",)
 
@@ -49,10 +50,10 @@ class ExpertSchemes:
             moe = self.model.get_submodule(name)
             gate_up, gate_up_static = _projection(name, moe, entries, GATE_UP)
             down, down_static = _projection(name, moe, entries, DOWN)
-            _check_tensor_parallel(name, moe, down)
+            down_range = _check_tensor_parallel(name, moe, down)
             scales = {which: static for which, static in (("gate_up", gate_up_static), ("down", down_static))
                       if static is not None}
-            moe.input_quant = ExpertInputQuant(gate_up, down, scales)
+            moe.input_quant = ExpertInputQuant(gate_up, down, scales, down_range)
             installed[name] = f"{_describe(gate_up, down)} (fused experts)"
         return installed
 
@@ -98,13 +99,19 @@ def _projection(name: str, moe, entries: dict, projections: tuple[str, ...]):
     return scheme, (scale, zero)
 
 
-def _check_tensor_parallel(name: str, moe, down: ActivationScheme | None) -> None:
-    """A rank holds I / tp columns of each expert's intermediate row: a dynamic down_proj scale must not span
-    more (per token never does; groups must tile the rank's slice). Gate/up read the whole hidden state."""
+def _check_tensor_parallel(name: str, moe, down: ActivationScheme | None):
+    """A rank holds I / tp columns of each expert's intermediate row (gate/up read the whole hidden state):
+    a per-token down_proj scale takes the whole row's range (w8a8_tp.whole_token_range: every rank holds the
+    same (token, expert) rows in the same order, so one MAX all-reduce pairs them); groups must tile the
+    rank's slice. Returns the down input's `reduce_range` (None: exact locally)."""
     if moe.tp_size == 1 or down is None or not down.dynamic:
-        return
+        return None
+    if down.strategy == "token":
+        return whole_token_range
     if down.strategy == "group" and moe.intermediate_size % down.group_size == 0:
-        return
-    raise QuantizationError(f"{name}: the experts' down_proj input is quantized {down.describe()}, a scale over "
-                            f"the whole intermediate row, but each of the {moe.tp_size} tensor-parallel ranks "
-                            f"holds {moe.intermediate_size} of its columns: served with tensor_parallel_size 1")
+        return None
+    raise QuantizationError(f"{name}: with tensor_parallel_size {moe.tp_size} each rank holds "
+                            f"{moe.intermediate_size} of the experts' intermediate columns, which cut a group of "
+                            f"{down.group_size} activation columns ({down.describe()}); serve it with a "
+                            f"tensor_parallel_size whose slices are multiples of {down.group_size} "
+                            "(or tensor_parallel_size 1)")
