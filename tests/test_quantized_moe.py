@@ -285,8 +285,9 @@ def test_quantized_moe_splits_over_tensor_parallel_ranks(float_dirs, tmp_path, q
 
 
 @slow
-def test_bf16_keeps_dense_layers_quantized_and_dequantizes_the_experts(float_dirs, tmp_path):
+def test_bf16_keeps_dense_layers_quantized_and_dequantizes_the_experts(float_dirs, tmp_path, monkeypatch):
     """In bf16 the attention projections take the kept-int4 CPU kernel; the experts are still stacked float."""
+    monkeypatch.delenv("KUBEINFER_QUANT_KERNEL")  # the kernel choice itself, not the autouse fixture's
     model_dir, _ = ct_checkpoint(float_dirs("qwen3_moe"), "w4a16_group_sym", tmp_path / "ct")
     llm = LLM(model_dir, max_model_len=64, num_kv_blocks=16, dtype="bfloat16")
     model = llm.engine.runner.model
