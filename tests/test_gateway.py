@@ -152,7 +152,10 @@ async def test_sheddable_requests_get_429_when_the_pool_is_saturated(lora_base_d
                 long_jobs = [asyncio.create_task(complete(http, gateway, "base", [9, 9, i], max_tokens=300))
                              for i in range(4)]
                 assert await asyncio.to_thread(busy.wait_for, lambda: busy.engine.num_waiting >= 2)
-                await asyncio.sleep(0.3)  # a scrape sees the queue
+                for _ in range(100):  # until a scrape has seen the queue (0.3 s was too short on a loaded machine)
+                    if (gateway.picker.table.queue >= 2).any():
+                        break
+                    await asyncio.sleep(0.05)
                 shed = await complete(http, gateway, "base", [1, 2], headers={"x-gateway-inference-priority": "-1"})
                 assert shed.status_code == 429 and shed.headers["retry-after"] == "1"
                 assert shed.json()["error"]["type"] == "RateLimitError"
