@@ -233,7 +233,8 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
                 layer.weight.copy_(weight.dequantize())
         else:
             attach(layer, WeightOnlyIntMethod(layer, weight, kernel, dtype))
-        chosen[name.removesuffix(".weight")] = kernel
+        # the start-up log names fp8 layers apart: "triton_fp8"
+        chosen[name.removesuffix(".weight")] = f"{kernel}_fp8" if weight.fp8 and kernel != "dequantized" else kernel
     return chosen
 
 
