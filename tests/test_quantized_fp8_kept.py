@@ -145,3 +145,24 @@ def test_two_ranks_keep_their_e4m3_slices(dirs, monkeypatch):
 def test_two_ranks_greedy_equals_transformers_dequantized(dirs, monkeypatch):
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
     assert_fp8_greedy(dirs["static"], tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("name", ["fp8_static", pytest.param("fp8_group", marks=pytest.mark.slow)])
+def test_compressed_tensors_float_quantized_kept(dirs, monkeypatch, name):
+    """compressed-tensors `float-quantized` (FP8 W8A8, per-channel e4m3 weights) kept through the kernel: greedy
+    tokens equal transformers' compressed-tensors load with its activation quantization."""
+    from pathlib import Path
+
+    from quant_checkpoints import assert_greedy_equal_but_near_ties, hf_greedy
+    from quant_checkpoints import engine_greedy as ct_engine_greedy
+    from test_quantized_w8a8 import hf_w8a8, w8a8_checkpoint
+
+    model_dir = w8a8_checkpoint(Path(dirs["float"]), name)
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
+    model = kept_model(model_dir)
+    assert set(model.quant_kernels.values()) == {"triton_fp8"} and len(model.quant_kernels) == LINEAR_LAYERS
+    assert model.model.layers[0].mlp.down_proj.qweight.dtype == torch.uint8
+    reference = hf_w8a8(model_dir)
+    assert_greedy_equal_but_near_ties(ct_engine_greedy(model_dir), hf_greedy(reference), reference)
+    monkeypatch.delenv("KUBEINFER_QUANT_KERNEL")  # the CPU's default: dequantized
+    assert not kept_model(model_dir).quant_kernels

@@ -66,7 +66,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
     weight = next(iter(params.values()))
     split = getattr(model.spec, "tp_size", 1) > 1
     keep = hasattr(quantization, "int_weight") and linear_method.keeps_quantized(
-        weight.device, weight.dtype, fp8=isinstance(quantization, fp8.Fp8Config))
+        weight.device, weight.dtype, fp8=isinstance(quantization, fp8.Fp8Config) or _float_quantized(quantization))
     integers: dict[str, dict] = {}
     # --quantization fp8 on a float checkpoint: the decoder's projections and experts (not embeddings, lm_head,
     # norms or routers)
@@ -143,6 +143,12 @@ def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
         return quantization.read(key, tensor, lambda k: handles[k][0].get_tensor(k) if k in handles else None)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
+
+
+def _float_quantized(quantization) -> bool:
+    """compressed-tensors with only e4m3 weights (float-quantized): kept where fp8 is (CUDA)."""
+    schemes = getattr(quantization, "schemes", ())
+    return bool(schemes) and all(s.type == "float" for s in schemes)
 
 
 def _int_weight(key: str, f, handles: dict, quantization, module, param, shard, split: bool):
