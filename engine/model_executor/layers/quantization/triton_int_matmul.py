@@ -25,9 +25,9 @@ def _e4m3_to_float(bits):
     fields (exponent e - 7 + 127, mantissa m << 20); subnormal (e == 0) m * 2^-9; 0x7F and 0xFF NaN."""
     b = bits.to(tl.int32) & 255
     exponent, mantissa = (b >> 3) & 15, b & 7
-    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, normal)
-    magnitude = tl.where((b & 127) == 127, float("nan"), magnitude)
+    fields = ((exponent + 120) << 23) | (mantissa << 20)
+    fields = tl.where((b & 127) == 127, 0x7FC00000, fields)  # float32's quiet NaN
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, fields.to(tl.float32, bitcast=True))
     return tl.where(b >= 128, -magnitude, magnitude)
 
 
