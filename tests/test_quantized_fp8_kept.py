@@ -10,13 +10,15 @@ import logging
 import pytest
 import torch
 from safetensors.torch import load_file
+from quant_checkpoints import assert_greedy_equal_but_near_ties, engine_greedy, hf_greedy  # engines shut down
 from test_quantized_fp8 import (
     SHAPE,
     assert_fp8_greedy,
     calibrated_activation_scales,
-    engine_greedy,
     fp8_config,
     fp8_quantize,
+    hf_fp8,
+    hf_fp8_greedy,
     write_checkpoint,
 )
 
@@ -144,7 +146,9 @@ def test_two_ranks_keep_their_e4m3_slices(dirs, monkeypatch):
 @pytest.mark.slow
 def test_two_ranks_greedy_equals_transformers_dequantized(dirs, monkeypatch):
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
-    assert_fp8_greedy(dirs["static"], tensor_parallel_size=2)
+    reference = hf_fp8(dirs["static"])  # the same prompts as test_quantized_fp8's; the ranks end with the engine
+    assert_greedy_equal_but_near_ties(engine_greedy(dirs["static"], tensor_parallel_size=2), hf_fp8_greedy(reference),
+                                      reference)
 
 
 @pytest.mark.parametrize("name", ["fp8_static", pytest.param("fp8_group", marks=pytest.mark.slow)])
@@ -153,8 +157,6 @@ def test_compressed_tensors_float_quantized_kept(dirs, monkeypatch, name):
     tokens equal transformers' compressed-tensors load with its activation quantization."""
     from pathlib import Path
 
-    from quant_checkpoints import assert_greedy_equal_but_near_ties, hf_greedy
-    from quant_checkpoints import engine_greedy as ct_engine_greedy
     from test_quantized_w8a8 import hf_w8a8, w8a8_checkpoint
 
     model_dir = w8a8_checkpoint(Path(dirs["float"]), name)
@@ -163,6 +165,6 @@ def test_compressed_tensors_float_quantized_kept(dirs, monkeypatch, name):
     assert set(model.quant_kernels.values()) == {"triton_fp8"} and len(model.quant_kernels) == LINEAR_LAYERS
     assert model.model.layers[0].mlp.down_proj.qweight.dtype == torch.uint8
     reference = hf_w8a8(model_dir)
-    assert_greedy_equal_but_near_ties(ct_engine_greedy(model_dir), hf_greedy(reference), reference)
+    assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
     monkeypatch.delenv("KUBEINFER_QUANT_KERNEL")  # the CPU's default: dequantized
     assert not kept_model(model_dir).quant_kernels
