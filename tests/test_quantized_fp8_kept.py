@@ -9,8 +9,8 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from quant_checkpoints import assert_greedy_equal_but_near_ties, engine_greedy, hf_greedy  # engines shut down
+from safetensors.torch import load_file
 from test_quantized_fp8 import (
     SHAPE,
     assert_fp8_greedy,
