@@ -61,11 +61,12 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
     special = getattr(model, "load_special_weight", None)
     if special is not None:
         expected.update((name, count) for name, count in model.expected_loads().items() if name in params)
-    # int8/int4 checkpoint weights kept quantized (layers/quantization/linear_method.py), per target and slice;
-    # under tensor parallelism each rank keeps its slice of the integers (int_weights.py)
+    # int8/int4 (on CUDA also fp8) checkpoint weights kept quantized (layers/quantization/linear_method.py), per
+    # target and slice; under tensor parallelism each rank keeps its slice of the integers (int_weights.py)
     weight = next(iter(params.values()))
     split = getattr(model.spec, "tp_size", 1) > 1
-    keep = hasattr(quantization, "int_weight") and linear_method.keeps_quantized(weight.device, weight.dtype)
+    keep = hasattr(quantization, "int_weight") and linear_method.keeps_quantized(
+        weight.device, weight.dtype, fp8=isinstance(quantization, fp8.Fp8Config) or _float_quantized(quantization))
     integers: dict[str, dict] = {}
     # --quantization fp8 on a float checkpoint: the decoder's projections and experts (not embeddings, lm_head,
     # norms or routers)
@@ -97,7 +98,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             if name not in params:
                 raise ModelLoadError(f"unexpected weight {key!r} in {file.name}: the checkpoint does not match its config")
             module = modules[name.rpartition(".")[0]]
-            parts = _int_weight(key, f, handles, quantization, module, params[name], shard, split) if keep else None
+            kept = keep and (not at_load or name in at_load)  # at load: only the projections fp8 quantizes
+            parts = _int_weight(key, f, handles, quantization, module, params[name], shard, split) if kept else None
             if parts is not None:
                 integers.setdefault(name, {})[shard] = parts
                 loaded[name] = loaded.get(name, 0) + 1
@@ -141,6 +143,12 @@ def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
         return quantization.read(key, tensor, lambda k: handles[k][0].get_tensor(k) if k in handles else None)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
+
+
+def _float_quantized(quantization) -> bool:
+    """compressed-tensors with only e4m3 weights (float-quantized): kept where fp8 is (CUDA)."""
+    schemes = getattr(quantization, "schemes", ())
+    return bool(schemes) and all(s.type == "float" for s in schemes)
 
 
 def _int_weight(key: str, f, handles: dict, quantization, module, param, shard, split: bool):

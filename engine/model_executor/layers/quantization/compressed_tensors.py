@@ -12,11 +12,12 @@ names) minus `ignore`, how each linear weight is stored:
 
 The weight is (q - zero_point) * scale, computed in float32 and stored in the model dtype. Served by
 dequantizing at load (layers/quantization/linear_method.py keeps int8/int4 weights quantized where it
-pays: on the CPU's float32, int4 and per-channel int8 run with bf16 activations). A group's `input_activations`
-(W8A8: int8 or FP8, dynamic per token or group, static per tensor with `input_scale` / `input_zero_point`)
-quantize each quantized layer's input as the compressed-tensors package's forward does (activations.py,
-w8a8.py); `output_activations` are refused. `k_scale`/`v_scale` (a `kv_cache_scheme`) are the FP8 KV cache's
-scales (kv_cache_dtype.py)."""
+pays: on the CPU's float32, int4 and per-channel int8 run with bf16 activations; float-quantized e4m3 weights
+stay one byte each on CUDA, through the Triton kernel that decodes e4m3, and are dequantized on the CPU). A
+group's `input_activations` (W8A8: int8 or FP8, dynamic per token or group, static per tensor with
+`input_scale` / `input_zero_point`) quantize each quantized layer's input as the compressed-tensors
+package's forward does (activations.py, w8a8.py); `output_activations` are refused. `k_scale`/`v_scale` (a
+`kv_cache_scheme`) are the FP8 KV cache's scales (kv_cache_dtype.py)."""
 from __future__ import annotations
 
 import re
@@ -129,6 +130,8 @@ class CompressedTensorsConfig:
         from .linear_method import IntWeight
 
         parts = self._integers(key, tensor, get)
+        if parts is not None and parts[3].type == "float":
+            return _float8_weight(*parts)
         if parts is None or parts[3].type != "int" or parts[3].strategy not in ("group", "channel") or parts[4] is not None:
             return None
         values, scale, zero, scheme, _ = parts
@@ -198,6 +201,29 @@ class CompressedTensorsConfig:
         if zero is not None and packed:
             zero = unpack_rows(zero, scheme.num_bits, rows) - (1 << (scheme.num_bits - 1))
         return values, scale, zero, scheme, get(f"{module}.weight_g_idx")
+
+
+def _float8_weight(values, scale, zero, scheme: WeightScheme, g_idx):
+    """float-quantized e4m3 kept (linear_method.IntWeight, fp8; on CUDA): its scale as one per output row and
+    group of columns, a block's repeated over its rows. None where it does not fit (read() says why)."""
+    from .linear_method import IntWeight
+
+    if values.dtype != torch.float8_e4m3fn or zero is not None or g_idx is not None or values.dim() != 2:
+        return None
+    rows, cols = values.shape
+    s = scale.to(torch.float32)
+    if s.numel() == 1:
+        grid, group = s.reshape(1, 1).expand(rows, 1), cols
+    elif scheme.strategy == "channel" and s.numel() == rows:
+        grid, group = s.reshape(rows, 1), cols
+    elif scheme.strategy == "group" and scheme.group_size and tuple(s.shape) == (rows, -(-cols // scheme.group_size)):
+        grid, group = s, scheme.group_size
+    elif scheme.strategy == "block" and scheme.block and tuple(s.shape) == (-(-rows // scheme.block[0]),
+                                                                           -(-cols // scheme.block[1])):
+        grid, group = s.repeat_interleave(scheme.block[0], dim=0)[:rows], scheme.block[1]
+    else:
+        return None
+    return IntWeight(values.contiguous(), grid.contiguous(), None, group, 8, fp8=True)
 
 
 def expand(grid: torch.Tensor, rows: int, cols: int, scheme: WeightScheme, g_idx, name: str) -> torch.Tensor:

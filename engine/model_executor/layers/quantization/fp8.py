@@ -3,8 +3,13 @@ write weights as float8 (e4m3) with a float32 scale beside each: `weight_scale_i
 `weight_block_size` [rows, cols] (or one for the tensor), or `weight_scale` per tensor or per output channel.
 The true weight is fp8 * scale (a block's scale covers its rows x cols tile; the last tiles may be partial).
 
-Served by dequantizing at load: each weight is multiplied out in float32 and stored in the model dtype, so the
-matmuls run as for a float checkpoint (no memory saving yet; a CPU has no fp8 matmul). The activations are
+On CUDA the e4m3 weights stay in memory, one byte each (`int_weight`: an IntWeight with fp8 values and one
+scale per output row and group of block columns, a block's scale repeated over its rows), and multiply through
+the Triton kernel that decodes e4m3 inside it (triton_int_matmul.py; linear_method.py chooses it); under tensor
+parallelism each rank keeps its rows or columns with their scales (IntWeight.narrow: a cut inside a block is
+regrouped exactly). On the CPU (no fp8 matmul) each weight is multiplied out in float32 and stored in the model
+dtype, so the matmuls run as for a float checkpoint; so are MoE experts everywhere (no fp8 expert kernel yet)
+and e5m2 weights. KUBEINFER_QUANT_KERNEL=dequantized dequantizes on CUDA too. The activations are
 quantized to e4m3 as the format defines them (activations.py, w8a8.py): `activation_scheme: dynamic` per token
 and per group of the weight block's columns (`weight_block_size` [128, 128]: 128 columns, as DeepSeek's
 `act_quant` and vLLM's per-token-group quantization; the numbers are compressed-tensors' dynamic `group`
@@ -15,7 +20,8 @@ checkpoint's one `input_scale` (vLLM) or `activation_scale` (transformers) per l
 `--quantization fp8` on a float checkpoint quantizes the decoder's linear weights at load, per output channel
 to e4m3 (scale = amax / 448, as transformers' FP8 quantizer computes it), and dequantizes them the same way;
 their activations are quantized dynamically per token, as vLLM's online fp8 quantizes them (W8A8): the
-outputs are those of the FP8 model, the memory and speed those of the float one (until fp8 matmuls).
+outputs are those of the FP8 model; on CUDA the weights are kept as e4m3 with their per-channel scales (a CPU
+holds them dequantized: the memory and speed of the float model).
 In the MoE families that includes every expert (per expert and output row, the per-channel scales of vLLM's
 fp8 MoE method) and the shared expert; the routers stay float, as vLLM and transformers leave them."""
 from __future__ import annotations
@@ -55,7 +61,7 @@ class Fp8Config:
         """What the start-up log says of these weights: their method, and that they are held dequantized."""
         source = "quantized at load" if self.at_load else "checkpoint"
         inputs = self.input_activations("")
-        return f"{self.method} {source}, weights dequantized to the model dtype" + (
+        return f"{self.method} {source}, weights e4m3 kept on CUDA, else dequantized to the model dtype" + (
             f", activations {inputs.describe()}" if inputs else "")
 
     def input_activations(self, module: str) -> ActivationScheme | None:
@@ -87,6 +93,23 @@ class Fp8Config:
             raise QuantizationError(f"fp8 weight {key!r} has no scale in the checkpoint (expected "
                                     f"{' or '.join(scale_keys(key))}); the checkpoint is incomplete")
         return dequantize(tensor, scale, self, key)
+
+    def int_weight(self, key: str, tensor: torch.Tensor, get):
+        """The weight kept as e4m3 (linear_method.IntWeight, fp8) with one scale per output row and group of
+        columns; a float weight of --quantization fp8 quantized per channel here. None where it is not an
+        e4m3 linear weight (read() dequantizes or passes it)."""
+        from .linear_method import IntWeight
+
+        if self.at_load and tensor.is_floating_point() and not is_fp8(tensor) and tensor.dim() == 2:
+            values, scale = quantize_per_channel(tensor)
+            return IntWeight(values, scale.to(torch.float32), None, values.shape[1], 8, fp8=True)
+        if tensor.dtype != torch.float8_e4m3fn or tensor.dim() != 2:
+            return None
+        scale = next((s for s in map(get, scale_keys(key)) if s is not None), None)
+        if scale is None:
+            return None  # read() names the missing scale
+        grid, group = row_scales(tensor.shape, scale, self, key)
+        return IntWeight(tensor.contiguous(), grid.contiguous(), None, group, 8, fp8=True)
 
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
@@ -135,19 +158,26 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, config: Fp8Config, nam
     """The float32 weight fp8 * scale; a scale whose shape fits no layout (truncated, wrong block) is an error."""
     if weight.dim() != 2:
         raise QuantizationError(f"fp8 weight {name} has {weight.dim()} dimensions; only 2-D linear weights are served")
-    rows, cols = weight.shape
-    w, s = weight.to(torch.float32), scale.to(torch.float32)
+    grid, group = row_scales(weight.shape, scale, config, name)
+    return weight.to(torch.float32) * grid.repeat_interleave(group, dim=1)[:, :weight.shape[1]]
+
+
+def row_scales(shape, scale: torch.Tensor, config: Fp8Config, name: str) -> tuple[torch.Tensor, int]:
+    """(float32 scales [rows, groups], group columns): the scale of each output row and group of input columns,
+    a block's scale repeated over its rows; per tensor and per channel one group of all the columns. A scale
+    whose shape fits no layout (truncated, wrong block) is an error."""
+    rows, cols = shape
+    s = scale.to(torch.float32)
     if s.numel() == 1:  # per tensor
-        return w * s.reshape(())
+        return s.reshape(1, 1).expand(rows, 1).contiguous(), cols
     if config.block_size is not None and s.dim() == 2:
         bn, bk = config.block_size
         grid = (-(-rows // bn), -(-cols // bk))
         if tuple(s.shape) != grid:
             raise QuantizationError(f"fp8 scale of {name} has shape {tuple(s.shape)}; a {rows}x{cols} weight in "
                                     f"{bn}x{bk} blocks needs {grid} (truncated or mismatched checkpoint)")
-        expanded = s.repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
-        return w * expanded
+        return s.repeat_interleave(bn, dim=0)[:rows], bk
     if s.numel() == rows and (s.dim() == 1 or tuple(s.shape) == (rows, 1)):  # per output channel
-        return w * s.reshape(rows, 1)
+        return s.reshape(rows, 1), cols
     raise QuantizationError(f"fp8 scale of {name} has shape {tuple(s.shape)}, which fits neither one scale, one per "
                             f"output channel ({rows}) nor weight_block_size blocks (truncated or mismatched checkpoint)")

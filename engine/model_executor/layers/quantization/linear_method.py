@@ -1,5 +1,5 @@
-"""Per-layer quant methods: how a linear layer whose checkpoint weight is int8/int4 multiplies, the weight
-kept quantized in memory. `attach(layer, method)` sets `layer.quant_method` and makes the layer's forward
+"""Per-layer quant methods: how a linear layer whose checkpoint weight is int8/int4 or fp8 (e4m3) multiplies,
+the weight kept quantized in memory. `attach(layer, method)` sets `layer.quant_method` and makes the layer's forward
 `layer.quant_method.apply(layer, x)`, except where the layer class `calls_quant_method` itself (a row-parallel
 layer: `apply(layer, x, bias=False)` is its partial sum, the all-reduce and the bias after it). Under tensor
 parallelism each rank holds its slice (IntWeight.narrow, model_executor/int_weights.py). LoRA deltas are
@@ -8,8 +8,11 @@ float over a quantized base.
 
 Which kernel, chosen by measurement (benchmarks/RESULTS.md "Quantized weights"; a 2-core AVX-512 VNNI CPU
 without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
-- CUDA: the Triton dequantize-and-multiply kernel (triton_int_matmul.py), int8 one byte and int4 half a byte
-  per weight.
+- CUDA: the Triton dequantize-and-multiply kernel (triton_int_matmul.py), int8 and fp8 one byte and int4 half a
+  byte per weight. fp8 weights (IntWeight.fp8: e4m3fn values, their per-tensor, per-channel or block scales
+  spread to one per output row and group of `weight_block_size[1]` columns) are kept on CUDA only.
+- CPU, fp8: dequantized to the model dtype at load (no fp8 matmul on a CPU; KUBEINFER_QUANT_KERNEL=triton keeps
+  them through the kernel under TRITON_INTERPRET=1, for tests).
 - CPU, float32 model (the CPU default): int4 (groups of 32-256) and int8 (per channel, symmetric) kept, through
   torch's weight-only products with the activations rounded to bf16 and the bf16 output widened back
   (`cpu_int4_bf16`, `cpu_int8_bf16`): the formats' "A16", and the only way torch's products are fast here. One
@@ -47,23 +50,26 @@ BF16_ACTIVATIONS = {"cpu_int4_bf16": "cpu_int4", "cpu_int8_bf16": "cpu_int8"}
 @dataclass
 class IntWeight:
     """A checkpoint's integer weight: values (signed, int8 storage) [out, in], scale [out, groups] (float32)
-    and zero [out, groups] (signed, int8; None when symmetric), groups of `group_size` input columns."""
+    and zero [out, groups] (signed, int8; None when symmetric), groups of `group_size` input columns. `fp8`:
+    the values are float8_e4m3fn (bits 8, no zero), the weight values * scale."""
     values: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
     group_size: int
     bits: int
+    fp8: bool = False
 
     @staticmethod
     def cat(parts: list[IntWeight]) -> IntWeight:
         """Fused projections (q/k/v, gate/up): the parts stacked along the output rows."""
         first = parts[0]
-        if any(p.group_size != first.group_size or p.bits != first.bits for p in parts):
+        if any(p.group_size != first.group_size or p.bits != first.bits or p.fp8 != first.fp8 for p in parts):
             raise ValueError("fused projections quantized with different groups or bits")
         zeros = None if all(p.zero is None for p in parts) else torch.cat(
             [p.zero if p.zero is not None else torch.zeros_like(p.scale, dtype=torch.int8) for p in parts])
-        return IntWeight(torch.cat([p.values for p in parts]), torch.cat([p.scale for p in parts]), zeros,
-                         first.group_size, first.bits)
+        values = torch.cat([p.values.view(torch.uint8) if p.fp8 else p.values for p in parts])
+        return IntWeight(values.view(first.values.dtype), torch.cat([p.scale for p in parts]), zeros,
+                         first.group_size, first.bits, first.fp8)
 
     def narrow(self, dim: int, start: int, length: int) -> IntWeight:
         """A tensor-parallel rank's slice, copied (the whole tensor is not kept): dim 0 cuts output rows
@@ -73,14 +79,14 @@ class IntWeight:
         and zero (more scale columns, the same weight)."""
         if dim == 0:
             cut = lambda t: None if t is None else _copy(t.narrow(0, start, length))
-            return IntWeight(cut(self.values), cut(self.scale), cut(self.zero), self.group_size, self.bits)
+            return IntWeight(cut(self.values), cut(self.scale), cut(self.zero), self.group_size, self.bits, self.fp8)
         cols, size = self.values.shape[1], self.group_size
         aligned = start % size == 0 and (length % size == 0 or start + length == cols)
         group = size if aligned else math.gcd(size, start, length)
         index = (start + torch.arange(0, length, group)) // size  # the checkpoint group of each local group
         pick = lambda t: None if t is None else _copy(t.index_select(1, index.to(t.device)))
         return IntWeight(_copy(self.values.narrow(1, start, length)), pick(self.scale), pick(self.zero), group,
-                         self.bits)
+                         self.bits, self.fp8)
 
     def expand(self, grid: torch.Tensor) -> torch.Tensor:
         return grid.to(torch.float32).repeat_interleave(self.group_size, dim=1)[:, :self.values.shape[1]]
@@ -96,12 +102,13 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def keeps_quantized(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the loader should hand over integer weights at all (else it dequantizes as it reads)."""
+def keeps_quantized(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> bool:
+    """Whether the loader should hand over integer (`fp8`: e4m3) weights at all (else it dequantizes as it
+    reads). fp8 is kept on CUDA only, or where KUBEINFER_QUANT_KERNEL=triton forces the kernel."""
     forced = os.environ.get("KUBEINFER_QUANT_KERNEL")
     if forced:
-        return forced != "dequantized"
-    return device.type in ("cuda", "cpu")
+        return forced == "triton" if fp8 else forced != "dequantized"
+    return device.type == "cuda" if fp8 else device.type in ("cuda", "cpu")
 
 
 def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w8a8: bool = False) -> str:
@@ -115,6 +122,8 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
         return forced if applies(forced, weight) else "dequantized"
     if device.type == "cuda":
         return "triton"
+    if weight.fp8:
+        return "dequantized"
     if dtype == torch.float32 and not w8a8:
         return next((k for k in ("cpu_int4_bf16", "cpu_int8_bf16") if applies(k, weight)), "dequantized")
     if dtype in (torch.bfloat16, torch.float16) and applies("cpu_int4", weight):
@@ -125,6 +134,8 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
 def applies(kernel: str, w: IntWeight) -> bool:
     kernel = BF16_ACTIVATIONS.get(kernel, kernel)
     out, cols = w.values.shape
+    if w.fp8 and kernel != "triton":
+        return kernel == "dequantized"
     if kernel == "cpu_int4":
         return w.bits == 4 and w.group_size in (32, 64, 128, 256) and cols % w.group_size == 0 and out % 16 == 0
     if kernel == "cpu_int8":
@@ -144,6 +155,7 @@ class WeightOnlyIntMethod:
         if kernel in BF16_ACTIVATIONS:
             kernel, dtype = BF16_ACTIVATIONS[kernel], torch.bfloat16
         self.kernel, self.group_size, self.bits, self.act_dtype = kernel, weight.group_size, weight.bits, dtype
+        self.fp8 = weight.fp8
         device = layer.weight.device
         keep = {}
         if kernel == "cpu_int4":
@@ -156,7 +168,7 @@ class WeightOnlyIntMethod:
             keep["qweight"] = weight.values.contiguous()
             keep["weight_scale"] = weight.scale[:, 0].to(dtype)
         else:  # triton
-            values = weight.values
+            values = weight.values.view(torch.uint8) if weight.fp8 else weight.values  # e4m3fn bits, one byte
             if weight.bits == 4:  # two per byte: the even column in the low nibble, offset to unsigned
                 unsigned = (values.to(torch.int16) + 8).to(torch.uint8)
                 values = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
@@ -186,7 +198,7 @@ class WeightOnlyIntMethod:
             from .triton_int_matmul import int_matmul
 
             return int_matmul(x, layer.qweight, layer.weight_scale, getattr(layer, "weight_zero", None),
-                              self.group_size, self.bits == 4, bias)
+                              self.group_size, self.bits == 4, bias, self.fp8)
         return out if bias is None else out + bias
 
 
@@ -221,7 +233,8 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
                 layer.weight.copy_(weight.dequantize())
         else:
             attach(layer, WeightOnlyIntMethod(layer, weight, kernel, dtype))
-        chosen[name.removesuffix(".weight")] = kernel
+        # the start-up log names fp8 layers apart: "triton_fp8"
+        chosen[name.removesuffix(".weight")] = f"{kernel}_fp8" if weight.fp8 and kernel != "dequantized" else kernel
     return chosen
 
 

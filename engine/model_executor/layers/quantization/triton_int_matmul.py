@@ -1,7 +1,11 @@
-"""Triton dequantize-and-multiply for weight-only int8/int4 linear layers on the GPU: the weights stay
-quantized in memory (int8: one byte per weight; int4: two per byte, the even column in the low nibble) and
-each tile is widened, offset by its group's zero point and scaled inside the kernel, so a decode step reads
-a half (int8) or a quarter (int4) of the bytes a bf16 weight takes.
+"""Triton dequantize-and-multiply for weight-only int8/int4 and fp8 (e4m3) linear layers on the GPU: the
+weights stay quantized in memory (int8 and fp8: one byte per weight; int4: two per byte, the even column in the
+low nibble) and each tile is widened, offset by its group's zero point and scaled inside the kernel, so a
+decode step reads a half (int8, fp8) or a quarter (int4) of the bytes a bf16 weight takes.
+
+fp8 weights are held as their raw e4m3fn bits (uint8) and decoded with integer ops (`_e4m3_to_float`: sign,
+4-bit exponent with bias 7, 3-bit mantissa; exponent 0 is subnormal, 0x7F/0xFF NaN), which Triton's CPU
+interpreter runs as well as a GPU, so the kernel is checked here; the decoded value is exact in float32.
 
 y[m, n] = sum_k x[m, k] * (q[n, k] - zero[n, k // G]) * scale[n, k // G] (+ bias[n]); q signed, zero signed
 (0 when symmetric). Accumulation in fp32; checked against torch under TRITON_INTERPRET=1
@@ -16,8 +20,36 @@ from ....triton_utils import MIN_DOT, must_upcast, unit_last_stride
 
 
 @triton.jit
+def _e4m3_to_float(bits):
+    """e4m3fn bits (any integer type, 0..255) to float32: normal 2^(e-7) * (1 + m/8) built as float32's own
+    fields (exponent e - 7 + 127, mantissa m << 20); subnormal (e == 0) m * 2^-9; 0x7F and 0xFF NaN."""
+    b = bits.to(tl.int32) & 255
+    exponent, mantissa = (b >> 3) & 15, b & 7
+    fields = ((exponent + 120) << 23) | (mantissa << 20)
+    fields = tl.where((b & 127) == 127, 0x7FC00000, fields)  # float32's quiet NaN
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, fields.to(tl.float32, bitcast=True))
+    return tl.where(b >= 128, -magnitude, magnitude)
+
+
+@triton.jit
+def _decode_e4m3_kernel(bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offsets < n
+    tl.store(out_ptr + offsets, _e4m3_to_float(tl.load(bits_ptr + offsets, mask=ok, other=0)), mask=ok)
+
+
+def decode_e4m3(bits: torch.Tensor) -> torch.Tensor:
+    """The kernel's decoder on its own (for tests): uint8 e4m3fn bits to float32."""
+    flat = bits.reshape(-1).contiguous()
+    out = torch.empty(flat.shape, dtype=torch.float32, device=bits.device)
+    _decode_e4m3_kernel[(triton.cdiv(flat.numel(), 256),)](flat, out, flat.numel(), BLOCK=256)
+    return out.reshape(bits.shape)
+
+
+@triton.jit
 def _int_matmul_kernel(x_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_qn,
-                       stride_sn, stride_om, GROUP: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr,
+                       stride_sn, stride_om, GROUP: tl.constexpr, INT4: tl.constexpr, FP8: tl.constexpr,
+                       HAS_ZERO: tl.constexpr,
                        HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -32,6 +64,8 @@ def _int_matmul_kernel(x_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, 
         if INT4:  # byte k // 2 of a row holds columns k (low nibble) and k + 1 (high), offset by 8 to unsigned
             byte = tl.load(q_ptr + cols[:, None] * stride_qn + (ks // 2)[None, :], mask=w_mask, other=0).to(tl.int32)
             q = ((byte >> ((ks % 2) * 4)[None, :]) & 15) - 8
+        elif FP8:  # e4m3fn bits, decoded to float32
+            q = _e4m3_to_float(tl.load(q_ptr + cols[:, None] * stride_qn + ks[None, :], mask=w_mask, other=0))
         else:
             q = tl.load(q_ptr + cols[:, None] * stride_qn + ks[None, :], mask=w_mask, other=0).to(tl.int32)
         group = ks // GROUP
@@ -51,20 +85,22 @@ def _int_matmul_kernel(x_ptr, q_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, M, 
 
 
 def int_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
-               group_size: int, int4: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] times the weight held as qweight (int8 [N, K], or uint8 [N, K / 2] for int4), scale [N, groups]
-    and zero [N, groups] (int8, or None: symmetric); returns [..., N] in x's dtype."""
+               group_size: int, int4: bool, bias: torch.Tensor | None = None, fp8: bool = False) -> torch.Tensor:
+    """x [..., K] times the weight held as qweight (int8 [N, K]; uint8 [N, K / 2] for int4; uint8 e4m3fn bits
+    [N, K] for fp8), scale [N, groups] and zero [N, groups] (int8, or None: symmetric); returns [..., N] in x's
+    dtype."""
     shape = x.shape
     x2 = unit_last_stride(x.reshape(-1, shape[-1]))
     m, k = x2.shape
     n = qweight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     block_m = max(MIN_DOT, min(64, triton.next_power_of_2(m)))
-    block_n, block_k = 64, max(MIN_DOT, min(64, group_size))
+    # a group of any size: each column's scale is looked up by column, so a tile may span groups
+    block_n, block_k = 64, max(MIN_DOT, min(64, triton.next_power_of_2(group_size)))
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int_matmul_kernel[grid](
         x2, qweight, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, m, n, k,
         x2.stride(0), qweight.stride(0), scale.stride(0), out.stride(0), GROUP=group_size, INT4=int4,
-        HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, UPCAST=must_upcast(x2), BLOCK_M=block_m,
+        FP8=fp8, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, UPCAST=must_upcast(x2), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k)
     return out.reshape(*shape[:-1], n)
