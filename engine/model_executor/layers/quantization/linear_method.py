@@ -17,13 +17,14 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   torch's weight-only products with the activations rounded to bf16 and the bf16 output widened back
   (`cpu_int4_bf16`, `cpu_int8_bf16`): the formats' "A16", and the only way torch's products are fast here. One
   [tokens, 2048] x [8192, 2048] product on one torch thread (what a decode step runs, layers/cpu_blas.py;
-  `bench_quantized_decode.py --kernels`), ms at 1 / 16 tokens: int4 bf16 0.58 / 3.4, int8 bf16 1.07 / 4.5,
+  `bench_quantized_kernels.py`), ms at 1 / 16 tokens: int4 bf16 0.58 / 3.4, int8 bf16 1.07 / 4.5,
   float32 through OpenBLAS 4.7 / 59 and `F.linear` 3.0 / 34, dequantized bf16 `F.linear` 2.2 / 3.0; with float32
   activations torch's int8 and int4 products take 34 / 333 and 53 / 645 (not vectorized). Whole engine, 222M
   Llama (`bench_quantized_decode.py --model large`), tok/s at batch 1 / 16, best of 3 rounds: float32 5.0 / 16,
   W8A16 17.6 / 87, W4A16 27.6 / 115. Numerics: log-probabilities within 0.25 of transformers' float32 on the
   decompressed checkpoint (tests/test_quantized_kept.py; measured 0.07-0.13 on a tiny random model). Other
-  int layouts (asymmetric or grouped int8) are dequantized to float32. Decode steps keep torch on one thread:
+  int layouts (asymmetric or grouped int8), and the weights of checkpoints that quantize activations (W8A8:
+  w8a8.py quantizes them exactly, which a bf16 rounding would undo), are dequantized to float32. Decode steps keep torch on one thread:
   with two (KUBEINFER_CPU_OPENBLAS=0) the same engine ran 3x slower at batch 1 and 1.4-2.5x at 16 under this load.
   `torch._int_mm` with int8 activations per token (llama.cpp's Q8_0 arithmetic) was the fastest at 16 tokens
   (2.85 ms) but slower at one (2.1 ms), and changes a weight-only checkpoint's numerics: not used.
