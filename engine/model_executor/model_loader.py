@@ -119,8 +119,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
         w8a8_checkpoint = any(s.inputs for s in getattr(quantization, "schemes", ()))  # compressed-tensors W8A8
         _install_integers(model, params, integers, expected, w8a8_checkpoint)
         try:  # W8A8: the quantized layers' inputs quantized as the checkpoint says (static scales read here)
-            model.activation_schemes = w8a8.install(model, quantization, handles, lambda k: handles[k][0].get_tensor(
-                k) if k in handles else None, (lambda k: (k, None)) if model.checkpoint_fused else _target)
+            model.activation_schemes = w8a8.install(model, quantization, handles, _tensor_getter(handles),
+                                                    (lambda k: (k, None)) if model.checkpoint_fused else _target)
         except QuantizationError as error:
             raise ModelLoadError(str(error)) from None
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
@@ -140,9 +140,14 @@ def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
                                  "quantization_config; kubeinfer cannot tell its scales")
         return tensor
     try:
-        return quantization.read(key, tensor, lambda k: handles[k][0].get_tensor(k) if k in handles else None)
+        return quantization.read(key, tensor, _tensor_getter(handles))
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
+
+
+def _tensor_getter(handles: dict):
+    """`get(key)`, as the formats read a weight's scales: the tensor from whichever shard holds it, or None."""
+    return lambda key: handles[key][0].get_tensor(key) if key in handles else None
 
 
 def _float_quantized(quantization) -> bool:
@@ -153,7 +158,7 @@ def _float_quantized(quantization) -> bool:
 
 def _int_weight(key: str, f, handles: dict, quantization, module, param, shard, split: bool):
     try:
-        return rank_int_weight(quantization, key, f, lambda k: handles[k][0].get_tensor(k) if k in handles else None,
+        return rank_int_weight(quantization, key, f, _tensor_getter(handles),
                                module, param, shard, split)
     except QuantizationError as error:
         raise ModelLoadError(str(error)) from None
