@@ -14,13 +14,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from quant_checkpoints import assert_greedy_equal_but_near_ties, ct_activation_args, fake_quantize_inputs
+from quant_checkpoints import (
+    assert_greedy_equal_but_near_ties,
+    ct_activation_args,
+    engine_greedy,
+    fake_quantize_inputs,
+    hf_greedy,
+)
 from safetensors.torch import load_file, save_file
 
 from kubeinfer.engine import LLM, SamplingParams
 
-PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [40, 41, 42], list(range(60, 100)), [7]]
-MAX_TOKENS = [12, 16, 9, 20]
 # hidden = intermediate = heads * head_dim: every linear weight has 64 columns, so a [1, 64] block is one
 # scale per output channel, a layout transformers reads.
 SHAPE = dict(hidden_size=64, intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=2)
@@ -129,22 +133,7 @@ def hf_fp8(model_dir):
 
 def assert_fp8_greedy(model_dir, reference_dir=None, **kwargs) -> None:
     reference = hf_fp8(reference_dir or model_dir)
-    assert_greedy_equal_but_near_ties(engine_greedy(model_dir, **kwargs), hf_fp8_greedy(reference), reference)
-
-
-def hf_fp8_greedy(model) -> list[list[int]]:
-    out = []
-    for prompt, n in zip(PROMPTS, MAX_TOKENS):
-        ids = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=n, min_new_tokens=0, do_sample=False, eos_token_id=[], pad_token_id=0)
-        out.append(ids[0, len(prompt):].tolist())
-    return out
-
-
-def engine_greedy(model_dir, **kwargs) -> list[list[int]]:
-    llm = LLM(model_dir, max_model_len=128, num_kv_blocks=64, **kwargs)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    assert_greedy_equal_but_near_ties(engine_greedy(model_dir, **kwargs), hf_greedy(reference), reference)
 
 
 @pytest.mark.parametrize("name", ["block", "tensor", "channel_as_block"])

@@ -18,7 +18,6 @@ from test_quantized_fp8 import (
     fp8_config,
     fp8_quantize,
     hf_fp8,
-    hf_fp8_greedy,
     write_checkpoint,
 )
 
@@ -147,7 +146,7 @@ def test_two_ranks_keep_their_e4m3_slices(dirs, monkeypatch):
 def test_two_ranks_greedy_equals_transformers_dequantized(dirs, monkeypatch):
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
     reference = hf_fp8(dirs["static"])  # the same prompts as test_quantized_fp8's; the ranks end with the engine
-    assert_greedy_equal_but_near_ties(engine_greedy(dirs["static"], tensor_parallel_size=2), hf_fp8_greedy(reference),
+    assert_greedy_equal_but_near_ties(engine_greedy(dirs["static"], tensor_parallel_size=2), hf_greedy(reference),
                                       reference)
 
 
