@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import FUSED_WEIGHTS, ModelSpec
+from .expert_int_weights import ExpertIntegers
 from .int_weights import rank_int_weight
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
@@ -38,9 +39,11 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
         if isinstance(module, RotaryEmbedding):
             module.build(device)
     _load_weights(model, files.weight_files, files.quantization)
-    if files.quantization is not None and hasattr(model, "experts_modules"):  # no int/fp8 MoE kernel yet
-        logger.info("%s: expert weights dequantized at load into stacked %s tensors ([E, 2I, H], [E, H, I])",
-                    files.architecture, str(dtype).removeprefix("torch."))
+    dequantized = [n for n, k in getattr(model, "expert_kernels", {}).items() if k == "dequantized"]
+    if files.quantization is not None and hasattr(model, "experts_modules") and (
+            dequantized or not getattr(model, "expert_kernels", None)):  # else: kept (layers/fused_moe/int_experts.py)
+        logger.info("%s: expert weights of %d MoE layers dequantized at load into stacked %s tensors", files.architecture,
+                    len(dequantized) or len(model.experts_modules()), str(dtype).removeprefix("torch."))
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
         model.use_triton_kernels()
     # The CPU's small-step matmuls; not the GPU. Not with tensor parallelism: its ranks share the cores.
@@ -76,6 +79,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
         for file in weight_files:
             f = stack.enter_context(safe_open(str(file), framework="pt"))
             handles.update((key, (f, file)) for key in f.keys())
+        # MoE experts kept as integers / fp8 too, stacked per layer once every shard is read (expert_int_weights.py)
+        experts = ExpertIntegers(model, quantization, _tensor_getter(handles)) if keep and special else None
         for key, (f, file) in handles.items():
             if (quantization is not None and quantization.auxiliary(key)) or KV_SCALE_KEY.search(key):
                 continue  # read with its weight, or the KV cache's scales (read by kv_cache_dtype.py)
@@ -86,7 +91,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                 continue
             if special is not None:
                 try:
-                    filled = special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization)
+                    filled = experts.take(ours, key, f) if experts is not None and not at_load else None
+                    filled = filled or special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization)
                                      if k in handles else None)
                 except ValueError as error:
                     raise ModelLoadError(f"{file.name}: {error}") from None
@@ -121,6 +127,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
         try:  # W8A8: the quantized layers' inputs quantized as the checkpoint says (static scales read here)
             model.activation_schemes = w8a8.install(model, quantization, handles, _tensor_getter(handles),
                                                     (lambda k: (k, None)) if model.checkpoint_fused else _target)
+            if experts is not None:  # after w8a8.install: its static scales go where the float stacks are
+                model.expert_kernels = experts.install(weight.dtype, w8a8_checkpoint)
         except QuantizationError as error:
             raise ModelLoadError(str(error)) from None
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]

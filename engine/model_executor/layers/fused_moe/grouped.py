@@ -19,9 +19,11 @@ import torch
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, activation: Callable[[torch.Tensor], torch.Tensor],
                     gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                    input_quant=None) -> torch.Tensor:
+                    input_quant=None, products=None) -> torch.Tensor:
     """x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_weights, topk_ids [T, k]; activation: [n, 2I] -> [n, I].
-    Returns [T, H]: sum over each token's k experts of weight * expert(x)."""
+    Returns [T, H]: sum over each token's k experts of weight * expert(x). `products(which, expert, rows, out, bias)`,
+    when given, multiplies one expert's rows by its kept-quantized gate_up or down weight (int_experts.py; the
+    float stacks are then shapes only)."""
     num_tokens, top_k = topk_ids.shape
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in token order inside a group
@@ -36,7 +38,7 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     else:
         gathered = input_quant.hidden_rows(x.index_select(0, tokens), experts)
     activation = activation if input_quant is None else _then_quantize(activation, input_quant, experts)
-    if _grouped_mm_serves(gathered, gate_up):  # one product per projection over every expert's rows
+    if products is None and _grouped_mm_serves(gathered, gate_up):  # one product per projection over every expert's rows
         offsets = torch.tensor(_ends(counts), dtype=torch.int32, device=x.device)
         experts = flat[order] if experts is None else experts
         h = torch._grouped_mm(gathered, gate_up.transpose(1, 2), offs=offsets)
@@ -46,13 +48,15 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         if down_bias is not None:
             out.add_(down_bias.index_select(0, experts))
     else:  # two products per active expert, each written in place into its rows; the activation once
+        product = products or (lambda which, e, rows, out, bias: _product(
+            rows, (gate_up if which == "gate_up" else down)[e], out, bias))
         h = gathered.new_empty(gathered.shape[0], gate_up.shape[1])
         for expert, rows in groups:
-            _product(gathered[rows], gate_up[expert], h[rows], None if gate_up_bias is None else gate_up_bias[expert])
+            product("gate_up", expert, gathered[rows], h[rows], None if gate_up_bias is None else gate_up_bias[expert])
         act = activation(h)
         out = gathered.new_empty(gathered.shape[0], down.shape[1])
         for expert, rows in groups:
-            _product(act[rows], down[expert], out[rows], None if down_bias is None else down_bias[expert])
+            product("down", expert, act[rows], out[rows], None if down_bias is None else down_bias[expert])
     out.mul_(topk_weights.reshape(-1)[order].unsqueeze(1).to(out.dtype))
     # Added back in expert order per token: the order transformers' eager experts add them in.
     return torch.zeros_like(x).index_add_(0, tokens, out)

@@ -8,8 +8,10 @@ Tensor parallelism: with tp_size > 1 each rank holds every expert's slice [rank 
 of the intermediate dimension, so its output is a partial sum the caller all-reduces; the down bias is held
 by rank 0 alone, so that the sum counts it once. The load_* methods slice full checkpoint tensors.
 
-Quantized checkpoints reach these methods already dequantized (the loader reads each expert's tensor through
-its format): the experts are held as float, so every format runs the same kernels. `weight_transform`, when
+Quantized checkpoints' experts are kept as integers (or fp8) where a kernel serves them: `int_method`
+(int_experts.py, installed by the loader) then holds them and multiplies, and the float stacks are shapes on the
+meta device. Elsewhere they reach these methods dequantized (the loader reads each expert's tensor through its
+format) and are held as float. `weight_transform`, when
 set, maps each full weight in our [..., out, in] orientation before it is sliced and stored
 (--quantization fp8 on a float checkpoint: the per-channel round trip, before TP's slice, as for a dense layer).
 `input_quant` (input_quant.py), when set, quantizes the experts' inputs as W8A8 checkpoints define them.
@@ -47,9 +49,12 @@ class FusedMoE(nn.Module):
         self.fused = False  # the Triton kernels (set by the model's use_triton_kernels)
         self.weight_transform: Callable[[torch.Tensor, str], torch.Tensor] | None = None
         self.input_quant = None  # an ExpertInputQuant (set by layers/quantization/w8a8_experts.py)
+        self.int_method = None  # kept-quantized experts (int_experts.py), set by the loader
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H] (this rank's partial sum under TP)."""
+        if self.int_method is not None:
+            return self.int_method.apply(self, x, topk_weights, topk_ids)
         if self.fused:
             from .triton_moe import fused_experts
             return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids,

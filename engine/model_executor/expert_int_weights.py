@@ -1,0 +1,82 @@
+"""The loader's side of kept-quantized MoE experts (layers/fused_moe/int_experts.py): each per-expert checkpoint
+weight (`experts.E.gate_proj`, Mixtral's `w1`, ...) read as the format's integers and scales (`int_weight`,
+no dequantization), collected per MoE layer, then installed on the layer once the loop has read every shard:
+this rank's slice of each expert (gate/up: its rows of the intermediate dimension, down: its columns; a cut
+inside a quantization group regrouped exactly by IntWeight.narrow), stacked for the chosen kernel. A layer the
+kernel choice does not keep (or one where some expert's weight has no integer form, e.g. GPTQ act-order) is
+dequantized into the float stacks through FusedMoE's own loaders, as before."""
+from __future__ import annotations
+
+import torch
+
+from .layers.fused_moe.int_experts import ExpertsIntMethod, choose_expert_kernel, stack
+from .layers.quantization.linear_method import IntWeight
+
+GATE_UP = ("gate_proj", "up_proj")
+
+
+class ExpertIntegers:
+    """Collects {experts module: {(projection, expert): IntWeight}} while the loader reads the checkpoint."""
+
+    def __init__(self, model, quantization, get) -> None:
+        self.model, self.quantization, self.get = model, quantization, get
+        self.found: dict[str, dict[tuple[str, int], IntWeight]] = {}
+
+    def take(self, ours: str, key: str, f) -> dict | None:
+        """{stacked parameter: 1} when `key` is a per-expert weight the format gives as integers, else None
+        (the model's own loader reads it as float)."""
+        hit = self.model.expert_of(ours)
+        if hit is None:
+            return None
+        module, expert, projection = hit
+        weight = self.quantization.int_weight(key, f.get_tensor(key), self.get)
+        if weight is None or weight.values.dim() != 2:
+            return None
+        self.found.setdefault(module, {})[(projection, expert)] = weight
+        return {f"{module}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}": 1}
+
+    def install(self, dtype: torch.dtype, w8a8: bool) -> dict[str, str]:
+        """Every collected layer kept or dequantized; returns {experts module: kernel} (the start-up log's)."""
+        chosen = {}
+        for name, weights in self.found.items():
+            moe = self.model.get_submodule(name)
+            complete = len(weights) == 3 * moe.num_experts
+            kept = _rank_slices(moe, weights) if complete else None
+            kernel = "dequantized"
+            if kept is not None:
+                kernels = {choose_expert_kernel(kept[which][0], moe.gate_up_proj.device, dtype, w8a8)
+                           for which in kept}
+                kernel = kernels.pop() if len(kernels) == 1 else "dequantized"
+            if kernel == "dequantized":
+                _dequantize_into(moe, weights)
+            else:
+                moe.int_method = ExpertsIntMethod(moe, {w: stack(parts) for w, parts in kept.items()}, kernel, dtype)
+            fp8 = next(iter(weights.values())).fp8
+            chosen[name] = f"{kernel}_fp8" if fp8 and kernel != "dequantized" else kernel
+        return chosen
+
+
+def _rank_slices(moe, weights: dict) -> dict[str, list[IntWeight]] | None:
+    """Per projection, every expert's IntWeight cut to this rank's slice (gate rows then up rows; down columns)."""
+    inter, start = moe.intermediate_size, moe.tp_rank * moe.intermediate_size
+    cut = (lambda w, dim: w) if moe.tp_size == 1 else (lambda w, dim: w.narrow(dim, start, inter))
+    gate_up, down = [], []
+    for e in range(moe.num_experts):
+        parts = [weights[(p, e)] for p in GATE_UP]
+        if any(p.values.shape[0] != inter * moe.tp_size for p in parts):
+            return None  # the model's loaders name the shape mismatch
+        try:
+            gate_up.append(IntWeight.cat([cut(p, 0) for p in parts]))
+        except ValueError:
+            return None  # gate and up quantized differently: dequantized
+        down.append(cut(weights[("down_proj", e)], 1))
+    return {"gate_up": gate_up, "down": down}
+
+
+def _dequantize_into(moe, weights: dict) -> None:
+    for (projection, expert), weight in weights.items():
+        tensor = weight.dequantize()
+        if projection == "down_proj":
+            moe.load_down(expert, tensor)
+        else:
+            moe.load_gate_or_up(projection.removesuffix("_proj"), expert, tensor)

@@ -1,0 +1,134 @@
+"""MoE experts kept quantized in memory: each expert's int8/int4 (or fp8 e4m3) checkpoint weight, as the format
+decodes it to integers and scales (its `int_weight`: linear_method.IntWeight), cut to this tensor-parallel
+rank's slice (IntWeight.narrow: gate/up by output rows, down by input columns, a cut inside a group regrouped
+exactly) and stacked over the experts for the kernel that multiplies them:
+
+- CUDA (and KUBEINFER_QUANT_KERNEL=triton under TRITON_INTERPRET=1): the fused MoE Triton kernel
+  (triton_moe.py) reads values [E, N, K] (int8; fp8 as its e4m3 bits; int4 two per byte [E, N, K / 2], the
+  even column in the low nibble, offset to unsigned), scales [E, N, groups] float32 and zeros [E, N, groups]
+  int8 (asymmetric) and dequantizes each tile inside the kernel, as triton_int_matmul.py does for a dense layer.
+- CPU: the dense layers' kernel choice (linear_method.choose_kernel; for a float32 model `cpu_int8_bf16` /
+  `cpu_int4_bf16`: torch's weight-only products with the activations rounded to bf16) applied per active
+  expert: each expert's rows of the step go through its own product (grouped.py's loop). int8: values
+  [E, N, K] int8 (1 byte a weight) and a bf16 scale per row; int4: torch's CPU int4 pack per expert
+  [E, N, K / 2] uint8 (half a byte a weight) and bf16 scales and zeros per group.
+  Measured against dequantizing only the step's active experts (benchmarks/bench_moe_kept.py, RESULTS.md
+  "moe-quantized-kept"): the weight-only products win at 1 and 16 tokens, so they are used.
+  Layouts no torch product takes (asymmetric or grouped int8, fp8 on a CPU) and W8A8 checkpoints' experts
+  (their activations are quantized exactly, which a bf16 rounding would undo) are dequantized at load into
+  the float stacks, as the dense layers are; so is everything under KUBEINFER_QUANT_KERNEL=dequantized.
+
+The float stacks `gate_up_proj` / `down_proj` stay as shapes on the meta device: the kept bytes are what
+the parameters hold, so the start-up log's weight bytes (core/model_setup.py memory_summary) are the kept ones.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..quantization.linear_method import BF16_ACTIVATIONS, IntWeight, choose_kernel
+
+PROJECTIONS = ("gate_up", "down")
+
+
+def choose_expert_kernel(sample: IntWeight, device: torch.device, dtype: torch.dtype, w8a8: bool) -> str:
+    """The dense layers' measured choice for one expert's weight; "dequantized" where no kept kernel serves it."""
+    kernel = choose_kernel(sample, device, dtype, w8a8)
+    if kernel == "triton" and sample.values.shape[1] % 2 and sample.bits == 4:
+        return "dequantized"  # int4 is packed two columns a byte
+    return kernel
+
+
+def stack(parts: list[IntWeight]) -> IntWeight:
+    """Every expert's weight of one projection, [E, N, K] values with [E, N, groups] scales and zeros."""
+    first = parts[0]
+    if any(p.group_size != first.group_size or p.bits != first.bits or p.fp8 != first.fp8
+           or p.values.shape != first.values.shape or (p.zero is None) != (first.zero is None) for p in parts):
+        raise ValueError("the experts of one layer are quantized differently (bits, groups, zero points)")
+    values = torch.stack([p.values.view(torch.uint8) if p.fp8 else p.values for p in parts])
+    zero = None if first.zero is None else torch.stack([p.zero for p in parts])
+    return IntWeight(values, torch.stack([p.scale for p in parts]), zero, first.group_size, first.bits, first.fp8)
+
+
+def _pack(weight: IntWeight, kernel: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The stacked tensors the kernel reads (module docstring), by parameter suffix."""
+    if kernel == "cpu_int4":
+        scale = weight.scale.transpose(1, 2).to(torch.float32)  # [E, groups, N]
+        zero = -(weight.zero.transpose(1, 2).to(torch.float32) * scale) if weight.zero is not None \
+            else torch.zeros_like(scale)
+        packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(v.to(torch.int32) + 8, 1) for v in weight.values]
+        return {"qweight": torch.stack(packed), "scales_and_zeros": torch.stack([scale, zero], -1).to(dtype).contiguous()}
+    if kernel == "cpu_int8":
+        return {"qweight": weight.values.contiguous(), "scale": weight.scale[..., 0].to(dtype).contiguous()}
+    values = weight.values  # triton: fp8 already its e4m3 bits (uint8)
+    if weight.bits == 4:
+        unsigned = (values.to(torch.int16) + 8).to(torch.uint8)
+        values = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)
+    packed = {"qweight": values.contiguous(), "scale": weight.scale.to(torch.float32).contiguous()}
+    if weight.zero is not None:
+        packed["zero"] = weight.zero.to(torch.int8).contiguous()
+    return packed
+
+
+class ExpertsIntMethod:
+    """Holds one MoE layer's kept expert weights on the FusedMoE (parameters `gate_up_qweight`, `down_scale`, ...)
+    and multiplies through the chosen kernel."""
+
+    def __init__(self, moe: nn.Module, weights: dict[str, IntWeight], kernel: str, dtype: torch.dtype) -> None:
+        self.act_dtype = dtype
+        if kernel in BF16_ACTIVATIONS:
+            kernel, self.act_dtype = BF16_ACTIVATIONS[kernel], torch.bfloat16
+        self.kernel = kernel
+        gate_up = weights["gate_up"]
+        self.group_size, self.bits, self.fp8 = gate_up.group_size, gate_up.bits, gate_up.fp8
+        self.down_group = weights["down"].group_size  # a TP cut inside a group regroups down alone
+        device = moe.gate_up_proj.device
+        for which in PROJECTIONS:
+            for suffix, tensor in _pack(weights[which], kernel, self.act_dtype).items():
+                moe.register_parameter(f"{which}_{suffix}", nn.Parameter(tensor.to(device), requires_grad=False))
+            float_stack = getattr(moe, f"{which}_proj")  # its shape stays, its memory goes
+            setattr(moe, f"{which}_proj", nn.Parameter(torch.empty(float_stack.shape, dtype=float_stack.dtype,
+                                                                   device="meta"), requires_grad=False))
+
+    def apply(self, moe: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        if self.kernel == "triton":
+            from .triton_moe import QuantizedExperts, fused_experts
+
+            quant = {which: QuantizedExperts(getattr(moe, f"{which}_qweight"), getattr(moe, f"{which}_scale"),
+                                             getattr(moe, f"{which}_zero", None),
+                                             self.group_size if which == "gate_up" else self.down_group,
+                                             self.bits == 4, self.fp8) for which in PROJECTIONS}
+            return fused_experts(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids,
+                                 gate_up_bias=moe.gate_up_proj_bias, down_bias=moe.down_proj_bias,
+                                 swiglu_limit=moe.swiglu_limit, swiglu_alpha=moe.swiglu_alpha,
+                                 input_quant=moe.input_quant, quantized=quant)
+        from .grouped import grouped_experts
+
+        return grouped_experts(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids, moe.activation,
+                               moe.gate_up_proj_bias, moe.down_proj_bias, moe.input_quant,
+                               products=lambda which, e, rows, out, bias: self.product(moe, which, e, rows, out, bias))
+
+    def product(self, moe: nn.Module, which: str, expert: int, rows: torch.Tensor, out: torch.Tensor,
+                bias: torch.Tensor | None) -> None:
+        """out = rows @ W[expert].T (+ bias) for `which` (gate_up or down), through torch's weight-only product."""
+        a = rows.to(self.act_dtype)
+        qweight = getattr(moe, f"{which}_qweight")[expert]
+        if self.kernel == "cpu_int4":
+            group = self.group_size if which == "gate_up" else self.down_group
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(a, qweight, group,
+                                                           getattr(moe, f"{which}_scales_and_zeros")[expert])
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(a, qweight, getattr(moe, f"{which}_scale")[expert])
+        out.copy_(y)
+        if bias is not None:
+            out.add_(bias)
+
+
+def dequantize_rows(weight: IntWeight) -> torch.Tensor:
+    """A stacked [E, N, K] (or one expert's [N, K]) weight to float32, as IntWeight.dequantize does for [N, K]."""
+    values = weight.values.view(torch.float8_e4m3fn) if weight.fp8 else weight.values
+    w = values.to(torch.float32)
+    expand = lambda t: t.to(torch.float32).repeat_interleave(weight.group_size, dim=-1)[..., :w.shape[-1]]
+    if weight.zero is not None:
+        w = w - expand(weight.zero)
+    return w * expand(weight.scale)
