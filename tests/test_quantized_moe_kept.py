@@ -15,6 +15,8 @@ from quant_checkpoints import (
     PROMPTS,
     awq_pack,
     awq_to_compressed_tensors,
+    ct_compress,
+    ct_scheme,
     float_weights,
     gptq_pack,
     hf_compressed_tensors,
@@ -97,9 +99,15 @@ def test_kept_awq_and_gptq_experts(float_dirs, tmp_path, monkeypatch, fmt):
 def test_cpu_default_keeps_experts_with_bf16_activations_close_to_the_reference(float_dirs, tmp_path, monkeypatch):
     """The float32 default: every top-3 log-probability of the first token within 0.25 of transformers' float32
     on the decompressed checkpoint over 8 prompts (the dense layers' bound, test_quantized_kept.py; measured
-    here: see MEASURED), and the start-up log's weight bytes are the kept ones."""
+    0.049 here; with the experts' int4 scales 10% off a greedy token differs), and the start-up log's weight bytes are the kept ones.
+    Only the experts are quantized (`re:.*experts.*`): the dense layers' own bf16 kernel, whose rounding flips a
+    near-tied router choice of this random model (a 2.5 log-prob jump on one prompt), is not what is measured."""
     monkeypatch.delenv("KUBEINFER_QUANT_KERNEL", raising=False)
-    model_dir, _ = ct_checkpoint(float_dirs("qwen3_moe"), "w4a16_group_sym", tmp_path / "ct")
+    float_dir = float_dirs("qwen3_moe")
+    config = ct_scheme("pack-quantized", 4, "int", "group", True, 32)
+    config["config_groups"]["group_0"]["targets"] = ["re:.*experts.*"]
+    weights = ct_compress(float_weights(float_dir), config, select=lambda k: ".experts." in k and k.endswith(".weight"))
+    model_dir = write_checkpoint(float_dir, tmp_path / "ct", weights, config)
     llm = engine(model_dir)
     model = llm.engine.runner.model
     assert_kept(model, "cpu_int4_bf16", 0.5)
@@ -122,6 +130,7 @@ def test_cpu_default_keeps_experts_with_bf16_activations_close_to_the_reference(
         if float(top2[0] - top2[1]) > 0.25:
             assert output.outputs[0].token_ids[0] == int(theirs.argmax())
     assert worst < 0.25, worst
+    assert not model.quant_kernels  # the dense layers stayed float
 
 
 def test_dequantized_kernel_keeps_the_float_stacks(float_dirs, tmp_path, monkeypatch):
