@@ -7,6 +7,10 @@ Finally the k results of each token are summed.
 
 Maths is fp32 with ieee dots in the interpreter and for fp32 weights; half precision feeds tensor cores.
 
+Kept-quantized experts (`quantized`, int_experts.py): B is read as int8, as e4m3 bits (fp8) or as two int4 per
+byte, and each tile is widened, offset by its group's zero and scaled in the kernel (per expert, output row
+and group of K), as triton_int_matmul.py does for a dense layer; the float stacks are then shapes only.
+
 `input_quant` (W8A8 experts, input_quant.py) quantizes in torch what the kernels read: the hidden states once
 (or, with a static scale per expert, one row per pair, read with A_ROWS_PER_TOKEN 1), and the materialized
 activation's pair rows before the down GEMM.
@@ -17,15 +21,32 @@ import torch
 import triton
 import triton.language as tl
 
+from typing import NamedTuple
+
 from ....triton_utils import MIN_DOT, must_upcast
+from ..quantization.triton_int_matmul import _e4m3_to_float
 from .activation import clamped_swiglu, silu_and_mul
+
+
+class QuantizedExperts(NamedTuple):
+    """One projection's kept experts: qweight [E, N, K] int8 (fp8: uint8 e4m3 bits; int4: uint8 [E, N, K / 2]),
+    scale [E, N, groups] float32, zero [E, N, groups] int8 or None."""
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    group_size: int
+    int4: bool
+    fp8: bool
 
 
 @triton.jit
 def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
                          N, K, num_pairs, stride_am, stride_be, stride_bn, stride_cm, stride_bias_e,
+                         scale_ptr, zero_ptr, stride_se, stride_sn,
                          A_ROWS_PER_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         QUANT: tl.constexpr = False, INT4: tl.constexpr = False, FP8: tl.constexpr = False,
+                         HAS_ZERO: tl.constexpr = False, GROUP: tl.constexpr = 1):
     """C[pair] = A[row of pair] @ B[expert].T (+ bias[expert]) (* weight[pair]) for each tile of sorted pairs.
     A's row is the token (pair // top_k) when A_ROWS_PER_TOKEN is top_k (the first GEMM reads the hidden
     states), the pair itself when it is 1 (the second reads the first's output)."""
@@ -48,8 +69,24 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, weights_ptr, sorted_ids_
         k_ok = (k0 + ks) < K
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        b = tl.load(b_base + cols[None, :] * stride_bn + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        if QUANT:  # [BLOCK_K, BLOCK_N] of expert's values, dequantized: (q - zero) * scale of (row, k // GROUP)
+            kk = k0 + ks
+            if INT4:  # byte k // 2 holds columns k (low nibble) and k + 1 (high), offset by 8 to unsigned
+                byte = tl.load(b_base + cols[None, :] * stride_bn + (kk // 2)[:, None], mask=b_mask, other=0)
+                q = (((byte.to(tl.int32) >> ((kk % 2) * 4)[:, None]) & 15) - 8).to(tl.float32)
+            elif FP8:
+                q = _e4m3_to_float(tl.load(b_base + cols[None, :] * stride_bn + kk[:, None], mask=b_mask, other=0))
+            else:
+                q = tl.load(b_base + cols[None, :] * stride_bn + kk[:, None], mask=b_mask, other=0).to(tl.float32)
+            s_off = expert * stride_se + cols[None, :] * stride_sn + (kk // GROUP)[:, None]
+            if HAS_ZERO:
+                q -= tl.load(zero_ptr + s_off, mask=b_mask, other=0).to(tl.float32)
+            b = q * tl.load(scale_ptr + s_off, mask=b_mask, other=0.0)
+            if not UPCAST:
+                b = b.to(a.dtype)
+        else:
+            b = tl.load(b_base + cols[None, :] * stride_bn + (k0 + ks)[:, None], mask=b_mask, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -83,25 +120,35 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, expert_ids, padded_ends[-1:].to(torch.int32)
 
 
-def _gemm(a, b, out, bias, weights, sorted_ids, expert_ids, num_padded, rows_per_token, block_m):
+def _gemm(a, b, out, bias, weights, sorted_ids, expert_ids, num_padded, rows_per_token, block_m, quant=None):
+    """b: the float stack [E, N, K] (its shape only when `quant` holds the kept weights)."""
     n, k = b.shape[1], b.shape[2]
     block_n = min(64, max(MIN_DOT, triton.next_power_of_2(n)))
     block_k = min(64, max(MIN_DOT, triton.next_power_of_2(k)))
     grid = (expert_ids.shape[0] * triton.cdiv(n, block_n),)
+    q = {} if quant is None else dict(QUANT=True, INT4=quant.int4, FP8=quant.fp8, HAS_ZERO=quant.zero is not None,
+                                      GROUP=quant.group_size)
+    values = b if quant is None else quant.qweight
+    scale = values if quant is None else quant.scale
+    zero = scale if quant is None or quant.zero is None else quant.zero
     _grouped_gemm_kernel[grid](
-        a, b, out, bias if bias is not None else b, weights if weights is not None else out, sorted_ids, expert_ids,
-        num_padded, n, k, out.shape[0], a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        bias.stride(0) if bias is not None else 0, A_ROWS_PER_TOKEN=rows_per_token, HAS_BIAS=bias is not None,
-        MUL_WEIGHT=weights is not None, UPCAST=must_upcast(a), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        a, values, out, bias if bias is not None else values, weights if weights is not None else out, sorted_ids,
+        expert_ids, num_padded, n, k, out.shape[0], a.stride(0), values.stride(0), values.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0, scale, zero, scale.stride(0), scale.stride(1),
+        A_ROWS_PER_TOKEN=rows_per_token, HAS_BIAS=bias is not None, MUL_WEIGHT=weights is not None,
+        UPCAST=must_upcast(a), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **q)
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
                   down_bias: torch.Tensor | None = None, swiglu_limit: float | None = None,
-                  swiglu_alpha: float = 1.702, block_m: int | None = None, input_quant=None) -> torch.Tensor:
-    """As grouped.grouped_experts: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_* [T, k] -> [T, H]."""
+                  swiglu_alpha: float = 1.702, block_m: int | None = None, input_quant=None,
+                  quantized: dict[str, QuantizedExperts] | None = None) -> torch.Tensor:
+    """As grouped.grouped_experts: x [T, H]; gate_up [E, 2I, H]; down [E, H, I]; topk_* [T, k] -> [T, H].
+    `quantized` {"gate_up", "down"}: the kept weights the kernels read (gate_up and down then give shapes)."""
     num_tokens, top_k = topk_ids.shape
-    if x.stride(-1) != 1 or gate_up.stride(-1) != 1 or down.stride(-1) != 1:
+    quantized = quantized or {}
+    if x.stride(-1) != 1 or (not quantized and (gate_up.stride(-1) != 1 or down.stride(-1) != 1)):
         raise ValueError("fused_experts needs a contiguous last dimension on x and the expert weights")
     if num_tokens == 0:
         return torch.zeros_like(x)
@@ -116,11 +163,13 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
         a = input_quant.hidden(x)
         if a is None:  # a static scale per expert: pair p's row is token p // top_k, quantized for its expert
             a, rows_per_token = input_quant.hidden_rows(x.repeat_interleave(top_k, dim=0), experts), 1
-    _gemm(a, gate_up, h, gate_up_bias, None, sorted_ids, expert_ids, num_padded, rows_per_token, block_m)
+    _gemm(a, gate_up, h, gate_up_bias, None, sorted_ids, expert_ids, num_padded, rows_per_token, block_m,
+          quantized.get("gate_up"))
     act = silu_and_mul(h) if swiglu_limit is None else clamped_swiglu(swiglu_alpha, swiglu_limit)(h)
     if input_quant is not None:
         act = input_quant.intermediate(act, experts)
     out = torch.empty(pairs, down.shape[1], dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).contiguous()
-    _gemm(act.contiguous(), down, out, down_bias, weights, sorted_ids, expert_ids, num_padded, 1, block_m)
+    _gemm(act.contiguous(), down, out, down_bias, weights, sorted_ids, expert_ids, num_padded, 1, block_m,
+          quantized.get("down"))
     return out.view(num_tokens, top_k, -1).sum(dim=1)

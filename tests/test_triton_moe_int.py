@@ -1,0 +1,55 @@
+"""The fused MoE Triton kernel reading kept-quantized experts (layers/fused_moe/int_experts.py, triton_moe.py),
+under Triton's interpreter without a GPU: int8 per channel, int4 by groups with zero points (two a byte) and
+fp8 e4m3 with block-wise scales (spread to a row and group each), each against the CPU grouped path on the
+same weights dequantized in torch (IntWeight.dequantize's definition: (q - zero) * scale). Small shapes: the
+interpreter is slow."""
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused_moe import uneven_routing
+from test_triton_kernels import DEVICES  # also sets TRITON_INTERPRET=1 without CUDA, before triton loads
+
+from kubeinfer.engine.model_executor.layers.fused_moe.activation import silu_and_mul
+from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts
+from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import ExpertsIntMethod, dequantize_rows, stack
+from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
+from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight
+
+E, H, I = 8, 64, 32
+
+
+def int_weight(kind: str, rows: int, cols: int, g: torch.Generator) -> IntWeight:
+    if kind == "int8":
+        values = torch.randint(-127, 128, (rows, cols), generator=g, dtype=torch.int8)
+        return IntWeight(values, torch.rand(rows, 1, generator=g) / 64 + 1e-3, None, cols, 8)
+    if kind == "int4":
+        group = 16
+        values = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8)
+        zero = torch.randint(-8, 8, (rows, cols // group), generator=g, dtype=torch.int8)
+        return IntWeight(values, torch.rand(rows, cols // group, generator=g) / 8 + 1e-3, zero, group, 4)
+    # fp8, blocks of [16 rows, 16 columns]: one scale per block, spread to every row of it
+    values = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    blocks = torch.rand(rows // 16, cols // 16, generator=g) / 400 + 1e-4
+    return IntWeight(values, blocks.repeat_interleave(16, 0), None, 16, 8, fp8=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_fused_kernel_dequantizes_kept_experts_like_torch(device, kind, num_tokens):
+    g = torch.Generator().manual_seed(7)
+    gate_up = stack([int_weight(kind, 2 * I, H, g) for _ in range(E)])
+    down = stack([int_weight(kind, H, I, g) for _ in range(E)])
+    x = torch.randn(num_tokens, H, generator=g)
+    weights, ids = uneven_routing(num_tokens, seed=num_tokens)
+    expected = grouped_experts(x, dequantize_rows(gate_up), dequantize_rows(down), weights, ids, silu_and_mul)
+
+    moe = FusedMoE(E, H, I).to(device)  # as the loader holds it, then the kept weights replace the float stacks
+    moe.int_method = ExpertsIntMethod(moe, {"gate_up": gate_up, "down": down}, "triton", torch.float32)
+    assert moe.gate_up_proj.device.type == "meta" and moe.gate_up_qweight.dtype in (torch.int8, torch.uint8)
+    if kind == "int4":  # two weights a byte
+        assert moe.gate_up_qweight.shape == (E, 2 * I, H // 2) and moe.gate_up_zero.dtype == torch.int8
+    got = moe(x.to(device), weights.to(device), ids.to(device)).cpu()
+    assert expected.abs().max() > 0.1  # not a vacuous comparison
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
