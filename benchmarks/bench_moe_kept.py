@@ -1,0 +1,151 @@
+"""Quantized MoE experts kept quantized (layers/fused_moe/int_experts.py) against dequantized at load, on the CPU.
+
+1. One layer's experts (32 experts, hidden 1024, expert intermediate 512, top 4, bench_moe_w8a8.py's slice), one
+   thread, interleaved rounds, medians, at 1 / 16 / 64 tokens: float32 stacks (dequantized at load) through the
+   grouped product; kept int8 / int4 through torch's weight-only products per active expert (bf16 activations:
+   the CPU default); kept int8 / int4 with only the step's active experts dequantized to float32 and multiplied
+   (the alternative the choice was measured against).
+2. The whole engine on a random Qwen3-MoE (hidden 512, 4 layers, 32 experts of 512, top 4), compressed-tensors
+   W8A16 (channel) and W4A16 (groups of 128) checkpoints of it: the weight bytes the engine holds and decode
+   tok/s at batch 1 and 16, kept (the default) and KUBEINFER_QUANT_KERNEL=dequantized, interleaved rounds, best
+   and median.
+
+    python benchmarks/bench_moe_kept.py [--rounds 20] [--repeats 3] [--tokens 16]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from bench_quantized_decode import EngineSystem  # noqa: E402
+from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_checkpoint  # noqa: E402
+
+from kubeinfer.engine.model_executor.layers.fused_moe.activation import silu_and_mul  # noqa: E402
+from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts  # noqa: E402
+from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import (  # noqa: E402
+    ExpertsIntMethod,
+    dequantize_rows,
+)
+from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
+from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight  # noqa: E402
+from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+
+E, H, INTER, K = 32, 1024, 512, 4
+MODEL = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024, vocab_size=8192,
+             num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, max_position_embeddings=512)
+SCHEMES = {"w8a16": ("pack-quantized", 8, "int", "channel", True, None),
+           "w4a16": ("pack-quantized", 4, "int", "group", True, 128)}
+
+
+def quantized(w: torch.Tensor, bits: int) -> IntWeight:
+    """[E, N, K] float to symmetric ints: int8 per row, int4 by groups of 128."""
+    group = w.shape[-1] if bits == 8 else 128
+    grouped = w.reshape(*w.shape[:-1], -1, group)
+    scale = grouped.abs().amax(-1) / (127 if bits == 8 else 7)
+    values = (grouped / scale.unsqueeze(-1)).round().clamp(-128 if bits == 8 else -8, 127 if bits == 8 else 7)
+    return IntWeight(values.reshape(w.shape).to(torch.int8), scale, None, group, bits)
+
+
+def layer_rows(rounds: int) -> list[str]:
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(E, 2 * INTER, H, generator=g) * 0.02, torch.randn(E, H, INTER, generator=g) * 0.02
+    runners = {"float32 stacks (dequantized at load)": lambda x, w, ids: grouped_experts(x, gate_up, down, w, ids,
+                                                                                           silu_and_mul)}
+    for bits, kernel in ((8, "cpu_int8_bf16"), (4, "cpu_int4_bf16")):
+        ints = {"gate_up": quantized(gate_up, bits), "down": quantized(down, bits)}
+        moe = FusedMoE(E, H, INTER)
+        moe.int_method = ExpertsIntMethod(moe, ints, kernel, torch.float32)
+        runners[f"int{bits} kept, {kernel} per active expert"] = moe.forward
+        floats = {which: ints[which] for which in ints}
+
+        def active_dequantized(x, w, ids, floats=floats):
+            def product(which, e, rows, out, bias):
+                part = floats[which]
+                one = IntWeight(part.values[e], part.scale[e], None, part.group_size, part.bits)
+                torch.mm(rows, dequantize_rows(one).t(), out=out)
+            return grouped_experts(x, gate_up, down, w, ids, silu_and_mul, products=product)
+        runners[f"int{bits} kept, active experts dequantized per step"] = active_dequantized
+    lines = ["| tokens | " + " | ".join(runners) + " |", "|---|" + "---|" * len(runners)]
+    for tokens in (1, 16, 64):
+        x = torch.randn(tokens, H, generator=g)
+        weights = torch.softmax(torch.randn(tokens, K, generator=g), -1)
+        ids = torch.randint(0, E, (tokens, K), generator=g)
+        times = {name: [] for name in runners}
+        with torch.inference_mode():
+            for r in range(rounds):
+                for name in (list(runners) if r % 2 else list(runners)[::-1]):
+                    start = time.perf_counter()
+                    runners[name](x, weights, ids)
+                    times[name].append(time.perf_counter() - start)
+        median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        base = median["float32 stacks (dequantized at load)"]
+        lines.append(f"| {tokens} | " + " | ".join(f"{ms:.2f} ms ({base / ms:.2f}x)" for ms in median.values()) + " |")
+        print(lines[-1], f"load {os.getloadavg()[0]:.1f}")
+    return lines
+
+
+def engine_rows(repeats: int, tokens: int) -> list[str]:
+    torch.set_num_threads(2)
+    root = Path(".cache")
+    float_dir = root / "bench-qwen3-moe-kept"
+    if not (float_dir / "config.json").exists():
+        build_random_model(float_dir, "qwen3_moe", tokenizer=False, initializer_range=0.02, **MODEL)
+    systems = {}
+    for scheme, args in SCHEMES.items():
+        path = root / f"bench-qwen3-moe-kept-{scheme}"
+        if not (path / "config.json").exists():
+            config = ct_scheme(*args, ignore=("re:.*mlp.gate$",))
+            write_checkpoint(float_dir, path, ct_compress(float_weights(float_dir), config), config)
+        systems[f"{scheme} kept"] = EngineSystem(path, tokens)
+        systems[f"{scheme} dequantized"] = EngineSystem(path, tokens, kernel="dequantized")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, MODEL["vocab_size"], (32,), generator=gen).tolist() for _ in range(16)]
+    for system in systems.values():
+        system.rate(prompts[:1])
+    rates, loads = {}, []
+    for _ in range(repeats):
+        for batch in (1, 16):
+            for label, system in systems.items():
+                rates.setdefault((label, batch), []).append(system.rate(prompts[:batch]))
+        loads.append(os.getloadavg()[0])
+        print({f"{k[0]} @{k[1]}": f"{max(v):.1f}" for k, v in rates.items()}, f"load {loads[-1]:.1f}")
+    lines = [f"load average {min(loads):.1f}-{max(loads):.1f} on 2 cores while measured", "",
+             "| checkpoint | experts | weight MiB held (experts MiB) | batch 1 tok/s (best / median) | "
+             "batch 16 tok/s (best / median) |", "|---|---|---|---|---|"]
+    for label, system in systems.items():
+        model = system.llm.engine.runner.model
+        held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+        experts = sum(p.numel() * p.element_size() for m in model.experts_modules().values()
+                      for p in m.parameters() if p.device.type != "meta")
+        kernels = ", ".join(sorted(set(getattr(model, "expert_kernels", {}).values()))) or "float32 stacks"
+        cells = [f"{max(rates[(label, b)]):.1f} / {statistics.median(rates[(label, b)]):.1f}" for b in (1, 16)]
+        lines.append(f"| {label} | {kernels} | {held / 2**20:.1f} ({experts / 2**20:.1f}) | " + " | ".join(cells) + " |")
+    for system in systems.values():
+        system.close()
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--skip-layer", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_layer:
+        print("\n".join(layer_rows(args.rounds)))
+    print("\n".join(engine_rows(args.repeats, args.tokens)))
+
+
+if __name__ == "__main__":
+    main()
