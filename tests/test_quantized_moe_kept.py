@@ -141,3 +141,22 @@ def test_dequantized_kernel_keeps_the_float_stacks(float_dirs, tmp_path, monkeyp
     assert not getattr(model, "expert_kernels", {})
     held, weights = expert_bytes(model)
     assert held == 4 * weights  # float32
+
+
+@pytest.mark.parametrize("name", ["int8_dynamic", pytest.param("int8_static_asym", marks=slow)])
+def test_kept_int8_experts_of_a_w8a8_checkpoint_quantize_their_inputs(float_dirs, tmp_path, monkeypatch, name):
+    """W8A8 (int8 weights per channel, int8 activations): the experts' inputs quantized as before
+    (input_quant.py), then multiplied by the kept int8 weights (float32 activations: the forced cpu_int8), against
+    test_quantized_moe_w8a8.py's reference (the package's decompression, every input fake-quantized by it)."""
+    from quant_checkpoints import assert_greedy_equal_but_near_ties
+    from test_quantized_moe_w8a8 import ct_moe_checkpoint, ct_moe_reference
+
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "cpu_int8")
+    float_dir = float_dirs("qwen3_moe")
+    model_dir = ct_moe_checkpoint(float_dir, name, tmp_path / "ct")
+    llm = engine(model_dir)
+    model = llm.engine.runner.model
+    assert_kept(model, "cpu_int8", 1.0)
+    assert all(moe.input_quant is not None for moe in model.experts_modules().values())
+    reference = ct_moe_reference(model_dir, float_dir, tmp_path / "dense")
+    assert_greedy_equal_but_near_ties(greedy(llm), hf_greedy(reference), reference)
