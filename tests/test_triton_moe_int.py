@@ -53,3 +53,28 @@ def test_fused_kernel_dequantizes_kept_experts_like_torch(device, kind, num_toke
     got = moe(x.to(device), weights.to(device), ids.to(device)).cpu()
     assert expected.abs().max() > 0.1  # not a vacuous comparison
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_kernel_on_kept_int8_experts_quantizes_their_inputs(device):
+    """W8A8 experts on the GPU path: the inputs quantized per token as before (input_quant.py), the kept int8
+    weights dequantized in the kernel: the grouped path's result on the dequantized weights, same input_quant."""
+    from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant
+    from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
+
+    g = torch.Generator().manual_seed(3)
+    gate_up = stack([int_weight("int8", 2 * I, H, g) for _ in range(E)])
+    down = stack([int_weight("int8", H, I, g) for _ in range(E)])
+    token = ActivationScheme("int", "token", dynamic=True)
+    quant = ExpertInputQuant(token, token, {})
+    x = torch.randn(6, H, generator=g)
+    weights, ids = uneven_routing(6, seed=2)
+    expected = grouped_experts(x, dequantize_rows(gate_up), dequantize_rows(down), weights, ids, silu_and_mul,
+                               input_quant=quant)
+    unquantized = grouped_experts(x, dequantize_rows(gate_up), dequantize_rows(down), weights, ids, silu_and_mul)
+    assert not torch.allclose(expected, unquantized, rtol=1e-4, atol=1e-4)  # the input quantization shows
+    moe = FusedMoE(E, H, I).to(device)
+    moe.input_quant = quant.to(device)
+    moe.int_method = ExpertsIntMethod(moe, {"gate_up": gate_up, "down": down}, "triton", torch.float32)
+    got = moe(x.to(device), weights.to(device), ids.to(device)).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
