@@ -160,3 +160,63 @@ def test_kept_int8_experts_of_a_w8a8_checkpoint_quantize_their_inputs(float_dirs
     assert all(moe.input_quant is not None for moe in model.experts_modules().values())
     reference = ct_moe_reference(model_dir, float_dir, tmp_path / "dense")
     assert_greedy_equal_but_near_ties(greedy(llm), hf_greedy(reference), reference)
+
+
+@slow
+def test_kept_fp8_block_experts_through_the_fused_kernel(float_dirs, tmp_path, monkeypatch):
+    """Qwen3-30B-A3B-FP8's format (block-wise e4m3 weights, dynamic activations): on CUDA the experts stay e4m3
+    (one byte a weight) and the fused MoE kernel decodes them; here the kernel is forced and runs in Triton's
+    interpreter. Greedy tokens: test_quantized_moe_w8a8.py's reference (transformers' FineGrainedFP8Config(
+    dequantize=True), every input fake-quantized), near ties excused."""
+    from quant_checkpoints import assert_greedy_equal_but_near_ties
+    from test_quantized_moe_w8a8 import fp8_moe_checkpoint, fp8_moe_reference
+
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
+    model_dir = fp8_moe_checkpoint(float_dirs("qwen3_moe"), tmp_path / "fp8")
+    llm = engine(model_dir)
+    model = llm.engine.runner.model
+    assert_kept(model, "triton_fp8", 1.0)
+    assert next(iter(model.experts_modules().values())).gate_up_qweight.dtype == torch.uint8  # the e4m3 bits
+    reference = fp8_moe_reference(model_dir)
+    assert_greedy_equal_but_near_ties(greedy(llm), hf_greedy(reference), reference)
+
+
+@slow
+def test_kept_experts_split_over_tensor_parallel_ranks(float_dirs, tmp_path, monkeypatch):
+    """Each rank keeps its slice of every expert's integers: gate/up rows, down columns, the 128 down columns of
+    a group of 128 cut in two and regrouped (IntWeight.narrow): the same tokens as one rank."""
+    from quant_checkpoints import ct_compress, ct_scheme, engine_greedy
+
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "cpu_int4")
+    float_dir = float_dirs("qwen3_moe")
+    config = ct_scheme("pack-quantized", 4, "int", "group", False, 128, ignore=("re:.*mlp.gate$",))
+    model_dir = write_checkpoint(float_dir, tmp_path / "ct", ct_compress(float_weights(float_dir), config), config)
+    one = engine(model_dir)
+    assert_kept(one.engine.runner.model, "cpu_int4", 0.5)
+    expected = greedy(one)
+    one.shutdown()
+    assert engine_greedy(model_dir, tensor_parallel_size=2) == expected
+
+
+def test_a_ranks_slice_of_each_expert_cuts_a_group_exactly():
+    """Rank 1 of 2: gate/up rows 64-127 of each, down columns 64-127, inside down's groups of 128: regrouped to
+    64 columns with their group's scale and zero, the same weights as the dequantized whole, cut."""
+    from kubeinfer.engine.model_executor.expert_int_weights import _rank_slices
+    from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
+    from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight
+
+    g = torch.Generator().manual_seed(1)
+
+    def weight(rows, cols, group):
+        return IntWeight(torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8),
+                         torch.rand(rows, cols // group, generator=g), torch.randint(-8, 8, (rows, cols // group),
+                         generator=g, dtype=torch.int8), group, 4)
+    moe = FusedMoE(2, 64, 128, tp_rank=1, tp_size=2)
+    weights = {(p, e): weight(128, 64, 32) for p in ("gate_proj", "up_proj") for e in range(2)}
+    weights.update({("down_proj", e): weight(64, 128, 128) for e in range(2)})
+    sliced = _rank_slices(moe, weights)
+    for e in range(2):
+        gate, up = (weights[(p, e)].dequantize()[64:] for p in ("gate_proj", "up_proj"))
+        assert torch.equal(sliced["gate_up"][e].dequantize(), torch.cat([gate, up]))
+        down = sliced["down"][e]
+        assert down.group_size == 64 and torch.equal(down.dequantize(), weights[("down_proj", e)].dequantize()[:, 64:])
