@@ -129,7 +129,8 @@ def engine_rows(repeats: int, tokens: int) -> list[str]:
                       for p in m.parameters() if p.device.type != "meta")
         kernels = ", ".join(sorted(set(getattr(model, "expert_kernels", {}).values()))) or "float32 stacks"
         cells = [f"{max(rates[(label, b)]):.1f} / {statistics.median(rates[(label, b)]):.1f}" for b in (1, 16)]
-        lines.append(f"| {label} | {kernels} | {held / 2**20:.1f} ({experts / 2**20:.1f}) | " + " | ".join(cells) + " |")
+        row = f"| {label} | {kernels} | {held / 2**20:.1f} ({experts / 2**20:.1f}) | "
+        lines.append(row + " | ".join(cells) + " |")
     for system in systems.values():
         system.close()
     return lines

@@ -9,6 +9,7 @@ With float32 activations (KUBEINFER_QUANT_KERNEL=cpu_int4 / cpu_int8 forces the 
 products are exact enough that greedy tokens equal the reference's. The CPU default (`*_bf16`, bf16
 activations, the formats' "A16") is held to log-probabilities within a measured bound of the reference."""
 import pytest
+import test_quantized_moe
 import torch
 from quant_checkpoints import (
     MAX_TOKENS,
@@ -23,11 +24,12 @@ from quant_checkpoints import (
     hf_greedy,
     write_checkpoint,
 )
-from test_quantized_moe import ct_checkpoint, eager, float_dirs, hf_float, package_decompressed  # noqa: F401
+from test_quantized_moe import ct_checkpoint, eager, hf_float, package_decompressed
 
 from kubeinfer.engine import LLM, SamplingParams
 
 slow = pytest.mark.slow
+float_dirs = test_quantized_moe.float_dirs  # the same random models (module-scoped fixture)
 
 
 def engine(model_dir, **kwargs):
@@ -99,14 +101,16 @@ def test_kept_awq_and_gptq_experts(float_dirs, tmp_path, monkeypatch, fmt):
 def test_cpu_default_keeps_experts_with_bf16_activations_close_to_the_reference(float_dirs, tmp_path, monkeypatch):
     """The float32 default: every top-3 log-probability of the first token within 0.25 of transformers' float32
     on the decompressed checkpoint over 8 prompts (the dense layers' bound, test_quantized_kept.py; measured
-    0.049 here; with the experts' int4 scales 10% off a greedy token differs), and the start-up log's weight bytes are the kept ones.
+    0.049 here; with the experts' int4 scales 10% off a greedy token differs), and the start-up log's weight
+    bytes are the kept ones.
     Only the experts are quantized (`re:.*experts.*`): the dense layers' own bf16 kernel, whose rounding flips a
     near-tied router choice of this random model (a 2.5 log-prob jump on one prompt), is not what is measured."""
     monkeypatch.delenv("KUBEINFER_QUANT_KERNEL", raising=False)
     float_dir = float_dirs("qwen3_moe")
     config = ct_scheme("pack-quantized", 4, "int", "group", True, 32)
     config["config_groups"]["group_0"]["targets"] = ["re:.*experts.*"]
-    weights = ct_compress(float_weights(float_dir), config, select=lambda k: ".experts." in k and k.endswith(".weight"))
+    experts_only = lambda k: ".experts." in k and k.endswith(".weight")  # noqa: E731
+    weights = ct_compress(float_weights(float_dir), config, select=experts_only)
     model_dir = write_checkpoint(float_dir, tmp_path / "ct", weights, config)
     llm = engine(model_dir)
     model = llm.engine.runner.model

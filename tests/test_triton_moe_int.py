@@ -16,7 +16,7 @@ from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import Experts
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight
 
-E, H, I = 8, 64, 32
+E, H, I = 8, 64, 32  # noqa: E741 (the experts' intermediate size, as in test_fused_moe.py)
 
 
 def int_weight(kind: str, rows: int, cols: int, g: torch.Generator) -> IntWeight:

@@ -128,15 +128,16 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
 def memory_summary(runner: ModelRunner, num_blocks: int) -> str:
     """What the start-up log says of memory, true for every weight format and cache type: the weights' bytes as
     held (the parameters, tied ones once: a checkpoint dequantized at load counts at the model dtype, a kept-
-    quantized layer or MoE layer its integers and scales), which linear and expert layers are kept quantized or quantize their
-    activations (W8A8: the scheme and kernel), the KV cache's bytes per token over all layers, and its blocks;
-    with tensor parallelism, rank 0's (every rank holds as much)."""
+    quantized layer or MoE layer its integers and scales), which linear and expert layers are kept quantized or
+    quantize their activations (W8A8: the scheme and kernel), the KV cache's bytes per token over all layers, and
+    its blocks; with tensor parallelism, rank 0's (every rank holds as much)."""
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.device.type != "meta")
     per_token = sum(k.element_size() * k[0, 0].numel() + v.element_size() * v[0, 0].numel() for k, v in runner.kv_caches)
     kernels = Counter(getattr(runner.model, "quant_kernels", {}).values())
     kept = "".join(f", {n} linear layers {kernel}" for kernel, n in sorted(kernels.items()) if kernel != "dequantized")
     experts = Counter(getattr(runner.model, "expert_kernels", {}).values())  # layers/fused_moe/int_experts.py
-    kept += "".join(f", {n} MoE expert layers {kernel}" for kernel, n in sorted(experts.items()) if kernel != "dequantized")
+    kept += "".join(f", {n} MoE expert layers {kernel}" for kernel, n in sorted(experts.items())
+                    if kernel != "dequantized")
     w8a8 = Counter(getattr(runner.model, "activation_schemes", {}).values())  # layers/quantization/w8a8.py
     kept += "".join(f", {n} {'MoE expert' if scheme.endswith('(fused experts)') else 'linear'} layers with "
                     f"activations {scheme.removesuffix(' (fused experts)')}" for scheme, n in sorted(w8a8.items()))

@@ -42,8 +42,9 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     dequantized = [n for n, k in getattr(model, "expert_kernels", {}).items() if k == "dequantized"]
     if files.quantization is not None and hasattr(model, "experts_modules") and (
             dequantized or not getattr(model, "expert_kernels", None)):  # else: kept (layers/fused_moe/int_experts.py)
-        logger.info("%s: expert weights of %d MoE layers dequantized at load into stacked %s tensors", files.architecture,
-                    len(dequantized) or len(model.experts_modules()), str(dtype).removeprefix("torch."))
+        logger.info("%s: expert weights of %d MoE layers dequantized at load into stacked %s tensors",
+                    files.architecture, len(dequantized) or len(model.experts_modules()),
+                    str(dtype).removeprefix("torch."))
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
         model.use_triton_kernels()
     # The CPU's small-step matmuls; not the GPU. Not with tensor parallelism: its ranks share the cores.

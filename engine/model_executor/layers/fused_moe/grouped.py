@@ -38,7 +38,7 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     else:
         gathered = input_quant.hidden_rows(x.index_select(0, tokens), experts)
     activation = activation if input_quant is None else _then_quantize(activation, input_quant, experts)
-    if products is None and _grouped_mm_serves(gathered, gate_up):  # one product per projection over every expert's rows
+    if products is None and _grouped_mm_serves(gathered, gate_up):  # one product per projection, every expert's rows
         offsets = torch.tensor(_ends(counts), dtype=torch.int32, device=x.device)
         experts = flat[order] if experts is None else experts
         h = torch._grouped_mm(gathered, gate_up.transpose(1, 2), offs=offsets)

@@ -57,7 +57,8 @@ def _pack(weight: IntWeight, kernel: str, dtype: torch.dtype) -> dict[str, torch
         zero = -(weight.zero.transpose(1, 2).to(torch.float32) * scale) if weight.zero is not None \
             else torch.zeros_like(scale)
         packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(v.to(torch.int32) + 8, 1) for v in weight.values]
-        return {"qweight": torch.stack(packed), "scales_and_zeros": torch.stack([scale, zero], -1).to(dtype).contiguous()}
+        scales_and_zeros = torch.stack([scale, zero], -1).to(dtype).contiguous()
+        return {"qweight": torch.stack(packed), "scales_and_zeros": scales_and_zeros}
     if kernel == "cpu_int8":
         return {"qweight": weight.values.contiguous(), "scale": weight.scale[..., 0].to(dtype).contiguous()}
     values = weight.values  # triton: fp8 already its e4m3 bits (uint8)
@@ -128,7 +129,9 @@ def dequantize_rows(weight: IntWeight) -> torch.Tensor:
     """A stacked [E, N, K] (or one expert's [N, K]) weight to float32, as IntWeight.dequantize does for [N, K]."""
     values = weight.values.view(torch.float8_e4m3fn) if weight.fp8 else weight.values
     w = values.to(torch.float32)
-    expand = lambda t: t.to(torch.float32).repeat_interleave(weight.group_size, dim=-1)[..., :w.shape[-1]]
+
+    def expand(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float32).repeat_interleave(weight.group_size, dim=-1)[..., :w.shape[-1]]
     if weight.zero is not None:
         w = w - expand(weight.zero)
     return w * expand(weight.scale)

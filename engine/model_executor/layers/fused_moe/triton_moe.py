@@ -17,11 +17,11 @@ activation's pair rows before the down GEMM.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
-
-from typing import NamedTuple
 
 from ....triton_utils import MIN_DOT, must_upcast
 from ..quantization.triton_int_matmul import _e4m3_to_float
