@@ -224,3 +224,18 @@ def test_a_ranks_slice_of_each_expert_cuts_a_group_exactly():
         assert torch.equal(sliced["gate_up"][e].dequantize(), torch.cat([gate, up]))
         down = sliced["down"][e]
         assert down.group_size == 64 and torch.equal(down.dequantize(), weights[("down_proj", e)].dequantize()[:, 64:])
+
+
+def test_experts_without_an_integer_form_are_dequantized_into_float_stacks(float_dirs, tmp_path, monkeypatch):
+    """GPTQ act-order (each row's group from g_idx): no kept layout, so the float stacks, never allocated while
+    the loader expected kept experts, are allocated by the first expert written into them."""
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "cpu_int4")
+    float_dir = float_dirs("qwen3_moe")
+    weights, config, dense = gptq_pack(float_weights(float_dir), 4, 32, act_order=True, seed=5)
+    model_dir = write_checkpoint(float_dir, tmp_path / "gptq", weights, config)
+    llm = engine(model_dir)
+    model = llm.engine.runner.model
+    assert not model.expert_kernels
+    assert all(m.gate_up_proj.device.type == "cpu" and m.down_proj.device.type == "cpu"
+               for m in model.experts_modules().values())
+    assert greedy(llm) == hf_greedy(hf_float(write_checkpoint(float_dir, tmp_path / "dense", dense, None)))

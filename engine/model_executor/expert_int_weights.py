@@ -35,7 +35,7 @@ class ExpertIntegers:
         self.found.setdefault(module, {})[(projection, expert)] = weight
         return {f"{module}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}": 1}
 
-    def install(self, dtype: torch.dtype, w8a8: bool) -> dict[str, str]:
+    def install(self, device: torch.device, dtype: torch.dtype, w8a8: bool) -> dict[str, str]:
         """Every collected layer kept or dequantized; returns {experts module: kernel} (the start-up log's)."""
         chosen = {}
         for name, weights in self.found.items():
@@ -44,13 +44,13 @@ class ExpertIntegers:
             kept = _rank_slices(moe, weights) if complete else None
             kernel = "dequantized"
             if kept is not None:
-                kernels = {choose_expert_kernel(kept[which][0], moe.gate_up_proj.device, dtype, w8a8)
-                           for which in kept}
+                kernels = {choose_expert_kernel(kept[which][0], device, dtype, w8a8) for which in kept}
                 kernel = kernels.pop() if len(kernels) == 1 else "dequantized"
             if kernel == "dequantized":
                 _dequantize_into(moe, weights)
             else:
-                moe.int_method = ExpertsIntMethod(moe, {w: stack(parts) for w, parts in kept.items()}, kernel, dtype)
+                stacked = {w: stack(parts) for w, parts in kept.items()}
+                moe.int_method = ExpertsIntMethod(moe, stacked, kernel, dtype, device)
             fp8 = next(iter(weights.values())).fp8
             chosen[name] = f"{kernel}_fp8" if fp8 and kernel != "dequantized" else kernel
         return chosen

@@ -32,7 +32,12 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     spec = ModelSpec(files.config, files.architecture).for_rank(tp_rank, tp_size)
     with torch.device("meta"):
         model = model_class(files.architecture)(spec, backend, max_positions)
+    # experts that will be kept quantized never allocate their float stacks (allocated if a layer falls back)
+    deferred = {m: m.defer_stacks() for m in getattr(model, "experts_modules", dict)().values()} \
+        if _keeps(files.quantization, device) and not getattr(files.quantization, "at_load", False) else {}
     model = model.to_empty(device=device).to(dtype)
+    for moe, stacks in deferred.items():
+        moe.restore_deferred(stacks, device, dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
@@ -69,8 +74,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
     # target and slice; under tensor parallelism each rank keeps its slice of the integers (int_weights.py)
     weight = next(iter(params.values()))
     split = getattr(model.spec, "tp_size", 1) > 1
-    keep = hasattr(quantization, "int_weight") and linear_method.keeps_quantized(
-        weight.device, weight.dtype, fp8=isinstance(quantization, fp8.Fp8Config) or _float_quantized(quantization))
+    keep = _keeps(quantization, weight.device)
     integers: dict[str, dict] = {}
     # --quantization fp8 on a float checkpoint: the decoder's projections and experts (not embeddings, lm_head,
     # norms or routers)
@@ -129,7 +133,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             model.activation_schemes = w8a8.install(model, quantization, handles, _tensor_getter(handles),
                                                     (lambda k: (k, None)) if model.checkpoint_fused else _target)
             if experts is not None:  # after w8a8.install: its static scales go where the float stacks are
-                model.expert_kernels = experts.install(weight.dtype, w8a8_checkpoint)
+                model.expert_kernels = experts.install(weight.device, weight.dtype, w8a8_checkpoint)
         except QuantizationError as error:
             raise ModelLoadError(str(error)) from None
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
@@ -157,6 +161,12 @@ def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:
 def _tensor_getter(handles: dict):
     """`get(key)`, as the formats read a weight's scales: the tensor from whichever shard holds it, or None."""
     return lambda key: handles[key][0].get_tensor(key) if key in handles else None
+
+
+def _keeps(quantization, device: torch.device) -> bool:
+    """Whether the format's integer (fp8) weights are handed over kept, not dequantized as read."""
+    return hasattr(quantization, "int_weight") and linear_method.keeps_quantized(
+        device, None, fp8=isinstance(quantization, fp8.Fp8Config) or _float_quantized(quantization))
 
 
 def _float_quantized(quantization) -> bool:

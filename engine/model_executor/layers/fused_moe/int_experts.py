@@ -77,7 +77,8 @@ class ExpertsIntMethod:
     """Holds one MoE layer's kept expert weights on the FusedMoE (parameters `gate_up_qweight`, `down_scale`, ...)
     and multiplies through the chosen kernel."""
 
-    def __init__(self, moe: nn.Module, weights: dict[str, IntWeight], kernel: str, dtype: torch.dtype) -> None:
+    def __init__(self, moe: nn.Module, weights: dict[str, IntWeight], kernel: str, dtype: torch.dtype,
+                 device: torch.device | None = None) -> None:
         self.act_dtype = dtype
         if kernel in BF16_ACTIVATIONS:
             kernel, self.act_dtype = BF16_ACTIVATIONS[kernel], torch.bfloat16
@@ -85,7 +86,7 @@ class ExpertsIntMethod:
         gate_up = weights["gate_up"]
         self.group_size, self.bits, self.fp8 = gate_up.group_size, gate_up.bits, gate_up.fp8
         self.down_group = weights["down"].group_size  # a TP cut inside a group regroups down alone
-        device = moe.gate_up_proj.device
+        device = moe.gate_up_proj.device if device is None else device
         for which in PROJECTIONS:
             for suffix, tensor in _pack(weights[which], kernel, self.act_dtype).items():
                 moe.register_parameter(f"{which}_{suffix}", nn.Parameter(tensor.to(device), requires_grad=False))

@@ -65,12 +65,32 @@ class FusedMoE(nn.Module):
                                self.gate_up_proj_bias, self.down_proj_bias, self.input_quant)
 
     # -- loading: full checkpoint tensors in, this rank's slices stored --------------------------------------
+    def defer_stacks(self) -> dict[str, nn.Parameter]:
+        """Takes the float stacks out before the model is allocated (the loader, when the experts will be kept
+        quantized: their float memory is never taken, nor counted in a GPU's load peak); `restore_deferred` puts
+        them back as shapes on the meta device, allocated by the first load that writes them."""
+        return {name: self._parameters.pop(name) for name in ("gate_up_proj", "down_proj")}
+
+    def restore_deferred(self, stacks: dict[str, nn.Parameter], device: torch.device, dtype: torch.dtype) -> None:
+        self.stack_device = device
+        for name, p in stacks.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(p.shape, dtype=dtype, device="meta"),
+                                                       requires_grad=False))
+
+    def _materialize(self) -> None:
+        for name in ("gate_up_proj", "down_proj"):
+            p = getattr(self, name)
+            if p.device.type == "meta":
+                setattr(self, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.stack_device),
+                                                 requires_grad=False))
+
     def _rows(self) -> slice:
         return slice(self.tp_rank * self.intermediate_size, (self.tp_rank + 1) * self.intermediate_size)
 
     @torch.no_grad()
     def load_gate_or_up(self, which: str, expert: int | None, tensor: torch.Tensor, bias: bool = False) -> None:
         """which: "gate" or "up"; tensor [I, H] (or [I] for a bias); [E, ...] for every expert when expert is None."""
+        self._materialize()
         half = {"gate": 0, "up": 1}[which]
         target = self.gate_up_proj_bias if bias else self.gate_up_proj
         target = target if expert is None else target[expert]
@@ -92,6 +112,7 @@ class FusedMoE(nn.Module):
     @torch.no_grad()
     def load_down(self, expert: int | None, tensor: torch.Tensor, bias: bool = False) -> None:
         """tensor [H, I] (or [E, H, I]); a bias [H] ([E, H]) is held whole by rank 0, zero elsewhere."""
+        self._materialize()
         if bias:
             target = self.down_proj_bias if expert is None else self.down_proj_bias[expert]
             _copy(target, tensor if self.tp_rank == 0 else torch.zeros_like(tensor), "down bias")
