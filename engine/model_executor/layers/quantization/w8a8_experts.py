@@ -91,9 +91,10 @@ def _projection(name: str, moe, entries: dict, projections: tuple[str, ...]):
                 raise QuantizationError(f"{first[3]} and {other[3]} have different static input scales: the fused "
                                         "gate/up product quantizes its input once per expert, so this is not served")
         per_expert.append(first)
-    weight = moe.gate_up_proj
-    scale = torch.cat([entry[1] for entry in per_expert]).to(weight.device, weight.dtype)  # the model dtype, as
-    zero = None if scheme.symmetric else torch.cat([entry[2] for entry in per_expert]).to(weight.device)  # w8a8
+    weight = moe.gate_up_proj  # its device: where the stacks go when kept experts left them on meta (layer.py)
+    device = getattr(moe, "stack_device", weight.device)
+    scale = torch.cat([entry[1] for entry in per_expert]).to(device, weight.dtype)  # the model dtype, as
+    zero = None if scheme.symmetric else torch.cat([entry[2] for entry in per_expert]).to(device)  # w8a8
     if bool((scale == scale[0]).all()) and (zero is None or bool((zero == zero[0]).all())):
         scale, zero = scale[:1], None if zero is None else zero[:1]  # one scale: the tokens quantized once
     return scheme, (scale, zero)
