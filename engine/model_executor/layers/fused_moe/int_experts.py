@@ -13,9 +13,10 @@ exactly) and stacked over the experts for the kernel that multiplies them:
   [E, N, K] int8 (1 byte a weight) and a bf16 scale per row; int4: torch's CPU int4 pack per expert
   [E, N, K / 2] uint8 (half a byte a weight) and bf16 scales and zeros per group.
   Measured (benchmarks/bench_moe_kept.py, RESULTS.md "moe-quantized-kept"; 32 experts, hidden 1024, expert
-  intermediate 512, top 4, one thread, a shared 2-core CPU at load 3.6), ms at 1 / 16 tokens: float32 stacks
-  2.09 / 23.3; int8 per active expert 0.66 / 6.9, int4 0.55 / 5.6; dequantizing only the step's active experts
-  to float32 and multiplying, int8 3.19 / 33.4, int4 3.28 / 32.9. The weight-only products win at both sizes.
+  intermediate 512, top 4, one thread, a shared 2-core CPU at load 5.3-5.7), ms at 1 / 16 tokens: float32
+  stacks 1.68 / 23.5; int8 per active expert 0.73 / 4.3, int4 0.58 / 3.1; dequantizing only the step's active
+  experts to float32 and multiplying 22 / 185-189 (3.2 / 33 in a quieter run). The weight-only products win at
+  both sizes, in every run.
   Layouts no torch product takes (asymmetric or grouped int8, fp8 on a CPU) and W8A8 checkpoints' experts
   (their activations are quantized exactly, which a bf16 rounding would undo) are dequantized at load into
   the float stacks, as the dense layers are; so is everything under KUBEINFER_QUANT_KERNEL=dequantized.
