@@ -2,7 +2,8 @@
 weight (`experts.E.gate_proj`, Mixtral's `w1`, ...) read as the format's integers and scales (`int_weight`,
 no dequantization), collected per MoE layer, then installed on the layer once the loop has read every shard:
 this rank's slice of each expert (gate/up: its rows of the intermediate dimension, down: its columns; a cut
-inside a quantization group regrouped exactly by IntWeight.narrow), stacked for the chosen kernel. A layer the
+inside a quantization group regrouped exactly by IntWeight.narrow), stacked for the chosen kernel, as soon as
+the layer's last expert weight is read (one layer's integers in transit at a time). A layer the
 kernel choice does not keep (or one where some expert's weight has no integer form, e.g. GPTQ act-order) is
 dequantized into the float stacks through FusedMoE's own loaders, as before."""
 from __future__ import annotations
@@ -16,11 +17,14 @@ GATE_UP = ("gate_proj", "up_proj")
 
 
 class ExpertIntegers:
-    """Collects {experts module: {(projection, expert): IntWeight}} while the loader reads the checkpoint."""
+    """Collects {experts module: {(projection, expert): IntWeight}} while the loader reads the checkpoint;
+    `w8a8`: the checkpoint quantizes activations (linear_method.choose_kernel)."""
 
-    def __init__(self, model, quantization, get) -> None:
+    def __init__(self, model, quantization, get, device: torch.device, dtype: torch.dtype, w8a8: bool) -> None:
         self.model, self.quantization, self.get = model, quantization, get
+        self.device, self.dtype, self.w8a8 = device, dtype, w8a8
         self.found: dict[str, dict[tuple[str, int], IntWeight]] = {}
+        self.chosen: dict[str, str] = {}  # {experts module: kernel}, the start-up log's
 
     def take(self, ours: str, key: str, f) -> dict | None:
         """{stacked parameter: 1} when `key` is a per-expert weight the format gives as integers, else None
@@ -32,28 +36,32 @@ class ExpertIntegers:
         weight = self.quantization.int_weight(key, f.get_tensor(key), self.get)
         if weight is None or weight.values.dim() != 2:
             return None
-        self.found.setdefault(module, {})[(projection, expert)] = weight
+        weights = self.found.setdefault(module, {})
+        weights[(projection, expert)] = weight
+        if len(weights) == 3 * self.model.get_submodule(module).num_experts:
+            self._install(module, self.found.pop(module))
         return {f"{module}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}": 1}
 
-    def install(self, device: torch.device, dtype: torch.dtype, w8a8: bool) -> dict[str, str]:
-        """Every collected layer kept or dequantized; returns {experts module: kernel} (the start-up log's)."""
-        chosen = {}
-        for name, weights in self.found.items():
-            moe = self.model.get_submodule(name)
-            complete = len(weights) == 3 * moe.num_experts
-            kept = _rank_slices(moe, weights) if complete else None
-            kernel = "dequantized"
-            if kept is not None:
-                kernels = {choose_expert_kernel(kept[which][0], device, dtype, w8a8) for which in kept}
-                kernel = kernels.pop() if len(kernels) == 1 else "dequantized"
-            if kernel == "dequantized":
-                _dequantize_into(moe, weights)
-            else:
-                stacked = {w: stack(parts) for w, parts in kept.items()}
-                moe.int_method = ExpertsIntMethod(moe, stacked, kernel, dtype, device)
-            fp8 = next(iter(weights.values())).fp8
-            chosen[name] = f"{kernel}_fp8" if fp8 and kernel != "dequantized" else kernel
-        return chosen
+    def install(self) -> dict[str, str]:
+        """The layers not complete as integers (some expert read as float) dequantized; returns {module: kernel}."""
+        for name in list(self.found):
+            self._install(name, self.found.pop(name))
+        return self.chosen
+
+    def _install(self, name: str, weights: dict) -> None:
+        moe = self.model.get_submodule(name)
+        kept = _rank_slices(moe, weights) if len(weights) == 3 * moe.num_experts else None
+        kernel = "dequantized"
+        if kept is not None:
+            kernels = {choose_expert_kernel(kept[which][0], self.device, self.dtype, self.w8a8) for which in kept}
+            kernel = kernels.pop() if len(kernels) == 1 else "dequantized"
+        if kernel == "dequantized":
+            _dequantize_into(moe, weights)
+        else:
+            stacked = {w: stack(parts) for w, parts in kept.items()}
+            moe.int_method = ExpertsIntMethod(moe, stacked, kernel, self.dtype, self.device)
+        fp8 = next(iter(weights.values())).fp8
+        self.chosen[name] = f"{kernel}_fp8" if fp8 and kernel != "dequantized" else kernel
 
 
 def _rank_slices(moe, weights: dict) -> dict[str, list[IntWeight]] | None:

@@ -85,7 +85,9 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             f = stack.enter_context(safe_open(str(file), framework="pt"))
             handles.update((key, (f, file)) for key in f.keys())
         # MoE experts kept as integers / fp8 too, stacked per layer once every shard is read (expert_int_weights.py)
-        experts = ExpertIntegers(model, quantization, _tensor_getter(handles)) if keep and special else None
+        w8a8_checkpoint = any(s.inputs for s in getattr(quantization, "schemes", ()))  # compressed-tensors W8A8
+        experts = ExpertIntegers(model, quantization, _tensor_getter(handles), weight.device, weight.dtype,
+                                 w8a8_checkpoint) if keep and special else None
         for key, (f, file) in handles.items():
             if (quantization is not None and quantization.auxiliary(key)) or KV_SCALE_KEY.search(key):
                 continue  # read with its weight, or the KV cache's scales (read by kv_cache_dtype.py)
@@ -127,13 +129,12 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             else:
                 _copy_into(params[name], tensor, shard, model, name)
             loaded[name] = loaded.get(name, 0) + 1
-        w8a8_checkpoint = any(s.inputs for s in getattr(quantization, "schemes", ()))  # compressed-tensors W8A8
         _install_integers(model, params, integers, expected, w8a8_checkpoint)
         try:  # W8A8: the quantized layers' inputs quantized as the checkpoint says (static scales read here)
             model.activation_schemes = w8a8.install(model, quantization, handles, _tensor_getter(handles),
                                                     (lambda k: (k, None)) if model.checkpoint_fused else _target)
-            if experts is not None:  # after w8a8.install: its static scales go where the float stacks are
-                model.expert_kernels = experts.install(weight.device, weight.dtype, w8a8_checkpoint)
+            if experts is not None:  # the layers not installed as their last expert weight was read
+                model.expert_kernels = experts.install()
         except QuantizationError as error:
             raise ModelLoadError(str(error)) from None
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
