@@ -1,0 +1,226 @@
+/* Integer-dot-product kernels for quantized linear layers on the CPU (cpu_native/__init__.py says why).
+ *
+ * Weights are repacked at load (ops.py) so that one 64-byte vector holds 16 output rows x 4 inputs: each
+ * int32 lane of AVX-512 VNNI's vpdpbusd (u8 x s8, four products summed into an int32) is one output row, the
+ * activations' 4 bytes are broadcast to every lane, and no horizontal sum is needed. The weights are the
+ * unsigned operand: int8 w is stored as w + 128 (int4: w + 8, two per byte), so a row's sum is
+ * sum((w + c) * x) = sum(w * x) + c * sum(x), and c times the activations' sum is subtracted, exact in int32.
+ * Per row group of 16 rows, the layout is [inputs / 4][16 rows][4] bytes (int8) or [inputs / 8][16][4] bytes
+ * with inputs 8i..8i+3 in the low nibbles and 8i+4..8i+7 in the high ones (int4).
+ *
+ * Every kernel has a portable C twin (KI_PORTABLE, or a compiler without VNNI) that does the same operations
+ * in the same order, so both give the same bits. -ffp-contract=off: the only fused multiply-adds are the
+ * explicit ones. */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(KI_PORTABLE)
+#include <immintrin.h>
+#define KI_VNNI 1
+#else
+#define KI_VNNI 0
+#endif
+
+#define ROWS 16  /* output rows per group: one int32 lane each */
+#define BLOCK 32 /* inputs per block of the llama.cpp arithmetic (its QK8_0) */
+#define TILE 4   /* tokens per tile: each weight vector loaded once per tile */
+
+int ki_has_vnni(void) { return KI_VNNI; }
+
+/* ------------------------------------------------------------------ thread pool
+ * One job at a time (call_mu). The job's chunks are claimed through one 64-bit word: generation (32 bits),
+ * chunk count (16), next chunk (16), so a worker that wakes late can only claim a chunk of the job that is
+ * still current, and the job cannot finish (nor its fields change) before a claimed chunk is done. Workers
+ * spin for spin_ns after a job, then sleep on a condition variable. The caller works too. */
+typedef void (*task_fn)(const void *ctx, int start, int end);
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER, sleep_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;
+static _Atomic uint64_t job_word;
+static atomic_int remaining, sleepers;
+static task_fn job_fn;
+static const void *job_ctx;
+static int job_items, job_chunk, pool_threads = 1;
+static long spin_ns = 50000;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Claims and runs chunks of generation `gen` until none is left. */
+static void work(uint32_t gen) {
+    for (;;) {
+        uint64_t v = atomic_load(&job_word);
+        uint32_t count = (v >> 16) & 0xFFFF, next = v & 0xFFFF;
+        if ((uint32_t)(v >> 32) != gen || next >= count) return;
+        if (!atomic_compare_exchange_weak(&job_word, &v, v + 1)) continue;
+        int start = (int)next * job_chunk, end = start + job_chunk;
+        job_fn(job_ctx, start, end < job_items ? end : job_items);
+        atomic_fetch_sub(&remaining, 1);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint32_t seen = 0;
+    for (;;) {
+        uint32_t gen = (uint32_t)(atomic_load(&job_word) >> 32);
+        if (gen == seen) {
+            long until = now_ns() + spin_ns;
+            for (int i = 1; (gen = (uint32_t)(atomic_load(&job_word) >> 32)) == seen; i++) {
+                relax();
+                if ((i & 255) == 0 && now_ns() > until) {
+                    pthread_mutex_lock(&sleep_mu);
+                    atomic_fetch_add(&sleepers, 1);
+                    while ((gen = (uint32_t)(atomic_load(&job_word) >> 32)) == seen)
+                        pthread_cond_wait(&sleep_cv, &sleep_mu);
+                    atomic_fetch_sub(&sleepers, 1);
+                    pthread_mutex_unlock(&sleep_mu);
+                    break;
+                }
+            }
+        }
+        seen = gen;
+        work(gen);
+    }
+    return NULL;
+}
+
+/* Starts the workers (threads - 1 of them; the caller is the last). Returns the thread count in use. */
+int ki_init(int threads, long spin_us) {
+    pthread_mutex_lock(&call_mu);
+    if (spin_us >= 0) spin_ns = spin_us * 1000;
+    while (pool_threads < threads) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &attr, worker, NULL) != 0) break;
+        pthread_attr_destroy(&attr);
+        pool_threads++;
+    }
+    int n = pool_threads;
+    pthread_mutex_unlock(&call_mu);
+    return n;
+}
+
+/* fn over [0, items), split into chunks of whole items across the pool; call_mu held by the caller. */
+static void parallel(task_fn fn, const void *ctx, int items) {
+    int chunks = pool_threads == 1 ? 1 : pool_threads * 8;
+    if (chunks > items) chunks = items;
+    if (chunks <= 1) {
+        fn(ctx, 0, items);
+        return;
+    }
+    job_fn = fn, job_ctx = ctx, job_items = items, job_chunk = (items + chunks - 1) / chunks;
+    chunks = (items + job_chunk - 1) / job_chunk;
+    atomic_store(&remaining, chunks);
+    uint32_t gen = (uint32_t)(atomic_load(&job_word) >> 32) + 1;
+    atomic_store(&job_word, ((uint64_t)gen << 32) | ((uint64_t)chunks << 16));
+    if (atomic_load(&sleepers) > 0) {
+        pthread_mutex_lock(&sleep_mu);
+        pthread_cond_broadcast(&sleep_cv);
+        pthread_mutex_unlock(&sleep_mu);
+    }
+    work(gen);
+    while (atomic_load(&remaining) > 0) relax();
+}
+
+/* ------------------------------------------------------------------ W8A8: exact int32 sums
+ * out[m, n] = ((float)(sum_k q[m, k] * w[n, k]) * sx[m]) * sw[n], as torch._int_mm then the two scales. */
+typedef struct {
+    const int8_t *q;     /* [M, Kp] activations, zero-padded */
+    const int32_t *bias; /* [M]: 128 * sum_k q[m, k] */
+    const float *sx, *sw;
+    const uint8_t *w;
+    float *out;
+    int M, N, Kp;
+} w8a8_ctx;
+
+static void w8a8_tile(const w8a8_ctx *c, int g, int m0, int mt) {
+    const uint8_t *wg = c->w + (size_t)g * c->Kp * ROWS;
+    int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+#if KI_VNNI
+    __m512i acc[TILE][2];
+    for (int t = 0; t < TILE; t++) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
+    for (int k = 0; k < c->Kp; k += 8) {
+        __m512i w0 = _mm512_loadu_si512(wg + k * ROWS), w1 = _mm512_loadu_si512(wg + (k + 4) * ROWS);
+        for (int t = 0; t < mt; t++) {
+            const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + k;
+            acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, _mm512_set1_epi32(*(const int32_t *)q));
+            acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+        }
+    }
+    __mmask16 mask = (__mmask16)((1u << nn) - 1);
+    __m512 sw = _mm512_maskz_loadu_ps(mask, c->sw + n0);
+    for (int t = 0; t < mt; t++) {
+        int m = m0 + t;
+        __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(acc[t][0], acc[t][1]), _mm512_set1_epi32(c->bias[m]));
+        __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(c->sx[m])), sw);
+        _mm512_mask_storeu_ps(c->out + (size_t)m * c->N + n0, mask, f);
+    }
+#else
+    for (int t = 0; t < mt; t++) {
+        int m = m0 + t;
+        const int8_t *q = c->q + (size_t)m * c->Kp;
+        for (int r = 0; r < nn; r++) {
+            int32_t sum = 0;
+            for (int k = 0; k < c->Kp; k++) sum += (int32_t)wg[(k / 4) * 64 + r * 4 + k % 4] * q[k];
+            float f = ((float)(sum - c->bias[m]) * c->sx[m]) * c->sw[n0 + r];
+            c->out[(size_t)m * c->N + n0 + r] = f;
+        }
+    }
+#endif
+}
+
+static void w8a8_task(const void *ctx, int start, int end) {
+    const w8a8_ctx *c = ctx;
+    for (int g = start; g < end; g++)
+        for (int m0 = 0; m0 < c->M; m0 += TILE) {
+            int mt = c->M - m0 < TILE ? c->M - m0 : TILE;
+            switch (mt) { /* constant tile sizes: the token loop unrolls */
+            case 1: w8a8_tile(c, g, m0, 1); break;
+            case 2: w8a8_tile(c, g, m0, 2); break;
+            case 3: w8a8_tile(c, g, m0, 3); break;
+            default: w8a8_tile(c, g, m0, TILE);
+            }
+        }
+}
+
+/* q [M, K] int8, sx [M], w packed [ceil(N / 16) groups][Kp * 16], Kp = K rounded up to 32, sw [N] -> out [M, N]. */
+int ki_w8a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, const float *sw, int N, float *out) {
+    int Kp = (K + BLOCK - 1) / BLOCK * BLOCK;
+    int8_t *qp = aligned_alloc(64, (size_t)M * Kp + 64);
+    int32_t *bias = malloc(sizeof(int32_t) * (size_t)(M > 0 ? M : 1));
+    if (!qp || !bias) {
+        free(qp), free(bias);
+        return -1;
+    }
+    for (int m = 0; m < M; m++) {
+        int32_t s = 0;
+        for (int k = 0; k < K; k++) s += q[(size_t)m * K + k];
+        bias[m] = 128 * s;
+        memcpy(qp + (size_t)m * Kp, q + (size_t)m * K, K);
+        memset(qp + (size_t)m * Kp + K, 0, Kp - K);
+    }
+    w8a8_ctx c = {qp, bias, sx, sw, w, out, M, N, Kp};
+    pthread_mutex_lock(&call_mu);
+    parallel(w8a8_task, &c, (N + ROWS - 1) / ROWS);
+    pthread_mutex_unlock(&call_mu);
+    free(qp), free(bias);
+    return 0;
+}
+
+#include "kernels_q8_0.c"
