@@ -223,4 +223,19 @@ int ki_w8a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, co
     return 0;
 }
 
+/* x [M, K] float32 quantized per token as activations.py's dynamic symmetric int8 (the compressed-tensors
+ * reference): scale = max(|min(x, 0)|, max(x, 0)) / 127.5 (float32 eps when 0), q = round half to even of
+ * clamp(x / scale, -128, 127); the same float32 operations as the torch code, so the same bits. */
+void ki_quantize_token_int8(const float *x, int M, int K, int8_t *q, float *scale) {
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (size_t)m * K;
+        float lo = 0.0f, hi = 0.0f;
+        for (int k = 0; k < K; k++) lo = fminf(lo, xm[k]), hi = fmaxf(hi, xm[k]);
+        float s = fmaxf(fabsf(lo), fabsf(hi)) / 127.5f;
+        if (s == 0.0f) s = 1.1920928955078125e-07f; /* torch.finfo(float32).eps */
+        for (int k = 0; k < K; k++) q[(size_t)m * K + k] = (int8_t)nearbyintf(fminf(fmaxf(xm[k] / s, -128.0f), 127.0f));
+        scale[m] = s;
+    }
+}
+
 #include "kernels_q8_0.c"

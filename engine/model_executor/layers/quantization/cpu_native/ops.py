@@ -21,6 +21,7 @@ from ..activations import ActivationScheme, dynamic_qparams, quantize
 from .build import load
 
 ROWS, BLOCK = 16, 32
+MAX_INPUTS = 65536  # the W8A8 kernel's int32 sums of (w + 128) * x, |.| <= 255 * 128 * K, stay below 2**31
 logger = logging.getLogger(__name__)
 _state: dict = {}
 
@@ -46,6 +47,7 @@ def library():
             lib.ki_w8a8.argtypes, lib.ki_w8a8.restype = [p, p, i, i, p, p, i, p], i
             lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = [p, i, i, p, i, p, p, i, i, i, p], i
             lib.ki_quantize_q8_0.argtypes, lib.ki_quantize_q8_0.restype = [p, i, i, p, p, p], None
+            lib.ki_quantize_token_int8.argtypes, lib.ki_quantize_token_int8.restype = [p, i, i, p, p], None
             lib.ki_init(_threads(), int(os.environ.get("KUBEINFER_CPU_NATIVE_SPIN_US", "50")))
         _state["lib"] = lib
     return _state["lib"]
@@ -97,10 +99,17 @@ def w8a8_linear(x: torch.Tensor, scheme: ActivationScheme, packed: torch.Tensor,
     """activations.int8_linear through the native kernel: x [..., K] quantized per token exactly as there,
     `packed` from pack_int8, `weight_scale` [N] float32 (contiguous)."""
     shape = x.shape
+    if shape[-1] > MAX_INPUTS:
+        raise ValueError(f"native W8A8 kernel: {shape[-1]} inputs, at most {MAX_INPUTS} (int32 sums)")
     rows = x.reshape(-1, shape[-1])
-    scale, _ = dynamic_qparams(rows, scheme, reduce_range)
-    q = quantize(rows, scale, None, scheme, dequantize=False).contiguous()
-    sx = scale.to(torch.float32).reshape(-1).contiguous()
+    if reduce_range is None and rows.dtype == torch.float32:  # the same float32 operations in C (kernels.c)
+        rows = rows.contiguous()
+        q, sx = torch.empty(rows.shape, dtype=torch.int8), torch.empty(rows.shape[0])
+        library().ki_quantize_token_int8(_ptr(rows), rows.shape[0], rows.shape[1], _ptr(q), _ptr(sx))
+    else:
+        scale, _ = dynamic_qparams(rows, scheme, reduce_range)
+        q = quantize(rows, scale, None, scheme, dequantize=False).contiguous()
+        sx = scale.to(torch.float32).reshape(-1).contiguous()
     out = torch.empty(rows.shape[0], weight_scale.shape[0], dtype=torch.float32)
     if rows.shape[0]:
         status = library().ki_w8a8(_ptr(q), _ptr(sx), rows.shape[0], rows.shape[1], _ptr(packed),
