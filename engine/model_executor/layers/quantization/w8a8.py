@@ -37,7 +37,8 @@ class ActivationQuantMethod:
         self.scheme, self.inner, self.segments, self.kernel = scheme, inner, segments, "fake_quant"
         self.reduce_range = range_reducer(layer, scheme)  # a row-parallel rank's token range made whole (w8a8_tp)
         if int_mm is not None:  # int8 weights [in, out] and their row scales replace the float weight
-            self.kernel = _int8_kernel(int_mm[0].shape[0])  # parameters, as linear_method's: the start-up log's weight bytes count them
+            # parameters, as linear_method's: the start-up log's weight bytes count them
+            self.kernel = _int8_kernel(int_mm[0].shape[0])
             if self.kernel == "int8_vnni":  # the native kernel's layout (cpu_native/kernels.c), one byte a weight
                 layer.register_parameter("qweight_vnni", nn.Parameter(native_ops.pack_int8(int_mm[0].t()),
                                                                       requires_grad=False))
