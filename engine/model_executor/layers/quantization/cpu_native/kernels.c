@@ -149,54 +149,90 @@ typedef struct {
     int M, N, Kp;
 } w8a8_ctx;
 
-static void w8a8_tile(const w8a8_ctx *c, int g, int m0, int mt) {
-    const uint8_t *wg = c->w + (size_t)g * c->Kp * ROWS;
-    int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+/* Rows of `ng` (1 or 2) row groups from g times `mt` tokens from m0; ng and mt are constants where inlined, so
+ * the loops unroll and the accumulators stay in registers (2 x 4 of them: independent dependency chains). */
+static inline __attribute__((always_inline)) void w8a8_tile(const w8a8_ctx *c, int g, int m0, const int ng,
+                                                            const int mt) {
 #if KI_VNNI
-    __m512i acc[TILE][2];
-    for (int t = 0; t < TILE; t++) acc[t][0] = acc[t][1] = _mm512_setzero_si512();
-    for (int k = 0; k < c->Kp; k += 8) {
-        __m512i w0 = _mm512_loadu_si512(wg + k * ROWS), w1 = _mm512_loadu_si512(wg + (k + 4) * ROWS);
-        for (int t = 0; t < mt; t++) {
-            const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + k;
-            acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, _mm512_set1_epi32(*(const int32_t *)q));
-            acc[t][1] = _mm512_dpbusd_epi32(acc[t][1], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+    const size_t stride = (size_t)c->Kp * ROWS;
+    const uint8_t *wg = c->w + g * stride;
+    __m512i acc[2][TILE];
+    for (int i = 0; i < 2; i++)
+        for (int t = 0; t < TILE; t++) acc[i][t] = _mm512_setzero_si512();
+    if (ng == 1) { /* one row group: its even and odd steps in two chains, summed after */
+        for (int k = 0; k < c->Kp; k += 8) {
+            __m512i w0 = _mm512_loadu_si512(wg + k * ROWS), w1 = _mm512_loadu_si512(wg + (k + 4) * ROWS);
+            for (int t = 0; t < mt; t++) {
+                const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + k;
+                acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], w0, _mm512_set1_epi32(*(const int32_t *)q));
+                acc[1][t] = _mm512_dpbusd_epi32(acc[1][t], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+            }
+        }
+        for (int t = 0; t < mt; t++) acc[0][t] = _mm512_add_epi32(acc[0][t], acc[1][t]);
+    } else {
+        for (int k = 0; k < c->Kp; k += 4) {
+            __m512i w[2];
+            for (int i = 0; i < ng; i++) w[i] = _mm512_loadu_si512(wg + i * stride + k * ROWS);
+            for (int t = 0; t < mt; t++) {
+                __m512i a = _mm512_set1_epi32(*(const int32_t *)(c->q + (size_t)(m0 + t) * c->Kp + k));
+                for (int i = 0; i < ng; i++) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], w[i], a);
+            }
         }
     }
-    __mmask16 mask = (__mmask16)((1u << nn) - 1);
-    __m512 sw = _mm512_maskz_loadu_ps(mask, c->sw + n0);
-    for (int t = 0; t < mt; t++) {
-        int m = m0 + t;
-        __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(acc[t][0], acc[t][1]), _mm512_set1_epi32(c->bias[m]));
-        __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(c->sx[m])), sw);
-        _mm512_mask_storeu_ps(c->out + (size_t)m * c->N + n0, mask, f);
+    for (int i = 0; i < ng; i++) {
+        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        __mmask16 mask = (__mmask16)((1u << nn) - 1);
+        __m512 sw = _mm512_maskz_loadu_ps(mask, c->sw + n0);
+        for (int t = 0; t < mt; t++) {
+            int m = m0 + t;
+            __m512i sum = _mm512_sub_epi32(acc[i][t], _mm512_set1_epi32(c->bias[m]));
+            __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(c->sx[m])), sw);
+            _mm512_mask_storeu_ps(c->out + (size_t)m * c->N + n0, mask, f);
+        }
     }
 #else
-    for (int t = 0; t < mt; t++) {
-        int m = m0 + t;
-        const int8_t *q = c->q + (size_t)m * c->Kp;
-        for (int r = 0; r < nn; r++) {
-            int32_t sum = 0;
-            for (int k = 0; k < c->Kp; k++) sum += (int32_t)wg[(k / 4) * 64 + r * 4 + k % 4] * q[k];
-            float f = ((float)(sum - c->bias[m]) * c->sx[m]) * c->sw[n0 + r];
-            c->out[(size_t)m * c->N + n0 + r] = f;
+    for (int i = 0; i < ng; i++) {
+        const uint8_t *wg = c->w + (size_t)(g + i) * c->Kp * ROWS;
+        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        for (int t = 0; t < mt; t++) {
+            int m = m0 + t;
+            const int8_t *q = c->q + (size_t)m * c->Kp;
+            for (int r = 0; r < nn; r++) {
+                int32_t sum = 0;
+                for (int k = 0; k < c->Kp; k++) sum += (int32_t)wg[(k / 4) * 64 + r * 4 + k % 4] * q[k];
+                float f = ((float)(sum - c->bias[m]) * c->sx[m]) * c->sw[n0 + r];
+                c->out[(size_t)m * c->N + n0 + r] = f;
+            }
         }
     }
 #endif
 }
 
+/* Work item u: row groups 2u and 2u + 1 (the last may be alone), all tokens, a tile at a time. */
+#define TILES(tile, c, groups, u)                                                                                \
+    do {                                                                                                       \
+        int g = 2 * (u), two = g + 1 < (groups) && (c)->M > 1; /* one token: two chains in one group */       \
+        for (int m0 = 0; m0 < (c)->M; m0 += TILE) {                                                            \
+            int mt = (c)->M - m0 < TILE ? (c)->M - m0 : TILE;                                                  \
+            if (two) switch (mt) {                                                                             \
+                case 1: tile(c, g, m0, 2, 1); break;                                                           \
+                case 2: tile(c, g, m0, 2, 2); break;                                                           \
+                case 3: tile(c, g, m0, 2, 3); break;                                                           \
+                default: tile(c, g, m0, 2, TILE);                                                              \
+                }                                                                                              \
+            else for (int h = g; h < g + 2 && h < (groups); h++) switch (mt) {                                 \
+                case 1: tile(c, h, m0, 1, 1); break;                                                           \
+                case 2: tile(c, h, m0, 1, 2); break;                                                           \
+                case 3: tile(c, h, m0, 1, 3); break;                                                           \
+                default: tile(c, h, m0, 1, TILE);                                                              \
+                }                                                                                              \
+        }                                                                                                      \
+    } while (0)
+
 static void w8a8_task(const void *ctx, int start, int end) {
     const w8a8_ctx *c = ctx;
-    for (int g = start; g < end; g++)
-        for (int m0 = 0; m0 < c->M; m0 += TILE) {
-            int mt = c->M - m0 < TILE ? c->M - m0 : TILE;
-            switch (mt) { /* constant tile sizes: the token loop unrolls */
-            case 1: w8a8_tile(c, g, m0, 1); break;
-            case 2: w8a8_tile(c, g, m0, 2); break;
-            case 3: w8a8_tile(c, g, m0, 3); break;
-            default: w8a8_tile(c, g, m0, TILE);
-            }
-        }
+    int groups = (c->N + ROWS - 1) / ROWS;
+    for (int u = start; u < end; u++) TILES(w8a8_tile, c, groups, u);
 }
 
 /* q [M, K] int8, sx [M], w packed [ceil(N / 16) groups][Kp * 16], Kp = K rounded up to 32, sw [N] -> out [M, N]. */
@@ -217,7 +253,7 @@ int ki_w8a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, co
     }
     w8a8_ctx c = {qp, bias, sx, sw, w, out, M, N, Kp};
     pthread_mutex_lock(&call_mu);
-    parallel(w8a8_task, &c, (N + ROWS - 1) / ROWS);
+    parallel(w8a8_task, &c, ((N + ROWS - 1) / ROWS + 1) / 2);
     pthread_mutex_unlock(&call_mu);
     free(qp), free(bias);
     return 0;

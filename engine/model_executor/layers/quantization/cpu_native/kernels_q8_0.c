@@ -50,65 +50,90 @@ typedef struct {
     int M, N, K, bits, groups, blocks_per_group;
 } q8_ctx;
 
-static void q8_tile(const q8_ctx *c, int g, int m0, int mt) {
-    int blocks = c->K / BLOCK, n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g, int m0, const int ng,
+                                                          const int mt) {
+    int blocks = c->K / BLOCK;
     size_t block_bytes = (size_t)BLOCK * ROWS * c->bits / 8;
-    const uint8_t *wg = c->w + (size_t)g * blocks * block_bytes;
-    const float *scales = c->scale + (size_t)g * c->groups * ROWS;
-    const int32_t *offsets = c->offset + (size_t)g * c->groups * ROWS;
 #if KI_VNNI
-    __m512 acc[TILE];
-    for (int t = 0; t < TILE; t++) acc[t] = _mm512_setzero_ps();
+    const uint8_t *wg = c->w + (size_t)g * blocks * block_bytes;
+    const size_t stride = (size_t)blocks * block_bytes, pstride = (size_t)c->groups * ROWS;
+    const float *scales = c->scale + (size_t)g * pstride;
+    const int32_t *offsets = c->offset + (size_t)g * pstride;
+    __m512 acc[2][TILE];
+    for (int i = 0; i < 2; i++)
+        for (int t = 0; t < TILE; t++) acc[i][t] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int b = 0; b < blocks; b++) {
-        const uint8_t *wb = wg + b * block_bytes;
         int gi = b / c->blocks_per_group;
-        __m512 sw = _mm512_loadu_ps(scales + gi * ROWS);
-        __m512i off = _mm512_loadu_si512(offsets + gi * ROWS);
-        __m512i isum[TILE][2];
-        for (int t = 0; t < TILE; t++) isum[t][0] = isum[t][1] = _mm512_setzero_si512();
-        for (int j = 0; j < BLOCK / 8; j++) { /* 8 inputs a step: two vectors */
-            __m512i w0, w1;
-            if (c->bits == 8) {
-                w0 = _mm512_loadu_si512(wb + 128 * j), w1 = _mm512_loadu_si512(wb + 128 * j + 64);
-            } else {
-                __m512i v = _mm512_loadu_si512(wb + 64 * j);
-                w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        __m512i isum[2][TILE];
+        for (int i = 0; i < 2; i++)
+            for (int t = 0; t < TILE; t++) isum[i][t] = _mm512_setzero_si512();
+        for (int j = 0; j < BLOCK / 8; j++) { /* 8 inputs a step: two vectors a row group */
+            __m512i w0[2], w1[2];
+            for (int i = 0; i < ng; i++) {
+                const uint8_t *wb = wg + i * stride + b * block_bytes;
+                if (c->bits == 8) {
+                    w0[i] = _mm512_loadu_si512(wb + 128 * j), w1[i] = _mm512_loadu_si512(wb + 128 * j + 64);
+                } else {
+                    __m512i v = _mm512_loadu_si512(wb + 64 * j);
+                    w0[i] = _mm512_and_si512(v, low), w1[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
             }
             for (int t = 0; t < mt; t++) {
                 const int8_t *q = c->q + (size_t)(m0 + t) * c->K + b * BLOCK + 8 * j;
-                isum[t][0] = _mm512_dpbusd_epi32(isum[t][0], w0, _mm512_set1_epi32(*(const int32_t *)q));
-                isum[t][1] = _mm512_dpbusd_epi32(isum[t][1], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+                __m512i a0 = _mm512_set1_epi32(*(const int32_t *)q), a1 = _mm512_set1_epi32(*(const int32_t *)(q + 4));
+                if (ng == 1) { /* one row group: two chains, summed after */
+                    isum[0][t] = _mm512_dpbusd_epi32(isum[0][t], w0[0], a0);
+                    isum[1][t] = _mm512_dpbusd_epi32(isum[1][t], w1[0], a1);
+                } else {
+                    for (int i = 0; i < ng; i++)
+                        isum[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[i][t], w0[i], a0), w1[i], a1);
+                }
             }
         }
-        for (int t = 0; t < mt; t++) {
-            long i = (long)(m0 + t) * blocks + b;
-            __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(isum[t][0], isum[t][1]),
-                                           _mm512_mullo_epi32(off, _mm512_set1_epi32(c->s[i])));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(c->d[i]), sw), acc[t]);
+        if (ng == 1)
+            for (int t = 0; t < mt; t++) isum[0][t] = _mm512_add_epi32(isum[0][t], isum[1][t]);
+        for (int i = 0; i < ng; i++) {
+            __m512 sw = _mm512_loadu_ps(scales + i * pstride + gi * ROWS);
+            __m512i off = _mm512_loadu_si512(offsets + i * pstride + gi * ROWS);
+            for (int t = 0; t < mt; t++) {
+                long idx = (long)(m0 + t) * blocks + b;
+                __m512i sum = _mm512_sub_epi32(isum[i][t], _mm512_mullo_epi32(off, _mm512_set1_epi32(c->s[idx])));
+                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(c->d[idx]), sw),
+                                            acc[i][t]);
+            }
         }
     }
-    __mmask16 mask = (__mmask16)((1u << nn) - 1);
-    for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, acc[t]);
+    for (int i = 0; i < ng; i++) {
+        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        __mmask16 mask = (__mmask16)((1u << nn) - 1);
+        for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, acc[i][t]);
+    }
 #else
-    for (int t = 0; t < mt; t++) {
-        int m = m0 + t;
-        for (int r = 0; r < nn; r++) {
-            float acc = 0.0f;
-            for (int b = 0; b < blocks; b++) {
-                const uint8_t *wb = wg + b * block_bytes;
-                int gi = b / c->blocks_per_group;
-                int32_t sum = 0;
-                for (int k = 0; k < BLOCK; k++) {
-                    int u = c->bits == 8 ? wb[(k / 4) * 64 + r * 4 + k % 4]
-                                         : (wb[(k / 8) * 64 + r * 4 + k % 4] >> (k % 8 / 4 * 4)) & 0x0F;
-                    sum += u * c->q[(size_t)m * c->K + b * BLOCK + k];
+    for (int i = 0; i < ng; i++) {
+        const uint8_t *wg = c->w + (size_t)(g + i) * blocks * block_bytes;
+        const float *scales = c->scale + (size_t)(g + i) * c->groups * ROWS;
+        const int32_t *offsets = c->offset + (size_t)(g + i) * c->groups * ROWS;
+        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        for (int t = 0; t < mt; t++) {
+            int m = m0 + t;
+            for (int r = 0; r < nn; r++) {
+                float acc = 0.0f;
+                for (int b = 0; b < blocks; b++) {
+                    const uint8_t *wb = wg + b * block_bytes;
+                    int gi = b / c->blocks_per_group;
+                    int32_t sum = 0;
+                    for (int k = 0; k < BLOCK; k++) {
+                        int u = c->bits == 8 ? wb[(k / 4) * 64 + r * 4 + k % 4]
+                                             : (wb[(k / 8) * 64 + r * 4 + k % 4] >> (k % 8 / 4 * 4)) & 0x0F;
+                        sum += u * c->q[(size_t)m * c->K + b * BLOCK + k];
+                    }
+                    long idx = (long)m * blocks + b;
+                    sum -= offsets[gi * ROWS + r] * c->s[idx];
+                    acc = fmaf((float)sum, c->d[idx] * scales[gi * ROWS + r], acc);
                 }
-                long i = (long)m * blocks + b;
-                sum -= offsets[gi * ROWS + r] * c->s[i];
-                acc = fmaf((float)sum, c->d[i] * scales[gi * ROWS + r], acc);
+                c->out[(size_t)m * c->N + n0 + r] = acc;
             }
-            c->out[(size_t)m * c->N + n0 + r] = acc;
         }
     }
 #endif
@@ -116,16 +141,8 @@ static void q8_tile(const q8_ctx *c, int g, int m0, int mt) {
 
 static void q8_task(const void *ctx, int start, int end) {
     const q8_ctx *c = ctx;
-    for (int g = start; g < end; g++)
-        for (int m0 = 0; m0 < c->M; m0 += TILE) {
-            int mt = c->M - m0 < TILE ? c->M - m0 : TILE;
-            switch (mt) {
-            case 1: q8_tile(c, g, m0, 1); break;
-            case 2: q8_tile(c, g, m0, 2); break;
-            case 3: q8_tile(c, g, m0, 3); break;
-            default: q8_tile(c, g, m0, TILE);
-            }
-        }
+    int groups = (c->N + ROWS - 1) / ROWS;
+    for (int u = start; u < end; u++) TILES(q8_tile, c, groups, u);
 }
 
 /* x [M, K] float32 (K a multiple of 32) times packed weights [ceil(N / 16) groups] -> out [M, N] float32. */
@@ -142,7 +159,7 @@ int ki_q8_0_linear(const float *x, int M, int K, const uint8_t *w, int bits, con
     ki_quantize_q8_0(x, M, K, q, d, s);
     q8_ctx c = {q, d, s, w, scale, offset, out, M, N, K, bits, groups, group_size / BLOCK};
     pthread_mutex_lock(&call_mu);
-    parallel(q8_task, &c, (N + ROWS - 1) / ROWS);
+    parallel(q8_task, &c, ((N + ROWS - 1) / ROWS + 1) / 2);
     pthread_mutex_unlock(&call_mu);
     free(q), free(d), free(s);
     return 0;
