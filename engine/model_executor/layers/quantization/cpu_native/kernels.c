@@ -41,10 +41,10 @@ typedef void (*task_fn)(const void *ctx, int start, int end);
 static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER, sleep_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;
 static _Atomic uint64_t job_word;
-static atomic_int remaining, sleepers;
+static atomic_int remaining, sleepers, seats; /* seats: workers that may still join the current job */
 static task_fn job_fn;
 static const void *job_ctx;
-static int job_items, job_chunk, pool_threads = 1;
+static int job_items, job_chunk, pool_threads = 1, pool_active = 1; /* threads started, threads a job uses */
 static long spin_ns = 50000;
 
 static inline void relax(void) {
@@ -93,13 +93,25 @@ static void *worker(void *arg) {
             }
         }
         seen = gen;
-        work(gen);
+        if (atomic_fetch_sub(&seats, 1) > 0) work(gen);
     }
     return NULL;
 }
 
-/* Starts the workers (threads - 1 of them; the caller is the last). Returns the thread count in use. */
+/* A forked child has none of the workers (and maybe a lock another thread held): it starts over alone. */
+static void after_fork_child(void) {
+    pthread_mutex_init(&call_mu, NULL), pthread_mutex_init(&sleep_mu, NULL), pthread_cond_init(&sleep_cv, NULL);
+    atomic_store(&sleepers, 0);
+    pool_threads = pool_active = 1;
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_child); }
+
+/* Jobs use `threads` threads from now on (the caller one of them), workers started as needed; spin_us < 0 keeps
+ * the spin. Returns the thread count in use. */
 int ki_init(int threads, long spin_us) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
     pthread_mutex_lock(&call_mu);
     if (spin_us >= 0) spin_ns = spin_us * 1000;
     while (pool_threads < threads) {
@@ -111,14 +123,15 @@ int ki_init(int threads, long spin_us) {
         pthread_attr_destroy(&attr);
         pool_threads++;
     }
-    int n = pool_threads;
+    pool_active = threads < pool_threads ? (threads > 1 ? threads : 1) : pool_threads;
+    int n = pool_active;
     pthread_mutex_unlock(&call_mu);
     return n;
 }
 
 /* fn over [0, items), split into chunks of whole items across the pool; call_mu held by the caller. */
 static void parallel(task_fn fn, const void *ctx, int items) {
-    int chunks = pool_threads == 1 ? 1 : pool_threads * 8;
+    int chunks = pool_active == 1 ? 1 : pool_active * 8;
     if (chunks > items) chunks = items;
     if (chunks <= 1) {
         fn(ctx, 0, items);
@@ -127,6 +140,7 @@ static void parallel(task_fn fn, const void *ctx, int items) {
     job_fn = fn, job_ctx = ctx, job_items = items, job_chunk = (items + chunks - 1) / chunks;
     chunks = (items + job_chunk - 1) / job_chunk;
     atomic_store(&remaining, chunks);
+    atomic_store(&seats, pool_active - 1);
     uint32_t gen = (uint32_t)(atomic_load(&job_word) >> 32) + 1;
     atomic_store(&job_word, ((uint64_t)gen << 32) | ((uint64_t)chunks << 16));
     if (atomic_load(&sleepers) > 0) {

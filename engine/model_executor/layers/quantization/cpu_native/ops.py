@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 _state: dict = {}
 
 
-def _threads() -> int:
+def default_threads() -> int:
     wanted = os.environ.get("KUBEINFER_CPU_NATIVE_THREADS")
     if wanted:
         if not wanted.isdigit() or int(wanted) < 1:
@@ -48,9 +48,14 @@ def library():
             lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = [p, i, i, p, i, p, p, i, i, i, p], i
             lib.ki_quantize_q8_0.argtypes, lib.ki_quantize_q8_0.restype = [p, i, i, p, p, p], None
             lib.ki_quantize_token_int8.argtypes, lib.ki_quantize_token_int8.restype = [p, i, i, p, p], None
-            lib.ki_init(_threads(), int(os.environ.get("KUBEINFER_CPU_NATIVE_SPIN_US", "50")))
+            lib.ki_init(default_threads(), int(os.environ.get("KUBEINFER_CPU_NATIVE_SPIN_US", "50")))
         _state["lib"] = lib
     return _state["lib"]
+
+
+def set_threads(threads: int) -> int:
+    """The threads each product uses from now on (benchmarks); returns the count in use."""
+    return library().ki_init(threads, -1)
 
 
 def available() -> bool:
