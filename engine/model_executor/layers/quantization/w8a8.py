@@ -170,9 +170,10 @@ def _segments(layer: nn.Linear, shards: dict, scheme: ActivationScheme):
 def _int_mm_applies(layer: nn.Linear, scheme: ActivationScheme) -> bool:
     """Exact int8 products (int32 sums) for a float32 CPU model's int8 inputs per token, with int8 weights held:
     torch._int_mm (activations.py: measured, it ties fake quantization at 1 and 16 tokens and wins at 64) or,
-    where it builds, the native VNNI kernel (cpu_native/: the same bits, one [tokens, 2048] x [8192, 2048]
-    product on one thread 0.40 / 1.73 ms at 1 / 16 tokens against _int_mm's 1.64 / 2.20, load ~3,
-    benchmarks/bench_quantized_kernels.py). Not under bf16/fp16: there the reference rounds the dequantized
+    where it builds, the native VNNI kernel (cpu_native/: the same bits; one [tokens, 2048] x [8192, 2048]
+    product, activation quantization included, ms at 1 / 16 tokens: 0.55 / 1.78 against _int_mm's 1.79 / 2.45
+    on one thread, 0.55 / 1.14 against 1.13 / 1.43 on two, same run, load 5.5; benchmarks/RESULTS.md
+    "cpu-native-vnni"). Not under bf16/fp16: there the reference rounds the dequantized
     weight and input to that dtype, which the exact int32 sums would not. KUBEINFER_W8A8_KERNEL: int8_vnni
     (default; torch._int_mm without the native library), int_mm, fake_quant (the reference's own float product)."""
     wanted = _wanted_kernel()
