@@ -47,7 +47,8 @@ def _kernels(tokens: int):
     if ops.available():
         token = ActivationScheme("int", "token", True)
         p8, p4 = ops.pack_int8(q8), ops.pack_int4(torch.randint(-8, 8, (OUT, COLS), generator=gen, dtype=torch.int8))
-        s8, s4 = ops.pack_groups(scale[:, None], torch.float32), ops.pack_groups(scales_zeros[..., 0].t(), torch.float32)
+        s8 = ops.pack_groups(scale[:, None], torch.float32)
+        s4 = ops.pack_groups(scales_zeros[..., 0].t(), torch.float32)
         p8_2 = p8.clone()  # its own copy: not left in the cache by the W8A8 row before it
         o8 = ops.pack_groups(torch.full((OUT, 1), 128, dtype=torch.int32), torch.int32)
         o4 = ops.pack_groups(torch.full((OUT, COLS // GROUP), 8, dtype=torch.int32), torch.int32)
@@ -98,6 +99,6 @@ def kernel_times(calls: int = 15) -> None:
                       f"[{OUT}, {COLS}] product in ms, fastest of "
                       f"{calls} interleaved calls (OpenBLAS uses its own threads whatever torch's count).", "", *lines,
                       "", "The engine's choice on the CPU (layers/quantization/linear_method.py) follows: int4 and "
-                      "int8 weights kept, through torch's products with bf16 activations; W8A8 int8 layers through the native "
-                      "kernel (exact); the native llama.cpp arithmetic is opt-in (KUBEINFER_QUANT_KERNEL)."])
+                      "int8 weights kept, through torch's products with bf16 activations; W8A8 int8 layers through "
+                      "the native kernel (exact); the native llama.cpp arithmetic is opt-in (KUBEINFER_QUANT_KERNEL)."])
     update_results("quantized-kernels", "Quantized weights: one layer's product per CPU kernel", body)

@@ -45,6 +45,7 @@ def test_w8a8_guard_a_wrong_correction_is_seen():
     w2 = w.clone()
     w2[5, 3] = w2[5, 3] + (1 if w2[5, 3] < 127 else -1)
     assert not torch.equal(ops.w8a8_linear(x, TOKEN, ops.pack_int8(w2), scale), expected)
+    assert torch.equal(ops.unpack_int8(ops.pack_int8(w), *w.shape), w)
 
 
 def test_w8a8_refuses_too_many_inputs():
@@ -92,6 +93,12 @@ def test_llama_cpp_arithmetic_equals_gguf_reference(m, k, n, bits, group, asym):
     # the guard: the same weights with float (unquantized) activations are measurably farther
     unquantized = x.double() @ dense.double().T
     assert (unquantized - expected).abs().max() > 100 * (got - expected).abs().max()
+
+
+def test_llama_cpp_arithmetic_refuses_partial_blocks():
+    empty = torch.zeros(0)
+    with pytest.raises(ValueError, match="blocks of 32; got 40"):
+        ops.q8_0_linear(torch.zeros(1, 40), empty, 8, empty, empty, 40, 16)
 
 
 def test_q8_0_activations_equal_gguf_bit_for_bit():

@@ -81,6 +81,13 @@ def pack_int8(values: torch.Tensor) -> torch.Tensor:
     return u.view(groups, ROWS, cols // 4, 4).permute(0, 2, 1, 3).contiguous().flatten()
 
 
+def unpack_int8(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """pack_int8's inverse: the int8 [rows, cols] weight (tests, inspection)."""
+    padded = -(-cols // BLOCK) * BLOCK
+    u = packed.view(-1, padded // 4, ROWS, 4).permute(0, 2, 1, 3).reshape(-1, padded)[:rows, :cols]
+    return (u.to(torch.int16) - 128).to(torch.int8)
+
+
 def pack_int4(values: torch.Tensor) -> torch.Tensor:
     """int4 values (int8 storage, [-8, 7]) [N, K], K a multiple of 32 -> w + 8, two per byte (kernels.c)."""
     u = _padded_rows((values.to(torch.int16) + 8).to(torch.uint8), 8)
@@ -129,6 +136,8 @@ def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.T
                 group_size: int, out_features: int) -> torch.Tensor:
     """x [..., K] (K a multiple of 32) times packed int8 / int4 weights in llama.cpp's arithmetic; `scale` and
     `offset` from pack_groups ([N / 16, groups, 16]); returns float32 [..., N]."""
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"llama.cpp's arithmetic needs inputs in blocks of {BLOCK}; got {x.shape[-1]}")
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0]:
