@@ -36,8 +36,9 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   int8 or int4 weights by channel or groups of a multiple of 32, symmetric or not. One [tokens, 2048] x
   [8192, 2048] product on one thread, ms at 1 / 16 tokens, same run (load 5.5, benchmarks/RESULTS.md
   "cpu-native-vnni"): int8 0.50 / 1.86, int4 0.36 / 1.63 against cpu_int8_bf16 1.08 / 4.06 and cpu_int4_bf16
-  0.56 / 3.33. It changes a weight-only checkpoint's numerics (its activations are 16-bit), so it is never
-  the default.
+  0.56 / 3.33; whole engine (`bench_quantized_decode.py --model large`, load 3.2-4.0), tok/s at batch 1 / 16:
+  W8A16 98 / 463 against cpu_int8_bf16's 67 / 285, W4A16 132 / 494 against cpu_int4_bf16's 101 / 312. It
+  changes a weight-only checkpoint's numerics (its activations are 16-bit), so it is never the default.
 KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, cpu_int8_vnni, cpu_int4_vnni,
 dequantized) overrides the choice where the kernel applies; cpu_int4/cpu_int8 take the activations in the model
 dtype (float32 included)."""
