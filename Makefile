@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test,gpu,bench]'
+	# the native CPU kernels (seconds; without a C compiler the engine warns and uses torch's)
+	-$(PY) -m kubeinfer.engine.model_executor.layers.quantization.cpu_native.build
 	touch $(STAMP)
 
 test: setup

@@ -130,7 +130,10 @@ def run_model(name: str, args) -> str:
                for _ in range(max(BATCHES))]
     systems = {"engine float32 checkpoint (float32)": EngineSystem(made["float32"], args.tokens),
                "engine W8A16 (float32 model)": EngineSystem(made["w8a16"], args.tokens),
-               "engine W4A16 (float32 model)": EngineSystem(made["w4a16"], args.tokens)}
+               "engine W4A16 (float32 model)": EngineSystem(made["w4a16"], args.tokens),
+               # opt-in: llama.cpp's arithmetic (Q8_0 activations) through the native VNNI kernels (cpu_native/)
+               "engine W8A16, llama.cpp arithmetic": EngineSystem(made["w8a16"], args.tokens, "cpu_int8_vnni"),
+               "engine W4A16, llama.cpp arithmetic": EngineSystem(made["w4a16"], args.tokens, "cpu_int4_vnni")}
     peer_note = ""
     if args.peer:
         why_not = llama_cpp_peer.missing(args.llama_cpp_converter)
@@ -182,6 +185,8 @@ def table(name: str, rates, products, kernels, loads, peer_note: str) -> str:
     lines.append("")
     for ours, theirs in (("engine W8A16 (float32 model)", "llama.cpp Q8_0"),
                          ("engine W4A16 (float32 model)", "llama.cpp Q4_0"),
+                         ("engine W8A16, llama.cpp arithmetic", "llama.cpp Q8_0"),
+                         ("engine W4A16, llama.cpp arithmetic", "llama.cpp Q4_0"),
                          ("engine float32 checkpoint (float32)", "llama.cpp f32")):
         if (theirs, 1) in best:
             ratios = [best[(ours, b)] / best[(theirs, b)] for b in BATCHES]

@@ -32,6 +32,7 @@ from quant_checkpoints import (
 )
 
 from kubeinfer.engine import LLM
+from kubeinfer.engine.model_executor.layers.quantization.cpu_native.ops import unpack_int8
 
 CT_SCHEMES = {  # name: (format, bits, type, strategy, symmetric, group_size, W8A8)
     "w4a16_group_sym": ("pack-quantized", 4, "int", "group", True, 32, False),
@@ -75,8 +76,12 @@ def assert_weights_equal(model, hf, rtol: float = 0.0) -> None:
                  "o": (layer.self_attn.o_proj, [attn.o_proj]), "down": (layer.mlp.down_proj, [mlp.down_proj])}
         for name, (mine, parts) in pairs.items():
             expected = torch.cat([p.weight.float() for p in parts])
-            weight = mine.weight if mine.weight.device.type != "meta" else \
-                mine.qweight_t.t().float() * mine.weight_row_scale[:, None]  # W8A8 int8 held for torch._int_mm
+            weight = mine.weight
+            if hasattr(mine, "qweight_t"):  # W8A8 int8 held for torch._int_mm
+                weight = mine.qweight_t.t().float() * mine.weight_row_scale[:, None]
+            elif hasattr(mine, "qweight_vnni"):  # or packed for the native kernel
+                int8 = unpack_int8(mine.qweight_vnni, *mine.weight.shape)
+                weight = int8.float() * mine.weight_row_scale[:, None]
             assert torch.allclose(weight, expected, rtol=rtol, atol=0), name
 
 

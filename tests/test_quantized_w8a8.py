@@ -108,15 +108,18 @@ def test_w8a8_greedy_equals_transformers_with_activation_quantization(float_dir,
     assert_greedy_equal_but_near_ties(engine_greedy(model_dir), hf_greedy(reference), reference)
 
 
-@pytest.mark.parametrize("kernel", ["int_mm", pytest.param("fake_quant", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kernel", ["int8_vnni", "int_mm", pytest.param("fake_quant", marks=pytest.mark.slow)])
 def test_int8_kernels_give_the_reference_tokens(float_dir, monkeypatch, kernel):
-    """A float32 CPU model runs int8 per-token layers through torch._int_mm by default, its weights held in int8
-    (the float weight gone); fake quantization (KUBEINFER_W8A8_KERNEL) agrees with the reference as well."""
+    """A float32 CPU model runs int8 per-token layers through the native VNNI kernel by default (torch._int_mm
+    where it does not build), its weights held in int8 (the float weight gone); torch._int_mm and fake
+    quantization (KUBEINFER_W8A8_KERNEL) agree with the reference as well."""
     from kubeinfer.engine import LLM
+    from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
 
     model_dir = w8a8_checkpoint(float_dir, "int8_dynamic")
-    if kernel != "int_mm":
-        monkeypatch.setenv("KUBEINFER_W8A8_KERNEL", kernel)
+    if kernel == "int8_vnni" and not ops.available():
+        pytest.skip("no C compiler: the native kernels do not build here")
+    monkeypatch.setenv("KUBEINFER_W8A8_KERNEL", kernel)
     from kubeinfer.engine.core.model_setup import memory_summary
 
     runner = LLM(model_dir, max_model_len=64, num_kv_blocks=16).engine.runner
@@ -125,7 +128,11 @@ def test_int8_kernels_give_the_reference_tokens(float_dir, monkeypatch, kernel):
     # 2 layers x (q/k/v, o, gate/up, down), fused
     assert f"8 linear layers with activations int8 dynamic per token ({kernel})" in memory_summary(runner, 16)
     down = model.model.layers[0].mlp.down_proj
-    assert (down.weight.device.type == "meta") == (kernel == "int_mm")
+    assert (down.weight.device.type == "meta") == (kernel != "fake_quant")
+    if kernel == "int8_vnni":  # packed, one byte a weight (inputs padded to 32, rows to 16)
+        assert down.qweight_vnni.dtype == torch.uint8 and down.qweight_vnni.numel() == (
+            SHAPE["hidden_size"] + 15) // 16 * 16 * ((SHAPE["intermediate_size"] + 31) // 32 * 32)
+        assert any(p is down.qweight_vnni for p in model.parameters())
     if kernel == "int_mm":  # held as parameters: the start-up log's weight bytes (model_setup.py) count them
         assert down.qweight_t.dtype == torch.int8 and down.qweight_t.shape == (SHAPE["intermediate_size"],
                                                                                SHAPE["hidden_size"])
@@ -284,7 +291,7 @@ def test_lora_over_a_w8a8_base_equals_peft_over_the_reference(float_dir, tmp_pat
     peft = PeftModel.from_pretrained(hf_w8a8(model_dir), tmp_path / "adapter").eval()
     expected = [peft_greedy(peft, p) for p in LORA_PROMPTS]
     llm = LLM(model_dir, max_model_len=64, num_kv_blocks=32, enable_lora=True)
-    assert "(int_mm)" in next(iter(llm.engine.runner.model.activation_schemes.values()))
+    assert next(iter(llm.engine.runner.model.activation_schemes.values())).endswith(("(int_mm)", "(int8_vnni)"))
     outputs = llm.generate([{"prompt_token_ids": p} for p in LORA_PROMPTS],
                            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                            lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))

@@ -31,8 +31,17 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
 - CPU, bf16/fp16 model: int4 through `_weight_int4pack_mm_for_cpu` (0.76x-1.44x bf16 F.linear's time at one
   token, on a par at 16, a quarter of the memory); int8 dequantized to bf16 (`_weight_int8pack_mm` was
   0.29-1.0x at one token but 1.6-1.9x at 16).
-KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, dequantized) overrides the
-choice where the kernel applies; cpu_int4/cpu_int8 take the activations in the model dtype (float32 included)."""
+- CPU, opt-in (KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni): llama.cpp's arithmetic through the native
+  AVX-512 VNNI kernels (cpu_native/): activations quantized per block of 32 as its Q8_0, integer block sums;
+  int8 or int4 weights by channel or groups of a multiple of 32, symmetric or not. One [tokens, 2048] x
+  [8192, 2048] product on one thread, ms at 1 / 16 tokens, same run (load 5.5, benchmarks/RESULTS.md
+  "cpu-native-vnni"): int8 0.50 / 1.86, int4 0.36 / 1.63 against cpu_int8_bf16 1.08 / 4.06 and cpu_int4_bf16
+  0.56 / 3.33; whole engine (`bench_quantized_decode.py --model large`, load 3.2-4.0), tok/s at batch 1 / 16:
+  W8A16 98 / 463 against cpu_int8_bf16's 67 / 285, W4A16 132 / 494 against cpu_int4_bf16's 101 / 312. It
+  changes a weight-only checkpoint's numerics (its activations are 16-bit), so it is never the default.
+KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, cpu_int8_vnni, cpu_int4_vnni,
+dequantized) overrides the choice where the kernel applies; cpu_int4/cpu_int8 take the activations in the model
+dtype (float32 included)."""
 from __future__ import annotations
 
 import math
@@ -43,7 +52,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "dequantized")
+KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "cpu_int8_vnni", "cpu_int4_vnni",
+           "dequantized")
+# opt-in, CPU only: llama.cpp's arithmetic through the native kernels (cpu_native/method.py); without a C compiler
+# torch's bf16-activation product of the same width (a warning once, from cpu_native/ops.py)
+NATIVE = {"cpu_int8_vnni": "cpu_int8_bf16", "cpu_int4_vnni": "cpu_int4_bf16"}
 # torch's CPU weight-only products with the activations rounded to bf16 (the format's "A16") in a float32 model
 BF16_ACTIVATIONS = {"cpu_int4_bf16": "cpu_int4", "cpu_int8_bf16": "cpu_int8"}
 
@@ -120,6 +133,12 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
     if forced:
         if forced not in KERNELS:
             raise ValueError(f"KUBEINFER_QUANT_KERNEL must be one of {', '.join(KERNELS)}; got {forced!r}")
+        if forced in NATIVE:
+            from .cpu_native import ops
+
+            if w8a8 or device.type != "cpu":  # W8A8 layers: their own exact int8 product (w8a8.py)
+                return "dequantized"
+            forced = forced if ops.available() else NATIVE[forced]
         return forced if applies(forced, weight) else "dequantized"
     if device.type == "cuda":
         return "triton"
@@ -135,6 +154,10 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
 def applies(kernel: str, w: IntWeight) -> bool:
     kernel = BF16_ACTIVATIONS.get(kernel, kernel)
     out, cols = w.values.shape
+    if kernel in NATIVE:
+        from .cpu_native.method import applies as native_applies
+
+        return native_applies(kernel, w.values, w.scale, w.group_size, w.bits, w.fp8)
     if w.fp8 and kernel != "triton":
         return kernel == "dequantized"
     if kernel == "cpu_int4":
@@ -232,6 +255,10 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
         if kernel == "dequantized":
             with torch.no_grad():
                 layer.weight.copy_(weight.dequantize())
+        elif kernel in NATIVE:
+            from .cpu_native.method import NativeIntMethod
+
+            attach(layer, NativeIntMethod(layer, weight, kernel, dtype))
         else:
             attach(layer, WeightOnlyIntMethod(layer, weight, kernel, dtype))
         # the start-up log names fp8 layers apart: "triton_fp8"

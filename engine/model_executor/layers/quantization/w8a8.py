@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .activations import ActivationScheme, fake_quantize, int8_linear
+from .cpu_native import ops as native_ops
 from .errors import QuantizationError
 from .linear_method import attach, dense
 from .w8a8_experts import ExpertSchemes
@@ -36,8 +37,13 @@ class ActivationQuantMethod:
         self.scheme, self.inner, self.segments, self.kernel = scheme, inner, segments, "fake_quant"
         self.reduce_range = range_reducer(layer, scheme)  # a row-parallel rank's token range made whole (w8a8_tp)
         if int_mm is not None:  # int8 weights [in, out] and their row scales replace the float weight
-            self.kernel = "int_mm"  # parameters, as linear_method's: the start-up log's weight bytes count them
-            layer.register_parameter("qweight_t", nn.Parameter(int_mm[0], requires_grad=False))
+            # parameters, as linear_method's: the start-up log's weight bytes count them
+            self.kernel = _int8_kernel(int_mm[0].shape[0])
+            if self.kernel == "int8_vnni":  # the native kernel's layout (cpu_native/kernels.c), one byte a weight
+                layer.register_parameter("qweight_vnni", nn.Parameter(native_ops.pack_int8(int_mm[0].t()),
+                                                                      requires_grad=False))
+            else:
+                layer.register_parameter("qweight_t", nn.Parameter(int_mm[0], requires_grad=False))
             layer.register_parameter("weight_row_scale", nn.Parameter(int_mm[1], requires_grad=False))
             layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=layer.weight.dtype, device="meta"),
                                         requires_grad=False)
@@ -50,6 +56,9 @@ class ActivationQuantMethod:
 
     def apply(self, layer: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """`bias=False`: the product alone, as the other quant methods' (a row-parallel layer adds its bias)."""
+        if self.kernel == "int8_vnni":
+            return native_ops.w8a8_linear(x, self.scheme, layer.qweight_vnni, layer.weight_row_scale,
+                                          layer.bias if bias else None, self.reduce_range)
         if self.kernel == "int_mm":
             return int8_linear(x, self.scheme, layer.qweight_t, layer.weight_row_scale, layer.bias if bias else None,
                                self.reduce_range)
@@ -159,15 +168,31 @@ def _segments(layer: nn.Linear, shards: dict, scheme: ActivationScheme):
 
 
 def _int_mm_applies(layer: nn.Linear, scheme: ActivationScheme) -> bool:
-    """torch._int_mm for a float32 CPU model's int8 inputs per token (activations.py: measured, it ties fake
-    quantization at 1 and 16 tokens and wins at 64, and holds int8 weights). Not under bf16/fp16: there the
-    reference rounds the dequantized weight and input to that dtype, which the exact int32 sums would not.
-    KUBEINFER_W8A8_KERNEL=fake_quant turns it off."""
-    wanted = os.environ.get("KUBEINFER_W8A8_KERNEL", "int_mm")
-    if wanted not in ("int_mm", "fake_quant"):
-        raise QuantizationError(f"KUBEINFER_W8A8_KERNEL must be int_mm or fake_quant; got {wanted!r}")
-    return (wanted == "int_mm" and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+    """Exact int8 products (int32 sums) for a float32 CPU model's int8 inputs per token, with int8 weights held:
+    torch._int_mm (activations.py: measured, it ties fake quantization at 1 and 16 tokens and wins at 64) or,
+    where it builds, the native VNNI kernel (cpu_native/: the same bits; one [tokens, 2048] x [8192, 2048]
+    product, activation quantization included, ms at 1 / 16 tokens: 0.55 / 1.78 against _int_mm's 1.79 / 2.45
+    on one thread, 0.55 / 1.14 against 1.13 / 1.43 on two, same run, load 5.5; benchmarks/RESULTS.md
+    "cpu-native-vnni"). Not under bf16/fp16: there the reference rounds the dequantized
+    weight and input to that dtype, which the exact int32 sums would not. KUBEINFER_W8A8_KERNEL: int8_vnni
+    (default; torch._int_mm without the native library), int_mm, fake_quant (the reference's own float product)."""
+    wanted = _wanted_kernel()
+    return (wanted != "fake_quant" and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
             and scheme.type == "int" and scheme.symmetric and scheme.dynamic and scheme.strategy == "token")
+
+
+def _wanted_kernel() -> str:
+    wanted = os.environ.get("KUBEINFER_W8A8_KERNEL", "int8_vnni")
+    if wanted not in ("int8_vnni", "int_mm", "fake_quant"):
+        raise QuantizationError(f"KUBEINFER_W8A8_KERNEL must be int8_vnni, int_mm or fake_quant; got {wanted!r}")
+    return wanted
+
+
+def _int8_kernel(inputs: int) -> str:
+    """int8_vnni unless int_mm is asked for, the native library does not build (it warns once), or the inputs
+    are too many for its int32 sums of (w + 128) * x (native_ops.MAX_INPUTS)."""
+    native = _wanted_kernel() == "int8_vnni" and inputs <= native_ops.MAX_INPUTS and native_ops.available()
+    return "int8_vnni" if native else "int_mm"
 
 
 def _int8_weight(layer: nn.Linear, scales: list) -> tuple[torch.Tensor, torch.Tensor] | None:

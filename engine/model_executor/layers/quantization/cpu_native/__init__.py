@@ -1,0 +1,5 @@
+"""Native CPU kernels for quantized linear layers: integer dot products with AVX-512 VNNI (vpdpbusd), as
+llama.cpp multiplies its Q8_0 / Q4_0 weights, where torch has nothing fast at both 1 and 16 tokens
+(`torch._int_mm` reads int8 weights at a quarter of the memory bandwidth at one token). kernels.c is compiled
+at first use with the system C compiler (build.py) and called through ctypes (ops.py), which releases the GIL;
+its threads are a persistent pool of its own. Without a compiler the torch kernels run (ops.available())."""

@@ -1,0 +1,82 @@
+"""Compiles kernels.c (with kernels_q8_0.c) into a shared library with the system C compiler, once per source,
+compiler and flags: the library is cached under $KUBEINFER_CACHE_DIR or ~/.cache/kubeinfer/cpu_native/<key>/,
+the key a hash of the three. `-O3 -march=native`: AVX-512 VNNI intrinsics where the CPU has them, the
+portable C twins elsewhere; KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the portable C on any CPU (for tests).
+No compiler, or a failed build: `load()` returns None with the reason (ops.py warns once and the torch
+kernels run)."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCES = ("kernels.c", "kernels_q8_0.c")
+HERE = Path(__file__).parent
+
+
+def flags(portable: bool) -> list[str]:
+    native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64", "i686") else ["-mcpu=native"]
+    return ["-O3", *native, "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-std=gnu11",
+            *(["-DKI_PORTABLE"] if portable else [])]
+
+
+def portable_requested() -> bool:
+    return os.environ.get("KUBEINFER_CPU_NATIVE_PORTABLE", "0") not in ("", "0")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("KUBEINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kubeinfer")
+    return Path(base) / "cpu_native"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build(portable: bool | None = None) -> Path:
+    """The compiled library's path, compiling it when the cache has none. Raises RuntimeError on failure."""
+    portable = portable_requested() if portable is None else portable
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc on PATH, or $CC)")
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"C compiler {cc} does not run: {exc}") from exc
+    args = flags(portable)
+    digest = hashlib.sha256()
+    for part in [*(HERE / s for s in SOURCES)]:
+        digest.update(part.read_bytes())
+    digest.update(version.encode())
+    digest.update(" ".join([cc, *args, platform.machine()]).encode())
+    target = cache_root() / digest.hexdigest()[:20] / "libkubeinfer_cpu.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # then renamed: concurrent builds never see half
+        out = Path(tmp) / target.name
+        done = subprocess.run([cc, *args, "-o", str(out), str(HERE / SOURCES[0]), "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed to build {SOURCES[0]}: {done.stderr.strip()[-2000:]}")
+        os.replace(out, target)
+    return target
+
+
+def load(portable: bool | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why not)."""
+    try:
+        return ctypes.CDLL(str(build(portable))), ""
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        return None, str(exc)
+
+
+if __name__ == "__main__":  # `make setup` builds it ahead of first use
+    lib, why = load()
+    print(f"cpu_native kernels: {'built' if lib else 'not built: ' + why}"
+          + (f" (VNNI: {bool(lib.ki_has_vnni())})" if lib else ""))

@@ -1,0 +1,291 @@
+/* Integer-dot-product kernels for quantized linear layers on the CPU (cpu_native/__init__.py says why).
+ *
+ * Weights are repacked at load (ops.py) so that one 64-byte vector holds 16 output rows x 4 inputs: each
+ * int32 lane of AVX-512 VNNI's vpdpbusd (u8 x s8, four products summed into an int32) is one output row, the
+ * activations' 4 bytes are broadcast to every lane, and no horizontal sum is needed. The weights are the
+ * unsigned operand: int8 w is stored as w + 128 (int4: w + 8, two per byte), so a row's sum is
+ * sum((w + c) * x) = sum(w * x) + c * sum(x), and c times the activations' sum is subtracted, exact in int32.
+ * Per row group of 16 rows, the layout is [inputs / 4][16 rows][4] bytes (int8) or [inputs / 8][16][4] bytes
+ * with inputs 8i..8i+3 in the low nibbles and 8i+4..8i+7 in the high ones (int4).
+ *
+ * Every kernel has a portable C twin (KI_PORTABLE, or a compiler without VNNI) that does the same operations
+ * in the same order, so both give the same bits. -ffp-contract=off: the only fused multiply-adds are the
+ * explicit ones. */
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(KI_PORTABLE)
+#include <immintrin.h>
+#define KI_VNNI 1
+#else
+#define KI_VNNI 0
+#endif
+
+#define ROWS 16  /* output rows per group: one int32 lane each */
+#define BLOCK 32 /* inputs per block of the llama.cpp arithmetic (its QK8_0) */
+#define TILE 4   /* tokens per tile: each weight vector loaded once per tile */
+
+int ki_has_vnni(void) { return KI_VNNI; }
+
+/* ------------------------------------------------------------------ thread pool
+ * One job at a time (call_mu). The job's chunks are claimed through one 64-bit word: generation (32 bits),
+ * chunk count (16), next chunk (16), so a worker that wakes late can only claim a chunk of the job that is
+ * still current, and the job cannot finish (nor its fields change) before a claimed chunk is done. Workers
+ * spin for spin_ns after a job, then sleep on a condition variable. The caller works too. */
+typedef void (*task_fn)(const void *ctx, int start, int end);
+static pthread_mutex_t call_mu = PTHREAD_MUTEX_INITIALIZER, sleep_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t sleep_cv = PTHREAD_COND_INITIALIZER;
+static _Atomic uint64_t job_word;
+static atomic_int remaining, sleepers, seats; /* seats: workers that may still join the current job */
+static task_fn job_fn;
+static const void *job_ctx;
+static int job_items, job_chunk, pool_threads = 1, pool_active = 1; /* threads started, threads a job uses */
+static long spin_ns = 50000;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Claims and runs chunks of generation `gen` until none is left. */
+static void work(uint32_t gen) {
+    for (;;) {
+        uint64_t v = atomic_load(&job_word);
+        uint32_t count = (v >> 16) & 0xFFFF, next = v & 0xFFFF;
+        if ((uint32_t)(v >> 32) != gen || next >= count) return;
+        if (!atomic_compare_exchange_weak(&job_word, &v, v + 1)) continue;
+        int start = (int)next * job_chunk, end = start + job_chunk;
+        job_fn(job_ctx, start, end < job_items ? end : job_items);
+        atomic_fetch_sub(&remaining, 1);
+    }
+}
+
+static void *worker(void *arg) {
+    (void)arg;
+    uint32_t seen = 0;
+    for (;;) {
+        uint32_t gen = (uint32_t)(atomic_load(&job_word) >> 32);
+        if (gen == seen) {
+            long until = now_ns() + spin_ns;
+            for (int i = 1; (gen = (uint32_t)(atomic_load(&job_word) >> 32)) == seen; i++) {
+                relax();
+                if ((i & 255) == 0 && now_ns() > until) {
+                    pthread_mutex_lock(&sleep_mu);
+                    atomic_fetch_add(&sleepers, 1);
+                    while ((gen = (uint32_t)(atomic_load(&job_word) >> 32)) == seen)
+                        pthread_cond_wait(&sleep_cv, &sleep_mu);
+                    atomic_fetch_sub(&sleepers, 1);
+                    pthread_mutex_unlock(&sleep_mu);
+                    break;
+                }
+            }
+        }
+        seen = gen;
+        if (atomic_fetch_sub(&seats, 1) > 0) work(gen);
+    }
+    return NULL;
+}
+
+/* A forked child has none of the workers (and maybe a lock another thread held): it starts over alone. */
+static void after_fork_child(void) {
+    pthread_mutex_init(&call_mu, NULL), pthread_mutex_init(&sleep_mu, NULL), pthread_cond_init(&sleep_cv, NULL);
+    atomic_store(&sleepers, 0);
+    pool_threads = pool_active = 1;
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_child); }
+
+/* Jobs use `threads` threads from now on (the caller one of them), workers started as needed; spin_us < 0 keeps
+ * the spin. Returns the thread count in use. */
+int ki_init(int threads, long spin_us) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
+    pthread_mutex_lock(&call_mu);
+    if (spin_us >= 0) spin_ns = spin_us * 1000;
+    while (pool_threads < threads) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &attr, worker, NULL) != 0) break;
+        pthread_attr_destroy(&attr);
+        pool_threads++;
+    }
+    pool_active = threads < pool_threads ? (threads > 1 ? threads : 1) : pool_threads;
+    int n = pool_active;
+    pthread_mutex_unlock(&call_mu);
+    return n;
+}
+
+/* fn over [0, items), split into chunks of whole items across the pool; call_mu held by the caller. */
+static void parallel(task_fn fn, const void *ctx, int items) {
+    int chunks = pool_active == 1 ? 1 : pool_active * 8;
+    if (chunks > items) chunks = items;
+    if (chunks <= 1) {
+        fn(ctx, 0, items);
+        return;
+    }
+    job_fn = fn, job_ctx = ctx, job_items = items, job_chunk = (items + chunks - 1) / chunks;
+    chunks = (items + job_chunk - 1) / job_chunk;
+    atomic_store(&remaining, chunks);
+    atomic_store(&seats, pool_active - 1);
+    uint32_t gen = (uint32_t)(atomic_load(&job_word) >> 32) + 1;
+    atomic_store(&job_word, ((uint64_t)gen << 32) | ((uint64_t)chunks << 16));
+    if (atomic_load(&sleepers) > 0) {
+        pthread_mutex_lock(&sleep_mu);
+        pthread_cond_broadcast(&sleep_cv);
+        pthread_mutex_unlock(&sleep_mu);
+    }
+    work(gen);
+    while (atomic_load(&remaining) > 0) relax();
+}
+
+/* ------------------------------------------------------------------ W8A8: exact int32 sums
+ * out[m, n] = ((float)(sum_k q[m, k] * w[n, k]) * sx[m]) * sw[n], as torch._int_mm then the two scales. */
+typedef struct {
+    const int8_t *q;     /* [M, Kp] activations, zero-padded */
+    const int32_t *bias; /* [M]: 128 * sum_k q[m, k] */
+    const float *sx, *sw;
+    const uint8_t *w;
+    float *out;
+    int M, N, Kp;
+} w8a8_ctx;
+
+/* Rows of `ng` (1 or 2) row groups from g times `mt` tokens from m0; ng and mt are constants where inlined, so
+ * the loops unroll and the accumulators stay in registers (2 x 4 of them: independent dependency chains). */
+static inline __attribute__((always_inline)) void w8a8_tile(const w8a8_ctx *c, int g, int m0, const int ng,
+                                                            const int mt) {
+#if KI_VNNI
+    const size_t stride = (size_t)c->Kp * ROWS;
+    const uint8_t *wg = c->w + g * stride;
+    __m512i acc[2][TILE];
+    for (int i = 0; i < 2; i++)
+        for (int t = 0; t < TILE; t++) acc[i][t] = _mm512_setzero_si512();
+    if (ng == 1) { /* one row group: its even and odd steps in two chains, summed after */
+        for (int k = 0; k < c->Kp; k += 8) {
+            __m512i w0 = _mm512_loadu_si512(wg + k * ROWS), w1 = _mm512_loadu_si512(wg + (k + 4) * ROWS);
+            for (int t = 0; t < mt; t++) {
+                const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + k;
+                acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], w0, _mm512_set1_epi32(*(const int32_t *)q));
+                acc[1][t] = _mm512_dpbusd_epi32(acc[1][t], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+            }
+        }
+        for (int t = 0; t < mt; t++) acc[0][t] = _mm512_add_epi32(acc[0][t], acc[1][t]);
+    } else {
+        for (int k = 0; k < c->Kp; k += 4) {
+            __m512i w[2];
+            for (int i = 0; i < ng; i++) w[i] = _mm512_loadu_si512(wg + i * stride + k * ROWS);
+            for (int t = 0; t < mt; t++) {
+                __m512i a = _mm512_set1_epi32(*(const int32_t *)(c->q + (size_t)(m0 + t) * c->Kp + k));
+                for (int i = 0; i < ng; i++) acc[i][t] = _mm512_dpbusd_epi32(acc[i][t], w[i], a);
+            }
+        }
+    }
+    for (int i = 0; i < ng; i++) {
+        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        __mmask16 mask = (__mmask16)((1u << nn) - 1);
+        __m512 sw = _mm512_maskz_loadu_ps(mask, c->sw + n0);
+        for (int t = 0; t < mt; t++) {
+            int m = m0 + t;
+            __m512i sum = _mm512_sub_epi32(acc[i][t], _mm512_set1_epi32(c->bias[m]));
+            __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(c->sx[m])), sw);
+            _mm512_mask_storeu_ps(c->out + (size_t)m * c->N + n0, mask, f);
+        }
+    }
+#else
+    for (int i = 0; i < ng; i++) {
+        const uint8_t *wg = c->w + (size_t)(g + i) * c->Kp * ROWS;
+        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        for (int t = 0; t < mt; t++) {
+            int m = m0 + t;
+            const int8_t *q = c->q + (size_t)m * c->Kp;
+            for (int r = 0; r < nn; r++) {
+                int32_t sum = 0;
+                for (int k = 0; k < c->Kp; k++) sum += (int32_t)wg[(k / 4) * 64 + r * 4 + k % 4] * q[k];
+                float f = ((float)(sum - c->bias[m]) * c->sx[m]) * c->sw[n0 + r];
+                c->out[(size_t)m * c->N + n0 + r] = f;
+            }
+        }
+    }
+#endif
+}
+
+/* Work item u: row groups 2u and 2u + 1 (the last may be alone), all tokens, a tile at a time. */
+#define TILES(tile, c, groups, u)                                                                                \
+    do {                                                                                                       \
+        int g = 2 * (u), two = g + 1 < (groups) && (c)->M > 1; /* one token: two chains in one group */       \
+        for (int m0 = 0; m0 < (c)->M; m0 += TILE) {                                                            \
+            int mt = (c)->M - m0 < TILE ? (c)->M - m0 : TILE;                                                  \
+            if (two) switch (mt) {                                                                             \
+                case 1: tile(c, g, m0, 2, 1); break;                                                           \
+                case 2: tile(c, g, m0, 2, 2); break;                                                           \
+                case 3: tile(c, g, m0, 2, 3); break;                                                           \
+                default: tile(c, g, m0, 2, TILE);                                                              \
+                }                                                                                              \
+            else for (int h = g; h < g + 2 && h < (groups); h++) switch (mt) {                                 \
+                case 1: tile(c, h, m0, 1, 1); break;                                                           \
+                case 2: tile(c, h, m0, 1, 2); break;                                                           \
+                case 3: tile(c, h, m0, 1, 3); break;                                                           \
+                default: tile(c, h, m0, 1, TILE);                                                              \
+                }                                                                                              \
+        }                                                                                                      \
+    } while (0)
+
+static void w8a8_task(const void *ctx, int start, int end) {
+    const w8a8_ctx *c = ctx;
+    int groups = (c->N + ROWS - 1) / ROWS;
+    for (int u = start; u < end; u++) TILES(w8a8_tile, c, groups, u);
+}
+
+/* q [M, K] int8, sx [M], w packed [ceil(N / 16) groups][Kp * 16], Kp = K rounded up to 32, sw [N] -> out [M, N]. */
+int ki_w8a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, const float *sw, int N, float *out) {
+    int Kp = (K + BLOCK - 1) / BLOCK * BLOCK;
+    int8_t *qp = aligned_alloc(64, (size_t)M * Kp + 64);
+    int32_t *bias = malloc(sizeof(int32_t) * (size_t)(M > 0 ? M : 1));
+    if (!qp || !bias) {
+        free(qp), free(bias);
+        return -1;
+    }
+    for (int m = 0; m < M; m++) {
+        int32_t s = 0;
+        for (int k = 0; k < K; k++) s += q[(size_t)m * K + k];
+        bias[m] = 128 * s;
+        memcpy(qp + (size_t)m * Kp, q + (size_t)m * K, K);
+        memset(qp + (size_t)m * Kp + K, 0, Kp - K);
+    }
+    w8a8_ctx c = {qp, bias, sx, sw, w, out, M, N, Kp};
+    pthread_mutex_lock(&call_mu);
+    parallel(w8a8_task, &c, ((N + ROWS - 1) / ROWS + 1) / 2);
+    pthread_mutex_unlock(&call_mu);
+    free(qp), free(bias);
+    return 0;
+}
+
+/* x [M, K] float32 quantized per token as activations.py's dynamic symmetric int8 (the compressed-tensors
+ * reference): scale = max(|min(x, 0)|, max(x, 0)) / 127.5 (float32 eps when 0), q = round half to even of
+ * clamp(x / scale, -128, 127); the same float32 operations as the torch code, so the same bits. */
+void ki_quantize_token_int8(const float *x, int M, int K, int8_t *q, float *scale) {
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (size_t)m * K;
+        float lo = 0.0f, hi = 0.0f;
+        for (int k = 0; k < K; k++) lo = fminf(lo, xm[k]), hi = fmaxf(hi, xm[k]);
+        float s = fmaxf(fabsf(lo), fabsf(hi)) / 127.5f;
+        if (s == 0.0f) s = 1.1920928955078125e-07f; /* torch.finfo(float32).eps */
+        for (int k = 0; k < K; k++) q[(size_t)m * K + k] = (int8_t)nearbyintf(fminf(fmaxf(xm[k] / s, -128.0f), 127.0f));
+        scale[m] = s;
+    }
+}
+
+#include "kernels_q8_0.c"

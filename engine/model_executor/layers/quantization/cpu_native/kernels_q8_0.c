@@ -1,0 +1,166 @@
+/* llama.cpp's arithmetic for weight-only int8 / int4 checkpoints (included by kernels.c).
+ *
+ * Activations are quantized per block of 32 inputs as llama.cpp's Q8_0 (ggml's quantize_row_q8_0, the gguf
+ * package's Q8_0.quantize_blocks): d = amax / 127, q = roundf(x / d) computed as x * (1 / d) rounded half away
+ * from zero, d kept as float16. Each block's int32 sum with the weights becomes float and is accumulated as
+ * sum += isum * (d * weight scale), the weight's zero point z subtracted as z * sum(q) of the block. */
+
+/* float -> float16 -> float, round to nearest even (numpy's astype(np.float16), F16C's vcvtps2ph). */
+static float half_round(float f) {
+#if KI_VNNI
+    return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtps_ph(_mm_set_ss(f), _MM_FROUND_TO_NEAREST_INT)));
+#else
+    return (float)(_Float16)f;
+#endif
+}
+
+static inline float roundf_away(float v) { /* gguf's np_roundf, exactly */
+    float a = fabsf(v), fl = floorf(a);
+    float b = fl + floorf(2.0f * (a - fl));
+    return v < 0 ? -b : (v > 0 ? b : 0.0f);
+}
+
+/* x [M, K] float32, K a multiple of 32 -> q [M, K] int8, d [M, K / 32] float, s [M, K / 32] int32 sums of q. */
+void ki_quantize_q8_0(const float *x, int M, int K, int8_t *q, float *d, int32_t *s) {
+    int blocks = K / BLOCK;
+    for (long b = 0; b < (long)M * blocks; b++) {
+        const float *xb = x + b * BLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        float db = amax / 127.0f, id = db == 0.0f ? 0.0f : 1.0f / db;
+        int32_t sum = 0;
+        for (int i = 0; i < BLOCK; i++) {
+            int v = (int)roundf_away(xb[i] * id);
+            q[b * BLOCK + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = half_round(db);
+        s[b] = sum;
+    }
+}
+
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int32_t *s;
+    const uint8_t *w;       /* packed, bits 8 or 4 */
+    const float *scale;     /* [groups of rows][weight groups][16] */
+    const int32_t *offset;  /* the same shape: the storage offset (128 or 8) plus the zero point */
+    float *out;
+    int M, N, K, bits, groups, blocks_per_group;
+} q8_ctx;
+
+static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g, int m0, const int ng,
+                                                          const int mt) {
+    int blocks = c->K / BLOCK;
+    size_t block_bytes = (size_t)BLOCK * ROWS * c->bits / 8;
+#if KI_VNNI
+    const uint8_t *wg = c->w + (size_t)g * blocks * block_bytes;
+    const size_t stride = (size_t)blocks * block_bytes, pstride = (size_t)c->groups * ROWS;
+    const float *scales = c->scale + (size_t)g * pstride;
+    const int32_t *offsets = c->offset + (size_t)g * pstride;
+    __m512 acc[2][TILE];
+    for (int i = 0; i < 2; i++)
+        for (int t = 0; t < TILE; t++) acc[i][t] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int b = 0; b < blocks; b++) {
+        int gi = b / c->blocks_per_group;
+        __m512i isum[2][TILE];
+        for (int i = 0; i < 2; i++)
+            for (int t = 0; t < TILE; t++) isum[i][t] = _mm512_setzero_si512();
+        for (int j = 0; j < BLOCK / 8; j++) { /* 8 inputs a step: two vectors a row group */
+            __m512i w0[2], w1[2];
+            for (int i = 0; i < ng; i++) {
+                const uint8_t *wb = wg + i * stride + b * block_bytes;
+                if (c->bits == 8) {
+                    w0[i] = _mm512_loadu_si512(wb + 128 * j), w1[i] = _mm512_loadu_si512(wb + 128 * j + 64);
+                } else {
+                    __m512i v = _mm512_loadu_si512(wb + 64 * j);
+                    w0[i] = _mm512_and_si512(v, low), w1[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
+            }
+            for (int t = 0; t < mt; t++) {
+                const int8_t *q = c->q + (size_t)(m0 + t) * c->K + b * BLOCK + 8 * j;
+                __m512i a0 = _mm512_set1_epi32(*(const int32_t *)q), a1 = _mm512_set1_epi32(*(const int32_t *)(q + 4));
+                if (ng == 1) { /* one row group: two chains, summed after */
+                    isum[0][t] = _mm512_dpbusd_epi32(isum[0][t], w0[0], a0);
+                    isum[1][t] = _mm512_dpbusd_epi32(isum[1][t], w1[0], a1);
+                } else {
+                    for (int i = 0; i < ng; i++)
+                        isum[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[i][t], w0[i], a0), w1[i], a1);
+                }
+            }
+        }
+        if (ng == 1)
+            for (int t = 0; t < mt; t++) isum[0][t] = _mm512_add_epi32(isum[0][t], isum[1][t]);
+        for (int i = 0; i < ng; i++) {
+            __m512 sw = _mm512_loadu_ps(scales + i * pstride + gi * ROWS);
+            __m512i off = _mm512_loadu_si512(offsets + i * pstride + gi * ROWS);
+            for (int t = 0; t < mt; t++) {
+                long idx = (long)(m0 + t) * blocks + b;
+                __m512i sum = _mm512_sub_epi32(isum[i][t], _mm512_mullo_epi32(off, _mm512_set1_epi32(c->s[idx])));
+                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(c->d[idx]), sw),
+                                            acc[i][t]);
+            }
+        }
+    }
+    for (int i = 0; i < ng; i++) {
+        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        __mmask16 mask = (__mmask16)((1u << nn) - 1);
+        for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, acc[i][t]);
+    }
+#else
+    for (int i = 0; i < ng; i++) {
+        const uint8_t *wg = c->w + (size_t)(g + i) * blocks * block_bytes;
+        const float *scales = c->scale + (size_t)(g + i) * c->groups * ROWS;
+        const int32_t *offsets = c->offset + (size_t)(g + i) * c->groups * ROWS;
+        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        for (int t = 0; t < mt; t++) {
+            int m = m0 + t;
+            for (int r = 0; r < nn; r++) {
+                float acc = 0.0f;
+                for (int b = 0; b < blocks; b++) {
+                    const uint8_t *wb = wg + b * block_bytes;
+                    int gi = b / c->blocks_per_group;
+                    int32_t sum = 0;
+                    for (int k = 0; k < BLOCK; k++) {
+                        int u = c->bits == 8 ? wb[(k / 4) * 64 + r * 4 + k % 4]
+                                             : (wb[(k / 8) * 64 + r * 4 + k % 4] >> (k % 8 / 4 * 4)) & 0x0F;
+                        sum += u * c->q[(size_t)m * c->K + b * BLOCK + k];
+                    }
+                    long idx = (long)m * blocks + b;
+                    sum -= offsets[gi * ROWS + r] * c->s[idx];
+                    acc = fmaf((float)sum, c->d[idx] * scales[gi * ROWS + r], acc);
+                }
+                c->out[(size_t)m * c->N + n0 + r] = acc;
+            }
+        }
+    }
+#endif
+}
+
+static void q8_task(const void *ctx, int start, int end) {
+    const q8_ctx *c = ctx;
+    int groups = (c->N + ROWS - 1) / ROWS;
+    for (int u = start; u < end; u++) TILES(q8_tile, c, groups, u);
+}
+
+/* x [M, K] float32 (K a multiple of 32) times packed weights [ceil(N / 16) groups] -> out [M, N] float32. */
+int ki_q8_0_linear(const float *x, int M, int K, const uint8_t *w, int bits, const float *scale,
+                   const int32_t *offset, int groups, int group_size, int N, float *out) {
+    size_t blocks = (size_t)M * (K / BLOCK);
+    int8_t *q = malloc((size_t)M * K + 64);
+    float *d = malloc(sizeof(float) * (blocks + 1));
+    int32_t *s = malloc(sizeof(int32_t) * (blocks + 1));
+    if (!q || !d || !s) {
+        free(q), free(d), free(s);
+        return -1;
+    }
+    ki_quantize_q8_0(x, M, K, q, d, s);
+    q8_ctx c = {q, d, s, w, scale, offset, out, M, N, K, bits, groups, group_size / BLOCK};
+    pthread_mutex_lock(&call_mu);
+    parallel(q8_task, &c, ((N + ROWS - 1) / ROWS + 1) / 2);
+    pthread_mutex_unlock(&call_mu);
+    free(q), free(d), free(s);
+    return 0;
+}

@@ -1,0 +1,160 @@
+"""The torch-facing side of the native kernels (kernels.c): weight packing at load, and the products.
+
+- `w8a8_linear`: int8 activations per token (activations.py's quantization, unchanged) times int8 weights per
+  output channel: exact int32 sums, then the same two float32 scalings as activations.int8_linear, so the
+  output equals torch._int_mm's bit for bit.
+- `q8_0_linear`: llama.cpp's arithmetic for weight-only int8 / int4 weights (kernels_q8_0.c): the activations
+  quantized per block of 32 as its Q8_0, each block's int32 sum scaled and accumulated in float32.
+
+Threads: a pool of KUBEINFER_CPU_NATIVE_THREADS (default: the CPUs this process may run on), the calling
+thread one of them; after a call the workers spin KUBEINFER_CPU_NATIVE_SPIN_US microseconds (default 50)
+for the next one, then sleep, so they do not hold the cores that OpenBLAS and torch use between calls."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from ..activations import ActivationScheme, dynamic_qparams, quantize
+from .build import load
+
+ROWS, BLOCK = 16, 32
+MAX_INPUTS = 65536  # the W8A8 kernel's int32 sums of (w + 128) * x, |.| <= 255 * 128 * K, stay below 2**31
+logger = logging.getLogger(__name__)
+_state: dict = {}
+
+
+def default_threads() -> int:
+    wanted = os.environ.get("KUBEINFER_CPU_NATIVE_THREADS")
+    if wanted:
+        if not wanted.isdigit() or int(wanted) < 1:
+            raise ValueError(f"KUBEINFER_CPU_NATIVE_THREADS must be a positive integer; got {wanted!r}")
+        return int(wanted)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def library():
+    """The loaded library, or None (the reason logged once as a warning)."""
+    if "lib" not in _state:
+        lib, why = load()
+        if lib is None:
+            logger.warning("native CPU int8 kernels unavailable, using torch's: %s", why)
+        else:
+            p, i = ctypes.c_void_p, ctypes.c_int
+            lib.ki_init.argtypes, lib.ki_init.restype = [i, ctypes.c_long], i
+            lib.ki_w8a8.argtypes, lib.ki_w8a8.restype = [p, p, i, i, p, p, i, p], i
+            lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = [p, i, i, p, i, p, p, i, i, i, p], i
+            lib.ki_quantize_q8_0.argtypes, lib.ki_quantize_q8_0.restype = [p, i, i, p, p, p], None
+            lib.ki_quantize_token_int8.argtypes, lib.ki_quantize_token_int8.restype = [p, i, i, p, p], None
+            lib.ki_init(default_threads(), int(os.environ.get("KUBEINFER_CPU_NATIVE_SPIN_US", "50")))
+        _state["lib"] = lib
+    return _state["lib"]
+
+
+def set_threads(threads: int) -> int:
+    """The threads each product uses from now on (benchmarks); returns the count in use."""
+    return library().ki_init(threads, -1)
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def has_vnni() -> bool:
+    lib = library()
+    return bool(lib is not None and lib.ki_has_vnni())
+
+
+def _padded_rows(t: torch.Tensor, fill) -> torch.Tensor:
+    pad = -t.shape[0] % ROWS
+    return t if not pad else torch.cat([t, torch.full((pad, *t.shape[1:]), fill, dtype=t.dtype)])
+
+
+def pack_int8(values: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> the kernels' layout (kernels.c): w + 128 as uint8, K zero-padded to a multiple of 32."""
+    u = (values.to(torch.int16) + 128).to(torch.uint8)
+    u = torch.nn.functional.pad(u, (0, -u.shape[1] % BLOCK), value=128)
+    u = _padded_rows(u, 128)
+    groups, cols = u.shape[0] // ROWS, u.shape[1]
+    return u.view(groups, ROWS, cols // 4, 4).permute(0, 2, 1, 3).contiguous().flatten()
+
+
+def unpack_int8(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """pack_int8's inverse: the int8 [rows, cols] weight (tests, inspection)."""
+    padded = -(-cols // BLOCK) * BLOCK
+    u = packed.view(-1, padded // 4, ROWS, 4).permute(0, 2, 1, 3).reshape(-1, padded)[:rows, :cols]
+    return (u.to(torch.int16) - 128).to(torch.int8)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """int4 values (int8 storage, [-8, 7]) [N, K], K a multiple of 32 -> w + 8, two per byte (kernels.c)."""
+    u = _padded_rows((values.to(torch.int16) + 8).to(torch.uint8), 8)
+    groups, cols = u.shape[0] // ROWS, u.shape[1]
+    halves = u.view(groups, ROWS, cols // 8, 2, 4).permute(0, 2, 3, 1, 4)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).contiguous().flatten()
+
+
+def pack_groups(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, groups] (scales or offsets per output row and weight group) -> [N / 16, groups, 16]."""
+    t = _padded_rows(t.to(dtype), 0)
+    return t.view(t.shape[0] // ROWS, ROWS, t.shape[1]).permute(0, 2, 1).contiguous()
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def w8a8_linear(x: torch.Tensor, scheme: ActivationScheme, packed: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, reduce_range=None) -> torch.Tensor:
+    """activations.int8_linear through the native kernel: x [..., K] quantized per token exactly as there,
+    `packed` from pack_int8, `weight_scale` [N] float32 (contiguous)."""
+    shape = x.shape
+    if shape[-1] > MAX_INPUTS:
+        raise ValueError(f"native W8A8 kernel: {shape[-1]} inputs, at most {MAX_INPUTS} (int32 sums)")
+    rows = x.reshape(-1, shape[-1])
+    if reduce_range is None and rows.dtype == torch.float32:  # the same float32 operations in C (kernels.c)
+        rows = rows.contiguous()
+        q, sx = torch.empty(rows.shape, dtype=torch.int8), torch.empty(rows.shape[0])
+        library().ki_quantize_token_int8(_ptr(rows), rows.shape[0], rows.shape[1], _ptr(q), _ptr(sx))
+    else:
+        scale, _ = dynamic_qparams(rows, scheme, reduce_range)
+        q = quantize(rows, scale, None, scheme, dequantize=False).contiguous()
+        sx = scale.to(torch.float32).reshape(-1).contiguous()
+    out = torch.empty(rows.shape[0], weight_scale.shape[0], dtype=torch.float32)
+    if rows.shape[0]:
+        status = library().ki_w8a8(_ptr(q), _ptr(sx), rows.shape[0], rows.shape[1], _ptr(packed),
+                                   _ptr(weight_scale), weight_scale.shape[0], _ptr(out))
+        if status != 0:
+            raise MemoryError("native W8A8 kernel: out of memory")
+    out = out.to(x.dtype).reshape(*shape[:-1], -1)
+    return out if bias is None else out + bias
+
+
+def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor,
+                group_size: int, out_features: int) -> torch.Tensor:
+    """x [..., K] (K a multiple of 32) times packed int8 / int4 weights in llama.cpp's arithmetic; `scale` and
+    `offset` from pack_groups ([N / 16, groups, 16]); returns float32 [..., N]."""
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"llama.cpp's arithmetic needs inputs in blocks of {BLOCK}; got {x.shape[-1]}")
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    if rows.shape[0]:
+        groups = scale.shape[1]
+        size = rows.shape[1] if groups == 1 else group_size
+        status = library().ki_q8_0_linear(_ptr(rows), rows.shape[0], rows.shape[1], _ptr(packed), bits,
+                                          _ptr(scale), _ptr(offset), groups, size, out_features, _ptr(out))
+        if status != 0:
+            raise MemoryError("native Q8_0 kernel: out of memory")
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (q int8 [M, K], d [M, K / 32] float16-rounded scales, per-block sums of q); tests."""
+    x = x.to(torch.float32).contiguous()
+    m, k = x.shape
+    q, d, s = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // BLOCK), torch.empty(m, k // BLOCK,
+                                                                                          dtype=torch.int32)
+    library().ki_quantize_q8_0(_ptr(x), m, k, _ptr(q), _ptr(d), _ptr(s))
+    return q, d, s

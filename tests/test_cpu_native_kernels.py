@@ -1,0 +1,150 @@
+"""The native CPU kernels (engine/.../quantization/cpu_native): the W8A8 product equals torch._int_mm and
+activations.int8_linear's scaling bit for bit; the llama.cpp arithmetic (Q8_0 activations) equals a reference
+built from the `gguf` package's Q8_0 (llama.cpp's own numpy port: quantize, dequantize, float64 product);
+the portable C build (KUBEINFER_CPU_NATIVE_PORTABLE=1) gives the VNNI build's bits; an engine serving a W8A8
+checkpoint gives the same greedy tokens through either kernel."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kubeinfer.engine.model_executor.layers.quantization import activations
+from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
+from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
+TOKEN = ActivationScheme("int", "token", True)
+SHAPES = [(1, 64, 16), (3, 100, 33), (16, 2048, 80), (33, 96, 70), (1, 7, 5)]  # (M, K, N): K, N not aligned too
+
+
+def int8_case(m: int, k: int, n: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 1, m).unsqueeze(1)
+    x[-1, : k // 2] = 0  # a token with zeros, and a saturating value
+    x[0, 0] = 1e3
+    return x, w, torch.rand(n, generator=g) * 0.01 + 1e-4
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_w8a8_product_equals_int_mm_bit_for_bit(m, k, n):
+    x, w, scale = int8_case(m, k, n)
+    expected = activations.int8_linear(x, TOKEN, w.t().contiguous(), scale)
+    got = ops.w8a8_linear(x, TOKEN, ops.pack_int8(w), scale)
+    assert torch.equal(got, expected)
+    # through the torch quantization (what a tensor-parallel rank's whole-token range takes), too
+    whole = lambda lo, hi: (lo, hi)  # noqa: E731
+    assert torch.equal(ops.w8a8_linear(x, TOKEN, ops.pack_int8(w), scale, reduce_range=whole), expected)
+
+
+def test_w8a8_guard_a_wrong_correction_is_seen():
+    """The comparison catches an off-by-one in the +128 correction (a weight changed by one in one row)."""
+    x, w, scale = int8_case(3, 64, 16)
+    expected = activations.int8_linear(x, TOKEN, w.t().contiguous(), scale)
+    w2 = w.clone()
+    w2[5, 3] = w2[5, 3] + (1 if w2[5, 3] < 127 else -1)
+    assert not torch.equal(ops.w8a8_linear(x, TOKEN, ops.pack_int8(w2), scale), expected)
+    assert torch.equal(ops.unpack_int8(ops.pack_int8(w), *w.shape), w)
+
+
+def test_w8a8_refuses_too_many_inputs():
+    with pytest.raises(ValueError, match="at most 65536"):
+        ops.w8a8_linear(torch.zeros(1, ops.MAX_INPUTS + 32), TOKEN, torch.zeros(0, dtype=torch.uint8),
+                        torch.zeros(1))
+
+
+def gguf_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """llama.cpp's product as gguf's numpy Q8_0 defines its activations: quantized per block of 32, dequantized,
+    then a float64 product with the dequantized weight."""
+    from gguf import GGMLQuantizationType, quants
+
+    blocks = quants.quantize(x.numpy().astype(np.float32), GGMLQuantizationType.Q8_0)
+    x_hat = quants.dequantize(blocks, GGMLQuantizationType.Q8_0).reshape(x.shape).astype(np.float64)
+    return torch.from_numpy(x_hat @ weight.double().numpy().T)
+
+
+def grouped_case(m, k, n, bits, group, asym, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-128, 128) if bits == 8 else (-8, 8)
+    w = torch.randint(lo, hi, (n, k), dtype=torch.int8, generator=g)
+    groups = -(-k // group)
+    scale = torch.rand(n, groups, generator=g) * 0.01 + 1e-3
+    zero = torch.randint(lo // 2, hi // 2, (n, groups), dtype=torch.int8, generator=g) if asym else None
+    expand = lambda t: t.float().repeat_interleave(group, 1)[:, :k]  # noqa: E731
+    dense = (w.float() - (expand(zero) if asym else 0)) * expand(scale)
+    offset = (128 if bits == 8 else 8) + (zero.to(torch.int32) if asym else torch.zeros(n, groups, dtype=torch.int32))
+    packed = ops.pack_int8(w) if bits == 8 else ops.pack_int4(w)
+    args = (packed, bits, ops.pack_groups(scale, torch.float32), ops.pack_groups(offset, torch.int32), group, n)
+    return torch.randn(m, k, generator=g), dense, args
+
+
+CASES = [(1, 64, 16, 8, 64, False), (3, 128, 33, 8, 32, True), (16, 512, 48, 4, 128, False),
+         (33, 256, 70, 4, 32, True), (5, 256, 40, 4, 64, True), (2, 96, 16, 8, 96, False)]
+
+
+@pytest.mark.parametrize("m,k,n,bits,group,asym", CASES)
+def test_llama_cpp_arithmetic_equals_gguf_reference(m, k, n, bits, group, asym):
+    x, dense, args = grouped_case(m, k, n, bits, group, asym)
+    expected = gguf_reference(x, dense)
+    got = ops.q8_0_linear(x, *args).double()
+    # float32 block sums and accumulation against float64: within float rounding of the output's size
+    assert (got - expected).abs().max() <= 2e-6 * expected.abs().max()
+    # the guard: the same weights with float (unquantized) activations are measurably farther
+    unquantized = x.double() @ dense.double().T
+    assert (unquantized - expected).abs().max() > 100 * (got - expected).abs().max()
+
+
+def test_llama_cpp_arithmetic_refuses_partial_blocks():
+    empty = torch.zeros(0)
+    with pytest.raises(ValueError, match="blocks of 32; got 40"):
+        ops.q8_0_linear(torch.zeros(1, 40), empty, 8, empty, empty, 40, 16)
+
+
+def test_q8_0_activations_equal_gguf_bit_for_bit():
+    from gguf import GGMLQuantizationType, quants
+
+    x = torch.randn(7, 256) * torch.logspace(-4, 2, 7).unsqueeze(1)
+    x[2, :32] = 0
+    x[3, 5] = 127 * 0.5 / 127  # a value whose x / d lands near a half
+    q, d, sums = ops.quantize_q8_0(x)
+    blocks = quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(7, 8, 34)
+    assert np.array_equal(q.numpy(), blocks[:, :, 2:].copy().view(np.int8).reshape(7, 256))
+    assert np.array_equal(d.numpy(), blocks[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(7, 8))
+    assert torch.equal(sums, q.view(7, 8, 32).sum(-1, dtype=torch.int32))
+
+
+def test_portable_build_equals_the_vnni_build(monkeypatch):
+    """KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the plain C twins; they give the same bits."""
+    native = {"w8a8": [], "q8": []}
+    for portable in ("0", "1"):
+        monkeypatch.setenv("KUBEINFER_CPU_NATIVE_PORTABLE", portable)
+        ops._state.clear()  # the next call loads the library this env asks for
+        assert ops.has_vnni() == (portable == "0")
+        for m, k, n in SHAPES[:4]:
+            x, w, scale = int8_case(m, k, n)
+            native["w8a8"].append(ops.w8a8_linear(x, TOKEN, ops.pack_int8(w), scale))
+        for case in CASES:
+            x, _, args = grouped_case(*case)
+            native["q8"].append(ops.q8_0_linear(x, *args))
+    ops._state.clear()
+    for outs in native.values():
+        half = len(outs) // 2
+        assert all(torch.equal(a, b) for a, b in zip(outs[:half], outs[half:]))
+
+
+def test_w8a8_engine_tokens_equal_int_mm(tmp_path, monkeypatch):
+    """A compressed-tensors W8A8 checkpoint (int8 weights per channel, int8 dynamic activations per token):
+    the same greedy tokens through the native kernel as through torch._int_mm (the same bits, so no ties)."""
+    from quant_checkpoints import SHAPE, engine_greedy
+    from test_quantized_w8a8 import w8a8_checkpoint
+
+    from kubeinfer.testing.random_model import build_random_model
+
+    float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=3, **SHAPE)
+    model_dir = w8a8_checkpoint(float_dir, "int8_dynamic")
+    tokens = {}
+    for kernel in ("int8_vnni", "int_mm"):
+        monkeypatch.setenv("KUBEINFER_W8A8_KERNEL", kernel)
+        tokens[kernel] = engine_greedy(model_dir)
+    assert tokens["int8_vnni"] == tokens["int_mm"]
