@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import two_cores
+
 # Per thread, as torch's thread count is (OpenMP keeps it per thread): engines stepping on two threads
 # of one process do not change each other's.
 _step = threading.local()  # .active: this thread is in a small step
@@ -71,8 +73,10 @@ def small_step(enabled: bool):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     _step.active = True
+    two_cores.sharing(threads > 1)  # kept-int products: halves on both cores, without a second OpenMP pool
     try:
         yield
     finally:
         _step.active = False
+        two_cores.sharing(False)
         torch.set_num_threads(threads)

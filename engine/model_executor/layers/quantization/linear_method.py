@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import two_cores
+
 KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "dequantized")
 # torch's CPU weight-only products with the activations rounded to bf16 (the format's "A16") in a float32 model
 BF16_ACTIVATIONS = {"cpu_int4_bf16": "cpu_int4", "cpu_int8_bf16": "cpu_int8"}
@@ -157,6 +159,7 @@ class WeightOnlyIntMethod:
             kernel, dtype = BF16_ACTIVATIONS[kernel], torch.bfloat16
         self.kernel, self.group_size, self.bits, self.act_dtype = kernel, weight.group_size, weight.bits, dtype
         self.fp8 = weight.fp8
+        self.halves: dict = {}  # two_cores' cut of the kept tensors
         device = layer.weight.device
         keep = {}
         if kernel == "cpu_int4":
@@ -189,11 +192,13 @@ class WeightOnlyIntMethod:
         bias = layer.bias if bias else None
         if self.kernel in ("cpu_int4", "cpu_int8"):
             rows = x.reshape(-1, x.shape[-1]).to(self.act_dtype)  # no copy when the dtypes agree
+            # In a small step the large products run in two halves on both cores (layers/two_cores.py).
             if self.kernel == "cpu_int4":
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.qweight, self.group_size,
-                                                                 layer.scales_and_zeros)
+                out = two_cores.product(lambda w, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    rows, w, self.group_size, sz), (layer.qweight, layer.scales_and_zeros), self.halves)
             else:
-                out = torch.ops.aten._weight_int8pack_mm(rows, layer.qweight, layer.weight_scale)
+                out = two_cores.product(lambda w, s: torch.ops.aten._weight_int8pack_mm(rows, w, s),
+                                        (layer.qweight, layer.weight_scale), self.halves)
             out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
         else:
             from .triton_int_matmul import int_matmul
