@@ -40,8 +40,8 @@ def test_halves_give_the_bits_of_the_whole_product(split_everything, tokens, out
         whole = kernel(*parts)
         with cpu_blas.small_step(True):
             assert two_cores.cut(*parts[0].shape) is not None
-            halves = two_cores.product(kernel, parts, {})
-        assert torch.equal(halves, whole)
+            halves = two_cores.product(kernel, tokens, parts, {}, torch.float32)
+        assert halves.dtype == torch.float32 and torch.equal(halves, whole.float())
 
 
 def test_only_small_steps_cut_and_a_failing_half_raises_in_the_caller(split_everything):
@@ -57,8 +57,8 @@ def test_only_small_steps_cut_and_a_failing_half_raises_in_the_caller(split_ever
         weight = torch.cat([torch.ones(64, 8), torch.full((64, 8), 2.0)])
         for _ in range(20):
             with pytest.raises(ValueError, match="a half that fails"):
-                two_cores.product(kernel, (weight,), {})
-        assert torch.equal(two_cores.product(kernel, (torch.ones(128, 8),), {}), torch.full((1, 128), 8.0))
+                two_cores.product(kernel, 1, (weight,), {}, torch.float32)
+        assert torch.equal(two_cores.product(kernel, 1, (torch.ones(128, 8),), {}, torch.float32), torch.full((1, 128), 8.0))
     assert two_cores.cut(1024, 1024) is None
 
 

@@ -32,10 +32,11 @@ _local = threading.local()  # .sharing: this thread is in a small step that shar
 
 
 class _Half:
-    __slots__ = ("run", "taken", "result", "error", "done")
+    __slots__ = ("run", "taken", "result", "error", "done", "inference")
 
     def __init__(self, run: Callable[[], torch.Tensor]) -> None:
         self.run, self.taken, self.result, self.error = run, False, None, None
+        self.inference = torch.is_inference_mode_enabled()  # the helper runs it in the caller's mode
         self.done = threading.Event()
 
 
@@ -58,7 +59,7 @@ class _Helper:
                     continue
                 half.taken = True
             try:
-                with torch.no_grad():
+                with torch.inference_mode() if half.inference else torch.no_grad():
                     half.result = half.run()
             except BaseException as error:  # handed to the caller, which raises it
                 half.error = error
@@ -98,22 +99,25 @@ def cut(rows: int, cols: int) -> int | None:
     return at if at and (rows - at) % BLOCK == 0 else None
 
 
-def product(kernel: Callable[..., torch.Tensor], parts: tuple, cache: dict) -> torch.Tensor:
-    """kernel(*parts), or its two halves on both cores when the calling thread shares (see `sharing`). `parts`:
-    tensors cut along the output rows (dim 0; an int4 packing's scales_and_zeros [groups, rows, 2] along
-    dim 1); `cache` keeps their cut halves (the method's own dict: one copy of each small scale tensor)."""
+def product(kernel: Callable[..., torch.Tensor], tokens: int, parts: tuple, cache: dict,
+            dtype: torch.dtype) -> torch.Tensor:
+    """kernel(*parts) [tokens, rows] in `dtype`, or its two halves on both cores when the calling thread shares
+    (see `sharing`), each written into its columns of one output (no concatenation after). `parts`: tensors
+    cut along the output rows (dim 0; an int4 packing's scales_and_zeros [groups, rows, 2] along dim 1);
+    `cache` keeps their cut halves (the method's own dict: one copy of each small scale tensor)."""
     rows, cols = parts[0].shape[0], parts[0].shape[1]
     at = cut(rows, cols)
     if at is None:
-        return kernel(*parts)
+        return kernel(*parts).to(dtype)
     key = (at, *(t.data_ptr() for t in parts))
     if cache.get("key") != key:  # the loader or a .to() may have replaced the tensors
         cache["key"], cache["halves"] = key, _halves(parts, at)
     first, second = cache["halves"]
     if not hasattr(_local, "pair"):
         _local.pair = _Helper()
-    a, b = _local.pair.both(lambda: kernel(*first), lambda: kernel(*second))
-    return torch.cat((a, b), dim=-1)
+    out = torch.empty((tokens, rows), dtype=dtype, device=parts[0].device)
+    _local.pair.both(lambda: out[:, :at].copy_(kernel(*first)), lambda: out[:, at:].copy_(kernel(*second)))
+    return out
 
 
 def _halves(parts: tuple, at: int) -> tuple[tuple, tuple]:

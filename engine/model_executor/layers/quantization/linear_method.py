@@ -195,11 +195,12 @@ class WeightOnlyIntMethod:
             # In a small step the large products run in two halves on both cores (layers/two_cores.py).
             if self.kernel == "cpu_int4":
                 out = two_cores.product(lambda w, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                    rows, w, self.group_size, sz), (layer.qweight, layer.scales_and_zeros), self.halves)
+                    rows, w, self.group_size, sz), len(rows), (layer.qweight, layer.scales_and_zeros),
+                    self.halves, x.dtype)
             else:
-                out = two_cores.product(lambda w, s: torch.ops.aten._weight_int8pack_mm(rows, w, s),
-                                        (layer.qweight, layer.weight_scale), self.halves)
-            out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
+                out = two_cores.product(lambda w, s: torch.ops.aten._weight_int8pack_mm(rows, w, s), len(rows),
+                                        (layer.qweight, layer.weight_scale), self.halves, x.dtype)
+            out = out.reshape(*x.shape[:-1], -1)
         else:
             from .triton_int_matmul import int_matmul
 
