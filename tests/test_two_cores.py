@@ -1,12 +1,14 @@
 """Kept-int products of small steps in two halves on both cores (engine/model_executor/layers/two_cores.py): the
 halves give the bits of the whole product (torch's int8 and int4 weight-only kernels), only inside a small step,
-a failing half raises in the caller, and a kept-quantized engine's greedy tokens and log-probabilities are the
-same with the cut as without it."""
+a failing half raises in the caller; decode attention in two halves of the sequences gives the bits of the whole;
+and an engine's greedy tokens and log-probabilities (float32, kept int8 and int4) are the same with the halves as
+without them."""
 from __future__ import annotations
 
 import pytest
 import torch
 from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, write_checkpoint
+from test_triton_kernels import NUM_DECODES, SEQUENCES, SHAPES, make_batch, new_token_slots
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.model_executor.layers import cpu_blas, two_cores
@@ -62,29 +64,69 @@ def test_only_small_steps_cut_and_a_failing_half_raises_in_the_caller(split_ever
     assert two_cores.cut(1024, 1024) is None
 
 
-@pytest.mark.parametrize("scheme", [("pack-quantized", 8, "int", "channel", True, None),
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_decode_attention_in_halves_gives_the_bits_of_the_whole(shape, dtype, monkeypatch):
+    """Ragged and equal lengths (masked and unmasked SDPA), GQA groups, a window; bf16 takes _grouped_decode. Both
+    on one torch thread, as in a small step (with more, torch's CPU SDPA splits the keys by batch and thread count)."""
+    from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata
+    from kubeinfer.engine.model_executor.layers.attention_selector import get_attention_backend
+
+    calls = []
+    real_both = two_cores.both
+    monkeypatch.setattr(two_cores, "both", lambda a, b: calls.append(1) or real_both(a, b))
+    heads, kv_heads, head_dim, block_size, window = shape
+    b = make_batch(shape, dtype, "cpu", seed=5)
+    decodes = [ctx for ctx, _ in SEQUENCES[:NUM_DECODES]]
+    for lengths in (decodes, [max(decodes)] * NUM_DECODES):
+        slots = new_token_slots(b["tables"], block_size)[:NUM_DECODES]
+        k = torch.randn(NUM_DECODES, kv_heads, head_dim).to(dtype)
+        v = torch.randn(NUM_DECODES, kv_heads, head_dim).to(dtype)
+        outs = []
+        for on in (False, True):
+            meta = AttentionMetadata.build(slots, list(range(NUM_DECODES + 1)), lengths, b["tables"][:NUM_DECODES],
+                                           NUM_DECODES, window, torch.device("cpu"))
+            monkeypatch.setattr(two_cores, "ENABLED", on)
+            with cpu_blas.small_step(True):  # torch on one thread, as in the engine's small steps
+                outs.append(get_attention_backend("torch").forward(b["q"][:NUM_DECODES], k, v, b["k_cache"],
+                                                                   b["v_cache"], meta, head_dim ** -0.5))
+        assert torch.equal(outs[0], outs[1])
+    assert len(calls) == (2 if torch.get_num_threads() > 1 else 0)  # one split per sharing call
+
+
+@pytest.mark.parametrize("scheme", [None, ("pack-quantized", 8, "int", "channel", True, None),
                                     ("pack-quantized", 4, "int", "group", True, 32)])
 def test_engine_outputs_are_the_same_with_and_without_the_cut(tmp_path, monkeypatch, scheme):
+    """float32 (attention in halves) and kept int8 / int4 (products and attention in halves)."""
     from kubeinfer.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=3, **SHAPE)
-    config = ct_scheme(*scheme)
-    model_dir = write_checkpoint(float_dir, tmp_path / "q", ct_compress(float_weights(float_dir), config), config)
+    model_dir = float_dir
+    if scheme is not None:
+        config = ct_scheme(*scheme)
+        model_dir = write_checkpoint(float_dir, tmp_path / "q", ct_compress(float_weights(float_dir), config), config)
     monkeypatch.setattr(two_cores, "MIN_SPLIT_WEIGHTS", 0)
     cuts = []
     real_cut = two_cores.cut
     monkeypatch.setattr(two_cores, "cut", lambda rows, cols: cuts.append(real_cut(rows, cols)) or cuts[-1])
-    prompts = [{"prompt_token_ids": list(range(10 + i, 30 + 3 * i))} for i in range(3)]
+    halves = []
+    real_both = two_cores.both
+    monkeypatch.setattr(two_cores, "both", lambda a, b: halves.append(1) or real_both(a, b))
+    prompts = [{"prompt_token_ids": list(range(10 + i, 30 + 3 * i))} for i in range(5)]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=2)
     outputs = {}
     for on in (False, True):
         monkeypatch.setattr(two_cores, "ENABLED", on)
         cuts.clear()
         llm = LLM(model_dir, max_model_len=64, num_kv_blocks=32)
-        assert set(llm.engine.runner.model.quant_kernels.values()) <= {"cpu_int8_bf16", "cpu_int4_bf16"}
+        kernels = set(getattr(llm.engine.runner.model, "quant_kernels", {}).values())
+        assert kernels <= {"cpu_int8_bf16", "cpu_int4_bf16"} and bool(kernels) == (scheme is not None)
         result = llm.generate(prompts, params)
         llm.shutdown()
-        assert any(c is not None for c in cuts) == (on and torch.get_num_threads() > 1)
+        shared = on and torch.get_num_threads() > 1
+        assert any(c is not None for c in cuts) == (shared and scheme is not None)
+        assert bool(halves) == shared
+        halves.clear()
         outputs[on] = [(c.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
                        for r in result for c in r.outputs]
     assert outputs[True] == outputs[False]

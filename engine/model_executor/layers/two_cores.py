@@ -91,9 +91,24 @@ def sharing(on: bool) -> None:
     _local.sharing = on and ENABLED
 
 
+def active() -> bool:
+    """Whether the calling thread is in a small step that shares its work between the cores."""
+    return getattr(_local, "sharing", False)
+
+
+def both(first: Callable[[], object], second: Callable[[], object]) -> tuple:
+    """(first(), second()): first here, second on the helper unless this thread gets to it first. Outside a
+    sharing step, both here."""
+    if not active():
+        return first(), second()
+    if not hasattr(_local, "pair"):
+        _local.pair = _Helper()
+    return _local.pair.both(first, second)
+
+
 def cut(rows: int, cols: int) -> int | None:
     """Where to cut a [rows, cols] weight: a multiple of BLOCK near the middle; None when it is not cut."""
-    if not getattr(_local, "sharing", False) or rows * cols < MIN_SPLIT_WEIGHTS:
+    if not active() or rows * cols < MIN_SPLIT_WEIGHTS:
         return None
     at = rows // 2 // BLOCK * BLOCK
     return at if at and (rows - at) % BLOCK == 0 else None
@@ -113,10 +128,8 @@ def product(kernel: Callable[..., torch.Tensor], tokens: int, parts: tuple, cach
     if cache.get("key") != key:  # the loader or a .to() may have replaced the tensors
         cache["key"], cache["halves"] = key, _halves(parts, at)
     first, second = cache["halves"]
-    if not hasattr(_local, "pair"):
-        _local.pair = _Helper()
     out = torch.empty((tokens, rows), dtype=dtype, device=parts[0].device)
-    _local.pair.both(lambda: out[:, :at].copy_(kernel(*first)), lambda: out[:, at:].copy_(kernel(*second)))
+    both(lambda: out[:, :at].copy_(kernel(*first)), lambda: out[:, at:].copy_(kernel(*second)))
     return out
 
 
