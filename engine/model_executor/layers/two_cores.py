@@ -7,14 +7,15 @@ at a barrier for a descheduled worker: steps ran 30x slower under load 4 on 2 co
 
 Why not torch's threads: a small step runs torch on one thread so that OpenBLAS takes the float32
 projections (lm_head here) on every core (cpu_blas.py); torch's OpenMP workers spin after each parallel
-region and OpenBLAS's after each call, and the two pools on two cores ran 1.5x slower than one thread.
-The helper sleeps on a condition between products, so nothing spins against OpenBLAS.
+region and OpenBLAS's after each call, and the two pools on two cores ran 1.35-1.55x slower than one thread
+(cpu_blas.py says what else was measured). The helper sleeps on a condition between products, so nothing
+spins against OpenBLAS.
 
 The halves give the same bits as the whole: torch's int8 and int4 weight-only kernels compute each output
 column from its own row of the weight (tests/test_two_cores.py checks it), so a cut at a multiple of
 64 rows (the int4 packing's block) changes nothing. Only products of at least MIN_SPLIT_WEIGHTS weights are
 cut: below, the hand-off (~20-40 us) costs more than half the product saves.
-`KUBEINFER_CPU_SPLIT_PRODUCTS=0` turns it off.
+`KUBEINFER_CPU_SHARE_CORES=0` turns it off.
 """
 from __future__ import annotations
 
@@ -24,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-MIN_SPLIT_WEIGHTS = int(os.environ.get("KUBEINFER_CPU_SPLIT_MIN_WEIGHTS", str(1 << 21)))
+MIN_SPLIT_WEIGHTS = 1 << 21
 BLOCK = 64  # rows: the int4 CPU packing's block along the output
-ENABLED = os.environ.get("KUBEINFER_CPU_SPLIT_PRODUCTS", "1") != "0"
+ENABLED = os.environ.get("KUBEINFER_CPU_SHARE_CORES", "1") != "0"
 
 _local = threading.local()  # .sharing: this thread is in a small step that shares products; .pair: its helper
 
