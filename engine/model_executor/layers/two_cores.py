@@ -38,25 +38,27 @@ class _Half:
     def __init__(self, run: Callable[[], torch.Tensor]) -> None:
         self.run, self.taken, self.result, self.error = run, False, None, None
         self.inference = torch.is_inference_mode_enabled()  # the helper runs it in the caller's mode
-        self.done = threading.Event()
+        self.done = threading.Lock()  # held until the helper has finished it (bare locks: the cheapest hand-off)
+        self.done.acquire()
 
 
 class _Helper:
     """One thread that computes the second half of a product when it gets to it before the caller does."""
 
     def __init__(self) -> None:
-        self._ready = threading.Condition()
+        self._mutex = threading.Lock()  # guards _half and each half's `taken`
+        self._wake = threading.Lock()  # released to wake the helper (a spare wake finds nothing to do)
+        self._wake.acquire()
         self._half: _Half | None = None
         threading.Thread(target=self._serve, name="kubeinfer-two-cores", daemon=True).start()
 
     def _serve(self) -> None:
         torch.set_num_threads(1)  # its own OpenMP setting: one thread, no pool of its own
         while True:
-            with self._ready:
-                while self._half is None:
-                    self._ready.wait()
+            self._wake.acquire()
+            with self._mutex:
                 half, self._half = self._half, None
-                if half.taken:
+                if half is None or half.taken:
                     continue
                 half.taken = True
             try:
@@ -64,24 +66,25 @@ class _Helper:
                     half.result = half.run()
             except BaseException as error:  # handed to the caller, which raises it
                 half.error = error
-            half.done.set()
+            half.done.release()
 
     def both(self, first: Callable[[], torch.Tensor], second: Callable[[], torch.Tensor]):
         half = _Half(second)
-        with self._ready:
+        with self._mutex:
             self._half = half
-            self._ready.notify()
+            if self._wake.locked():
+                self._wake.release()
         try:
             a = first()
         finally:  # the second half is withdrawn unless the helper has started it
-            with self._ready:
+            with self._mutex:
                 mine = not half.taken
                 half.taken = True
                 if self._half is half:
                     self._half = None
         if mine:
             return a, second()
-        half.done.wait()
+        half.done.acquire()
         if half.error is not None:
             raise half.error
         return a, half.result
