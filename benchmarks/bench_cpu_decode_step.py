@@ -4,7 +4,8 @@ one process, interleaved: the same engines run each round once with `two_cores.E
 was: torch on one thread, OpenBLAS on every core for float32 projections) and once on. bench_quantized_decode's
 models (`large` by default) and engines (max_num_seqs 16); optionally llama.cpp's Q8_0 / Q4_0 in the same rounds.
 
-    python benchmarks/bench_cpu_decode_step.py [--model large] [--tokens 32] [--repeats 5] [--peer llama.cpp]
+    [OPENBLAS_THREAD_TIMEOUT=4] python benchmarks/bench_cpu_decode_step.py [--model large] [--tokens 32]
+        [--repeats 5] [--peer llama.cpp]
 """
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def main() -> None:
         f"Command: `python benchmarks/bench_cpu_decode_step.py --model {args.model} --tokens {args.tokens} "
         f"--repeats {args.repeats}" + (f" --peer {args.peer}" if args.peer else "") + "`. "
         f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs, load average "
-        f"{min(loads):.1f}-{max(loads):.1f} while measured; torch {torch.__version__}. {PROMPT_LEN}-token prompts, "
+        f"{min(loads):.1f}-{max(loads):.1f} while measured; torch {torch.__version__}; OPENBLAS_THREAD_TIMEOUT="
+        f"{os.environ.get('OPENBLAS_THREAD_TIMEOUT', 'unset')} (before and after alike). {PROMPT_LEN}-token prompts, "
         f"{args.tokens} tokens greedy, aggregate decode tokens/s; {args.repeats} rounds, before and after "
         "interleaved in each round on the same engines; best and median round.", "", *lines])
     print(body)

@@ -131,3 +131,19 @@ def test_engine_outputs_are_the_same_with_and_without_the_cut(tmp_path, monkeypa
         outputs[on] = [(c.token_ids, [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
                        for r in result for c in r.outputs]
     assert outputs[True] == outputs[False]
+
+
+def test_the_switch_reads_auto_0_and_1_and_refuses_others(monkeypatch):
+    monkeypatch.delenv("KUBEINFER_CPU_SHARE_CORES", raising=False)
+    for timeout, on in ((None, False), ("28", False), ("4", True), ("10", True)):
+        if timeout is None:
+            monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT", raising=False)
+        else:
+            monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", timeout)
+        assert two_cores._enabled() is on
+    for forced, on in (("1", True), ("0", False)):
+        monkeypatch.setenv("KUBEINFER_CPU_SHARE_CORES", forced)
+        assert two_cores._enabled() is on
+    monkeypatch.setenv("KUBEINFER_CPU_SHARE_CORES", "yes")
+    with pytest.raises(ValueError, match="auto, 0 or 1"):
+        two_cores._enabled()

@@ -14,15 +14,15 @@ carry: larger steps, and steps over more than MAX_CONTEXT_TOKENS tokens of conte
 torch's threads and its own matmuls (48 sequences at ~200 tokens ran 15% slower through OpenBLAS; at
 ~60 tokens, 17% faster). Only float32 (numpy has no bfloat16).
 
-What torch still does in a small step uses the second core without a second pool (two_cores.py): kept-int
-products (a quantized model's projections) in two halves of their output rows, and the decode attention of
-4+ sequences in two halves of the batch, the second half on a helper thread that sleeps between them, so
-nothing spins against OpenBLAS. Torch's two threads for a W8A16 model's whole step instead (lm_head through
-torch, KUBEINFER_CPU_OPENBLAS=0) were 1.25x (batch 1) and 1.5x (16) faster than one thread at load ~1, but 20-30x
-slower in rounds where other jobs held a core (a barrier waits for a descheduled worker); with OpenBLAS on
-both cores for lm_head as well (two pools), 1.35-1.55x slower than one thread.
+Torch's part of a small step may use the second core without a second pool (two_cores.py: int products
+and the decode attention of 4+ sequences in two halves, the second on a helper thread that sleeps between
+them); it is on by default only where OpenBLAS's idle workers stop spinning promptly (OPENBLAS_THREAD_TIMEOUT,
+two_cores.py says what was measured). Torch's two threads for a W8A16 model's whole step instead (lm_head
+through torch, KUBEINFER_CPU_OPENBLAS=0) were 1.25x (batch 1) and 1.5x (16) faster than one thread at load ~1,
+but 20-30x slower in rounds where other jobs held a core (a barrier waits for a descheduled worker); with
+OpenBLAS on both cores for lm_head as well (two pools), 1.35-1.55x slower than one thread.
 `KUBEINFER_CPU_OPENBLAS=0` turns the OpenBLAS path off; `KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT` moves the bound;
-`KUBEINFER_CPU_SHARE_CORES=0` keeps torch's part of a small step on one core.
+`KUBEINFER_CPU_SHARE_CORES` (auto, 1, 0): two_cores.py.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def small_step(enabled: bool):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     _step.active = True
-    two_cores.sharing(threads > 1)  # kept-int products: halves on both cores, without a second OpenMP pool
+    two_cores.sharing(threads > 1)  # int products and attention in halves on both cores, where enabled
     try:
         yield
     finally:

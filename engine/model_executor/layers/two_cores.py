@@ -1,21 +1,23 @@
-"""Kept-int products of small steps on both cores, without a second OpenMP pool: each large product is cut
-in two halves of its output rows; the stepping thread computes the first half while a helper thread (one
-per stepping thread, torch on one thread in it) computes the second. Whoever is free first takes a half
-nobody started, so on a loaded machine, where the helper may not be scheduled, the stepping thread does
-both and the step is no slower than on one thread (torch's own two threads, KUBEINFER_CPU_OPENBLAS=0, wait
-at a barrier for a descheduled worker: steps ran 30x slower under load 4 on 2 cores).
+"""A small step's torch work on both cores without a second OpenMP pool: kept-int products (2M+ weights) in
+two halves of their output rows, and the decode attention of 4+ sequences in two halves of the batch. The
+stepping thread computes the first half while a helper thread (one per stepping thread, torch on one thread
+in it, asleep on a lock between halves) computes the second; whoever is free first takes a half nobody
+started, so where the helper is not scheduled (a loaded machine) the stepping thread does both and the step
+is no slower than on one thread. Torch's own two threads (KUBEINFER_CPU_OPENBLAS=0) wait at a barrier for a
+descheduled worker: steps ran 20-30x slower in rounds where other jobs held a core (cpu_blas.py).
 
-Why not torch's threads: a small step runs torch on one thread so that OpenBLAS takes the float32
-projections (lm_head here) on every core (cpu_blas.py); torch's OpenMP workers spin after each parallel
-region and OpenBLAS's after each call, and the two pools on two cores ran 1.35-1.55x slower than one thread
-(cpu_blas.py says what else was measured). The helper sleeps on a condition between products, so nothing
-spins against OpenBLAS.
+The halves give the same bits as the whole (tests/test_two_cores.py): torch's int8 and int4 weight-only
+kernels compute each output column from its own weight row (cut at a multiple of 64 rows, the int4 packing's
+block), and the CPU SDPA computes each (sequence, head) alone over the same keys on one thread.
 
-The halves give the same bits as the whole: torch's int8 and int4 weight-only kernels compute each output
-column from its own row of the weight (tests/test_two_cores.py checks it), so a cut at a multiple of
-64 rows (the int4 packing's block) changes nothing. Only products of at least MIN_SPLIT_WEIGHTS weights are
-cut: below, the hand-off (~20-40 us) costs more than half the product saves.
-`KUBEINFER_CPU_SHARE_CORES=0` turns it off.
+Measured (2-core VM, W8A16 222M Llama of bench_quantized_decode, same process, interleaved): the products
+alone 1.29x (batch 1) and 1.63x (16) faster than one thread at load ~2 (W4A16 1.10x, 1.47x). The whole engine
+gained nothing (0.91-1.02x, quiet machine, benchmarks/RESULTS.md cpu-decode-step) while OpenBLAS's worker,
+woken by lm_head, spins for its default 2**28 cycles (~0.1 s: the whole next step) on the core the helper
+needs; with OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS reads it at load) W8A16 steps were 1.05-1.16x faster at batch
+1 and 1.38x at 16 (load ~1.7). Hence `KUBEINFER_CPU_SHARE_CORES` auto (default): on where that timeout is at
+most 10, else off; 1 or 0 forces it. What the short timeout costs float32 models (their every projection
+wakes OpenBLAS's worker) is not measured yet, so the engine does not set it.
 """
 from __future__ import annotations
 
@@ -27,7 +29,22 @@ import torch
 
 MIN_SPLIT_WEIGHTS = 1 << 21
 BLOCK = 64  # rows: the int4 CPU packing's block along the output
-ENABLED = os.environ.get("KUBEINFER_CPU_SHARE_CORES", "1") != "0"
+
+
+def _enabled() -> bool:
+    """KUBEINFER_CPU_SHARE_CORES: 1 on, 0 off, auto (default) on where OpenBLAS's idle workers sleep within
+    2**10 cycles (OPENBLAS_THREAD_TIMEOUT <= 10, read by OpenBLAS at load): with its default (2**28 cycles, ~0.1 s)
+    the worker lm_head woke spins on the core the helper needs, through the whole next step."""
+    setting = os.environ.get("KUBEINFER_CPU_SHARE_CORES", "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"KUBEINFER_CPU_SHARE_CORES must be auto, 0 or 1; got {setting!r}")
+    if setting != "auto":
+        return setting == "1"
+    timeout = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")
+    return timeout.isdigit() and int(timeout) <= 10
+
+
+ENABLED = _enabled()
 
 _local = threading.local()  # .sharing: this thread is in a small step that shares products; .pair: its helper
 

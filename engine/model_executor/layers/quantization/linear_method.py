@@ -26,8 +26,8 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   int layouts (asymmetric or grouped int8), and the weights of checkpoints that quantize activations (W8A8:
   w8a8.py quantizes them exactly, which a bf16 rounding would undo), are dequantized to float32. Decode steps keep torch on one thread
   (with two, KUBEINFER_CPU_OPENBLAS=0, the engine ran 1.25-1.5x faster at load ~1 but 3-30x slower under load 4-6)
-  and run products of 2M+ weights in two halves of their output rows on both cores (layers/two_cores.py: the same
-  bits; the figures are in benchmarks/RESULTS.md "cpu-decode-step").
+  and, with KUBEINFER_CPU_SHARE_CORES, run products of 2M+ weights in two halves of their output rows on both
+  cores (layers/two_cores.py: the same bits, and when it pays; benchmarks/RESULTS.md "cpu-decode-step").
   `torch._int_mm` with int8 activations per token (llama.cpp's Q8_0 arithmetic) was the fastest at 16 tokens
   (2.85 ms) but slower at one (2.1 ms), and changes a weight-only checkpoint's numerics: not used.
 - CPU, bf16/fp16 model: int4 through `_weight_int4pack_mm_for_cpu` (0.76x-1.44x bf16 F.linear's time at one
