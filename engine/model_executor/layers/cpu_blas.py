@@ -16,11 +16,13 @@ torch's threads and its own matmuls (48 sequences at ~200 tokens ran 15% slower 
 
 Torch's part of a small step may use the second core without a second pool (two_cores.py: int products
 and the decode attention of 4+ sequences in two halves, the second on a helper thread that sleeps between
-them); it is on by default only where OpenBLAS's idle workers stop spinning promptly (OPENBLAS_THREAD_TIMEOUT,
-two_cores.py says what was measured). Torch's two threads for a W8A16 model's whole step instead (lm_head
-through torch, KUBEINFER_CPU_OPENBLAS=0) were 1.25x (batch 1) and 1.5x (16) faster than one thread at load ~1,
-but 20-30x slower in rounds where other jobs held a core (a barrier waits for a descheduled worker); with
-OpenBLAS on both cores for lm_head as well (two pools), 1.35-1.55x slower than one thread.
+them), in models with kept-int projections; it is on by default only where OpenBLAS's idle workers stop
+spinning promptly (OPENBLAS_THREAD_TIMEOUT; two_cores.py says what was measured). A float32 model's
+projections all wake OpenBLAS's worker, and sharing its attention was 0.93-0.97x: not shared. Torch's two
+threads for a W8A16 model's whole step instead (lm_head through torch, KUBEINFER_CPU_OPENBLAS=0) were 1.25x
+(batch 1) and 1.5x (16) faster than one thread at load ~1, but 20-30x slower in rounds where other jobs held
+a core (a barrier waits for a descheduled worker); with OpenBLAS on both cores for lm_head as well (two
+pools), 1.35-1.55x slower than one thread.
 `KUBEINFER_CPU_OPENBLAS=0` turns the OpenBLAS path off; `KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT` moves the bound;
 `KUBEINFER_CPU_SHARE_CORES` (auto, 1, 0): two_cores.py.
 """
@@ -74,15 +76,16 @@ def _openblas_forward(layer: nn.Linear, torch_forward):
 
 
 @contextmanager
-def small_step(enabled: bool):
-    """Within: projections go to OpenBLAS and torch runs on one thread (see the module docstring)."""
+def small_step(enabled: bool, share_cores: bool = False):
+    """Within: projections go to OpenBLAS and torch runs on one thread (see the module docstring); `share_cores`:
+    a model with kept-int projections, whose torch work may take the second core (two_cores.py)."""
     if not enabled:
         yield
         return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     _step.active = True
-    two_cores.sharing(threads > 1)  # int products and attention in halves on both cores, where enabled
+    two_cores.sharing(share_cores and threads > 1)  # int products and attention in halves, where enabled
     try:
         yield
     finally:
