@@ -16,8 +16,10 @@ gained nothing (0.91-1.02x, quiet machine, benchmarks/RESULTS.md cpu-decode-step
 woken by lm_head, spins for its default 2**28 cycles (~0.1 s: the whole next step) on the core the helper
 needs; with OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS reads it at load) W8A16 steps were 1.05-1.16x faster at batch
 1 and 1.38x at 16 (load ~1.7). Hence `KUBEINFER_CPU_SHARE_CORES` auto (default): on where that timeout is at
-most 10, else off; 1 or 0 forces it. What the short timeout costs float32 models (their every projection
-wakes OpenBLAS's worker) is not measured yet, so the engine does not set it.
+most 10, else off; 1 or 0 forces it. The short timeout did not slow float32 decode (every projection wakes
+OpenBLAS's worker; 3 pairs of processes alternated, load ~1.7: 18.6-23.5 against 21.0-22.2 ms a step at batch 1,
+70.2-78.5 against 76.4-78.3 at 16), but OpenBLAS reads it when numpy loads, before the engine could set it:
+the CPU image sets it (docker/engine-cpu.Dockerfile).
 """
 from __future__ import annotations
 
