@@ -100,7 +100,8 @@ class EngineSystem:
         layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
         inputs = [torch.rand(batch, m.in_features) for m in layers]
         times = []
-        with torch.inference_mode(), cpu_blas.small_step(getattr(model, "openblas_small_steps", False)):
+        share = any(k.startswith("cpu_int") for k in getattr(model, "quant_kernels", {}).values())  # as model_runner
+        with torch.inference_mode(), cpu_blas.small_step(getattr(model, "openblas_small_steps", False), share):
             for _ in range(calls + 1):
                 start = time.perf_counter()
                 for layer, x in zip(layers, inputs):

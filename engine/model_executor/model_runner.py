@@ -180,7 +180,8 @@ class ModelRunner:
             raise RuntimeError("a scheduled token is pending but no previous step's ids were given")
         timer = self.timer
         timer.num_seqs, timer.all_decode = len(batch.entries), inputs.num_decodes == len(batch.entries)
-        with cpu_blas.small_step(self._openblas_step(inputs)):  # forward and sampling alike
+        kernels = getattr(self.model, "quant_kernels", {}).values()  # kept-int models share the cores (two_cores.py)
+        with cpu_blas.small_step(self._openblas_step(inputs), any(k.startswith("cpu_int") for k in kernels)):
             return self._forward_and_sample(batch, inputs, sampling_seqs)
 
     def _openblas_step(self, inputs: StepInputs) -> bool:

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from ...device_copy import on_device, to_device
+from . import two_cores
+
+MIN_SHARED_DECODES = 4  # decodes in a CPU small step from which attention runs half on each core (two_cores.py)
 
 
 @dataclass
@@ -186,25 +189,28 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale):
         nd = q.shape[0]
-        lengths = meta.context_lens[:nd]
-        max_len = max(lengths)
-        if nd == 1:
-            keys, values = sequence_context(k_cache, meta, 0, max_len), sequence_context(v_cache, meta, 0, max_len)
-        else:
-            keys = gather_context(k_cache, meta.block_tables[:nd], max_len)
-            values = gather_context(v_cache, meta.block_tables[:nd], max_len)
+        lengths, max_len = meta.context_lens[:nd], max(meta.context_lens[:nd])
         # Every position attended (one sequence, or all as long, inside any window): no mask, a faster kernel.
         attends_all = min(lengths) == max_len and not (meta.sliding_window and max_len > meta.sliding_window)
         grouped = _slow_masked_sdpa(q)
         if meta.decode_mask is None and (grouped or not attends_all):
             meta.decode_mask = _decode_mask(meta.context_lens_tensor[:nd], max_len, meta.sliding_window)
-        if keys.dtype != q.dtype:  # an fp8 cache (or a cache kept in another type) widens to the queries'
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-        if grouped:
-            return _grouped_decode(q, keys, values, meta.decode_mask, scale)
-        mask = None if attends_all else meta.decode_mask[:, None, None, :]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.squeeze(2)
+        mask = None if attends_all and not grouped else meta.decode_mask
+        if nd == 1:
+            return _attend_decodes(q, sequence_context(k_cache, meta, 0, max_len),
+                                   sequence_context(v_cache, meta, 0, max_len), mask, scale, grouped)
+
+        def rows(lo: int, hi: int) -> torch.Tensor:
+            keys = gather_context(k_cache, meta.block_tables[lo:hi], max_len)
+            values = gather_context(v_cache, meta.block_tables[lo:hi], max_len)
+            return _attend_decodes(q[lo:hi], keys, values, None if mask is None else mask[lo:hi], scale, grouped)
+        if nd < MIN_SHARED_DECODES or not two_cores.active():
+            return rows(0, nd)
+        # A small step on the CPU: half the sequences on each core (each (sequence, head) is computed alone, over
+        # the same max_len keys, so the halves give the bits of the whole).
+        out, half = torch.empty_like(q), nd // 2
+        two_cores.both(lambda: out[:half].copy_(rows(0, half)), lambda: out[half:].copy_(rows(half, nd)))
+        return out
 
     @staticmethod
     def _prefill(q, k_cache, v_cache, meta, seq, scale):
@@ -228,7 +234,6 @@ class TorchAttentionBackend(AttentionBackend):
             if out.dtype != dtype:
                 out = out.to(dtype)
         return out.squeeze(0).transpose(0, 1)
-
 
     @staticmethod
     def _eager(q, k_cache, v_cache, meta, scale, softcap, sinks):
@@ -263,6 +268,17 @@ def _decode_mask(lens: torch.Tensor, max_len: int, sliding_window: int | None) -
     if sliding_window:
         mask &= positions[None, :] >= (lens[:, None] - sliding_window)
     return mask
+
+
+def _attend_decodes(q, keys, values, mask, scale: float, grouped: bool) -> torch.Tensor:
+    """[B, H, D] one query per sequence over its [B, Hkv, L, D] keys and values; mask [B, L] or None (all)."""
+    if keys.dtype != q.dtype:  # an fp8 cache (or a cache kept in another type) widens to the queries'
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    if grouped:
+        return _grouped_decode(q, keys, values, mask, scale)
+    mask = None if mask is None else mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
 
 
 def _grouped_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,

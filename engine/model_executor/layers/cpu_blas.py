@@ -13,7 +13,18 @@ hands each projection to OpenBLAS, which uses every core. Attention is what one 
 carry: larger steps, and steps over more than MAX_CONTEXT_TOKENS tokens of context in all, keep
 torch's threads and its own matmuls (48 sequences at ~200 tokens ran 15% slower through OpenBLAS; at
 ~60 tokens, 17% faster). Only float32 (numpy has no bfloat16).
-`KUBEINFER_CPU_OPENBLAS=0` turns it off; `KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT` moves the bound.
+
+Torch's part of a small step may use the second core without a second pool (two_cores.py: int products
+and the decode attention of 4+ sequences in two halves, the second on a helper thread that sleeps between
+them), in models with kept-int projections; it is on by default only where OpenBLAS's idle workers stop
+spinning promptly (OPENBLAS_THREAD_TIMEOUT; two_cores.py says what was measured). A float32 model's
+projections all wake OpenBLAS's worker, and sharing its attention was 0.93-0.97x: not shared. Torch's two
+threads for a W8A16 model's whole step instead (lm_head through torch, KUBEINFER_CPU_OPENBLAS=0) were 1.25x
+(batch 1) and 1.5x (16) faster than one thread at load ~1, but 20-30x slower in rounds where other jobs held
+a core (a barrier waits for a descheduled worker); with OpenBLAS on both cores for lm_head as well (two
+pools), 1.35-1.55x slower than one thread.
+`KUBEINFER_CPU_OPENBLAS=0` turns the OpenBLAS path off; `KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT` moves the bound;
+`KUBEINFER_CPU_SHARE_CORES` (auto, 1, 0): two_cores.py.
 """
 from __future__ import annotations
 
@@ -24,6 +35,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 from torch import nn
+
+from . import two_cores
 
 # Per thread, as torch's thread count is (OpenMP keeps it per thread): engines stepping on two threads
 # of one process do not change each other's.
@@ -63,16 +76,19 @@ def _openblas_forward(layer: nn.Linear, torch_forward):
 
 
 @contextmanager
-def small_step(enabled: bool):
-    """Within: projections go to OpenBLAS and torch runs on one thread (see the module docstring)."""
+def small_step(enabled: bool, share_cores: bool = False):
+    """Within: projections go to OpenBLAS and torch runs on one thread (see the module docstring); `share_cores`:
+    a model with kept-int projections, whose torch work may take the second core (two_cores.py)."""
     if not enabled:
         yield
         return
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     _step.active = True
+    two_cores.sharing(share_cores and threads > 1)  # int products and attention in halves, where enabled
     try:
         yield
     finally:
         _step.active = False
+        two_cores.sharing(False)
         torch.set_num_threads(threads)

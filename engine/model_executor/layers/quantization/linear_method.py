@@ -24,8 +24,10 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   W8A16 17.6 / 87, W4A16 27.6 / 115. Numerics: log-probabilities within 0.25 of transformers' float32 on the
   decompressed checkpoint (tests/test_quantized_kept.py; measured 0.07-0.13 on a tiny random model). Other
   int layouts (asymmetric or grouped int8), and the weights of checkpoints that quantize activations (W8A8:
-  w8a8.py quantizes them exactly, which a bf16 rounding would undo), are dequantized to float32. Decode steps keep torch on one thread:
-  with two (KUBEINFER_CPU_OPENBLAS=0) the same engine ran 3x slower at batch 1 and 1.4-2.5x at 16 under this load.
+  w8a8.py quantizes them exactly, which a bf16 rounding would undo), are dequantized to float32. Decode steps keep torch on one thread
+  (with two, KUBEINFER_CPU_OPENBLAS=0, the engine ran 1.25-1.5x faster at load ~1 but 3-30x slower under load 4-6)
+  and, with KUBEINFER_CPU_SHARE_CORES, run products of 2M+ weights in two halves of their output rows on both
+  cores (layers/two_cores.py: the same bits, and when it pays; benchmarks/RESULTS.md "cpu-decode-step").
   `torch._int_mm` with int8 activations per token (llama.cpp's Q8_0 arithmetic) was the fastest at 16 tokens
   (2.85 ms) but slower at one (2.1 ms), and changes a weight-only checkpoint's numerics: not used.
 - CPU, bf16/fp16 model: int4 through `_weight_int4pack_mm_for_cpu` (0.76x-1.44x bf16 F.linear's time at one
@@ -51,6 +53,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import two_cores
 
 KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "cpu_int8_vnni", "cpu_int4_vnni",
            "dequantized")
@@ -180,6 +184,7 @@ class WeightOnlyIntMethod:
             kernel, dtype = BF16_ACTIVATIONS[kernel], torch.bfloat16
         self.kernel, self.group_size, self.bits, self.act_dtype = kernel, weight.group_size, weight.bits, dtype
         self.fp8 = weight.fp8
+        self.halves: dict = {}  # two_cores' cut of the kept tensors
         device = layer.weight.device
         keep = {}
         if kernel == "cpu_int4":
@@ -212,12 +217,15 @@ class WeightOnlyIntMethod:
         bias = layer.bias if bias else None
         if self.kernel in ("cpu_int4", "cpu_int8"):
             rows = x.reshape(-1, x.shape[-1]).to(self.act_dtype)  # no copy when the dtypes agree
+            # In a small step the large products run in two halves on both cores (layers/two_cores.py).
             if self.kernel == "cpu_int4":
-                out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, layer.qweight, self.group_size,
-                                                                 layer.scales_and_zeros)
+                out = two_cores.product(lambda w, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                    rows, w, self.group_size, sz), len(rows), (layer.qweight, layer.scales_and_zeros),
+                    self.halves, x.dtype)
             else:
-                out = torch.ops.aten._weight_int8pack_mm(rows, layer.qweight, layer.weight_scale)
-            out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
+                out = two_cores.product(lambda w, s: torch.ops.aten._weight_int8pack_mm(rows, w, s), len(rows),
+                                        (layer.qweight, layer.weight_scale), self.halves, x.dtype)
+            out = out.reshape(*x.shape[:-1], -1)
         else:
             from .triton_int_matmul import int_matmul
 
