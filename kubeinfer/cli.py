@@ -4,8 +4,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Callable
+
+# OpenBLAS reads this once, when numpy loads it (every subcommand imports numpy later, lazily): its idle worker
+# then sleeps after ~2**4 cycles instead of spinning ~0.1 s on the core a CPU engine's small steps share
+# (layers/two_cores.py; float32 decode measured no slower). A value the user set is kept.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 
 def _generate(args: argparse.Namespace) -> int:

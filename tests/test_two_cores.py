@@ -5,6 +5,10 @@ and an engine's greedy tokens and log-probabilities (float32, kept int8 and int4
 without them."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, write_checkpoint
@@ -148,3 +152,16 @@ def test_the_switch_reads_auto_0_and_1_and_refuses_others(monkeypatch):
     monkeypatch.setenv("KUBEINFER_CPU_SHARE_CORES", "yes")
     with pytest.raises(ValueError, match="auto, 0 or 1"):
         two_cores._enabled()
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "4"), ("7", "7")])
+def test_the_kubeinfer_command_sets_openblas_thread_timeout_before_numpy_loads(preset, expected):
+    """OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when numpy loads it: the command sets it first (auto sharing needs
+    it <= 10), and keeps a value the user set."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if preset is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = preset
+    probe = ("import sys, os, kubeinfer.cli; assert 'numpy' not in sys.modules; "
+             "print(os.environ['OPENBLAS_THREAD_TIMEOUT'])")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected

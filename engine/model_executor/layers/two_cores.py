@@ -19,7 +19,8 @@ needs; with OPENBLAS_THREAD_TIMEOUT=4 (OpenBLAS reads it at load) W8A16 steps we
 most 10, else off; 1 or 0 forces it. The short timeout did not slow float32 decode (every projection wakes
 OpenBLAS's worker; 3 pairs of processes alternated, load ~1.7: 18.6-23.5 against 21.0-22.2 ms a step at batch 1,
 70.2-78.5 against 76.4-78.3 at 16), but OpenBLAS reads it when numpy loads, before the engine could set it:
-the CPU image sets it (docker/engine-cpu.Dockerfile).
+the `kubeinfer` command sets it before importing numpy (kubeinfer/cli.py), as does the CPU image
+(docker/engine-cpu.Dockerfile); a program that imports the engine itself sets it before numpy.
 """
 from __future__ import annotations
 
