@@ -26,7 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+# as the `kubeinfer` command does (kubeinfer/cli.py), before numpy loads OpenBLAS: small steps share the cores
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).parent))
