@@ -1,7 +1,8 @@
 """Compiles kernels.c (with kernels_q8_0.c) into a shared library with the system C compiler, once per source,
-compiler and flags: the library is cached under $KUBEINFER_CACHE_DIR or ~/.cache/kubeinfer/cpu_native/<key>/,
-the key a hash of the three. `-O3 -march=native`: AVX-512 VNNI intrinsics where the CPU has them, the
-portable C twins elsewhere; KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the portable C on any CPU (for tests).
+compiler, flags and CPU: the library is cached under $KUBEINFER_CACHE_DIR or ~/.cache/kubeinfer/cpu_native/<key>/,
+the key a hash of those (the CPU's feature flags: -march=native code never runs on another CPU). `-O3
+-march=native`: AVX-512 VNNI intrinsics where the CPU has them, the portable C twins elsewhere;
+KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the portable C on any CPU (for tests).
 No compiler, or a failed build: `load()` returns None with the reason (ops.py warns once and the torch
 kernels run)."""
 from __future__ import annotations
@@ -38,6 +39,15 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
+def _cpu_features() -> str:
+    """The CPU's feature flags: -march=native code must not be reused on another CPU (a home shared by nodes)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
 def build(portable: bool | None = None) -> Path:
     """The compiled library's path, compiling it when the cache has none. Raises RuntimeError on failure."""
     portable = portable_requested() if portable is None else portable
@@ -53,7 +63,7 @@ def build(portable: bool | None = None) -> Path:
     for part in [*(HERE / s for s in SOURCES)]:
         digest.update(part.read_bytes())
     digest.update(version.encode())
-    digest.update(" ".join([cc, *args, platform.machine()]).encode())
+    digest.update(" ".join([cc, *args, platform.machine(), _cpu_features()]).encode())
     target = cache_root() / digest.hexdigest()[:20] / "libkubeinfer_cpu.so"
     if target.exists():
         return target
