@@ -20,9 +20,9 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   `bench_quantized_kernels.py`), ms at 1 / 16 tokens: int4 bf16 0.58 / 3.4, int8 bf16 1.07 / 4.5,
   float32 through OpenBLAS 4.7 / 59 and `F.linear` 3.0 / 34, dequantized bf16 `F.linear` 2.2 / 3.0; with float32
   activations torch's int8 and int4 products take 34 / 333 and 53 / 645 (not vectorized). Whole engine, 222M
-  Llama (`bench_quantized_decode.py --model large`), tok/s at batch 1 / 16, best of 3 rounds: float32 5.0 / 16,
-  W8A16 17.6 / 87, W4A16 27.6 / 115. Numerics: log-probabilities within 0.25 of transformers' float32 on the
-  decompressed checkpoint (tests/test_quantized_kept.py; measured 0.07-0.13 on a tiny random model). Other
+  Llama (`bench_quantized_decode.py --model large`, 2026-11-27, quiet machine, load 1.1-1.5, cores shared as
+  below), tok/s at batch 1 / 16, best of 3 rounds: float32 55.9 / 198, W8A16 68.2 / 344, W4A16 92.5 / 375.
+  Numerics: log-probabilities within 0.25 of transformers' float32 on the decompressed checkpoint (tests/test_quantized_kept.py; measured 0.07-0.13 on a tiny random model). Other
   int layouts (asymmetric or grouped int8), and the weights of checkpoints that quantize activations (W8A8:
   w8a8.py quantizes them exactly, which a bf16 rounding would undo), are dequantized to float32. Decode steps keep torch on one thread
   (with two, KUBEINFER_CPU_OPENBLAS=0, the engine ran 1.25-1.5x faster at load ~1 but 3-30x slower under load 4-6)
@@ -38,8 +38,8 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   int8 or int4 weights by channel or groups of a multiple of 32, symmetric or not. One [tokens, 2048] x
   [8192, 2048] product on one thread, ms at 1 / 16 tokens, same run (load 5.5, benchmarks/RESULTS.md
   "cpu-native-vnni"): int8 0.50 / 1.86, int4 0.36 / 1.63 against cpu_int8_bf16 1.08 / 4.06 and cpu_int4_bf16
-  0.56 / 3.33; whole engine (`bench_quantized_decode.py --model large`, load 3.2-4.0), tok/s at batch 1 / 16:
-  W8A16 98 / 463 against cpu_int8_bf16's 67 / 285, W4A16 132 / 494 against cpu_int4_bf16's 101 / 312. It
+  0.56 / 3.33; whole engine (`bench_quantized_decode.py --model large`, same quiet run as above), tok/s
+  at batch 1 / 16: W8A16 116 / 466, W4A16 134 / 470 (llama.cpp Q8_0 141 / 410, Q4_0 222 / 883). It
   changes a weight-only checkpoint's numerics (its activations are 16-bit), so it is never the default.
 KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, cpu_int8_vnni, cpu_int4_vnni,
 dequantized) overrides the choice where the kernel applies; cpu_int4/cpu_int8 take the activations in the model
