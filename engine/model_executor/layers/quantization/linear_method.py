@@ -22,9 +22,10 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   activations torch's int8 and int4 products take 34 / 333 and 53 / 645 (not vectorized). Whole engine, 222M
   Llama (`bench_quantized_decode.py --model large`, 2026-11-27, quiet machine, load 1.1-1.5, cores shared as
   below), tok/s at batch 1 / 16, best of 3 rounds: float32 55.9 / 198, W8A16 68.2 / 344, W4A16 92.5 / 375.
-  Numerics: log-probabilities within 0.25 of transformers' float32 on the decompressed checkpoint (tests/test_quantized_kept.py; measured 0.07-0.13 on a tiny random model). Other
-  int layouts (asymmetric or grouped int8), and the weights of checkpoints that quantize activations (W8A8:
-  w8a8.py quantizes them exactly, which a bf16 rounding would undo), are dequantized to float32. Decode steps keep torch on one thread
+  Numerics: log-probabilities within 0.25 of transformers' float32 on the decompressed checkpoint
+  (tests/test_quantized_kept.py; measured 0.07-0.13 on a tiny random model). Other int layouts (asymmetric or
+  grouped int8), and the weights of checkpoints that quantize activations (W8A8: w8a8.py quantizes them exactly,
+  which a bf16 rounding would undo), are dequantized to float32. Decode steps keep torch on one thread
   (with two, KUBEINFER_CPU_OPENBLAS=0, the engine ran 1.25-1.5x faster at load ~1 but 3-30x slower under load 4-6)
   and, with KUBEINFER_CPU_SHARE_CORES, run products of 2M+ weights in two halves of their output rows on both
   cores (layers/two_cores.py: the same bits, and when it pays; benchmarks/RESULTS.md "cpu-decode-step").
