@@ -13,6 +13,7 @@ from safetensors import safe_open
 from ..config import FUSED_WEIGHTS, ModelSpec
 from .expert_int_weights import ExpertIntegers
 from .int_weights import rank_int_weight
+from .layers import deferred_weight
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
 from .layers.quantization import QuantizationError, fp8, linear_method, w8a8
@@ -33,17 +34,23 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     with torch.device("meta"):
         model = model_class(files.architecture)(spec, backend, max_positions)
     # experts that will be kept quantized never allocate their float stacks (allocated if a layer falls back)
+    keeps = _keeps(files.quantization, device)
     deferred = {m: m.defer_stacks() for m in getattr(model, "experts_modules", dict)().values()} \
-        if _keeps(files.quantization, device) and not getattr(files.quantization, "at_load", False) else {}
+        if keeps and not getattr(files.quantization, "at_load", False) else {}
+    # so do the dense projections' float weights (allocated when written in float: layers/deferred_weight.py)
+    linears = deferred_weight.defer(model) if keeps else []
     model = model.to_empty(device=device).to(dtype)
     for moe, stacks in deferred.items():
         moe.restore_deferred(stacks, device, dtype)
+    deferred_weight.restore(linears, device, dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build(device)
     _load_weights(model, files.weight_files, files.quantization)
+    if unwritten := deferred_weight.unwritten(linears):
+        raise ModelLoadError(f"{len(unwritten)} linear weights were neither kept quantized nor loaded")
     dequantized = [n for n, k in getattr(model, "expert_kernels", {}).items() if k == "dequantized"]
     if files.quantization is not None and hasattr(model, "experts_modules") and (
             dequantized or not getattr(model, "expert_kernels", None)):  # else: kept (layers/fused_moe/int_experts.py)
@@ -76,6 +83,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
     split = getattr(model.spec, "tp_size", 1) > 1
     keep = _keeps(quantization, weight.device)
     integers: dict[str, dict] = {}
+    kernels: dict[str, str] = {}  # {layer: kernel} of the kept-quantized layers, installed as each completes
     # --quantization fp8 on a float checkpoint: the decoder's projections and experts (not embeddings, lm_head,
     # norms or routers)
     at_load = fp8.prepare_at_load(model, quantization) if getattr(quantization, "at_load", False) else set()
@@ -116,7 +124,10 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             if parts is not None:
                 integers.setdefault(name, {})[shard] = parts
                 loaded[name] = loaded.get(name, 0) + 1
+                if len(integers[name]) == expected[name]:  # installed at once: one layer's integers in transit
+                    kernels.update(_install_integers(model, params, {name: integers.pop(name)}, expected, w8a8_checkpoint))
                 continue
+            params[name] = deferred_weight.allocated(module, params[name])  # a deferred weight written in float
             if hasattr(module, "weight_pieces") and quantization is None and not _stored_as_fp8(f, key):
                 tensor = LazySlice(f, key)  # a split layer reads only its rank's slice
             else:  # other quantized weights are dequantized whole (their scales cover the tensor), then cut
@@ -129,7 +140,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             else:
                 _copy_into(params[name], tensor, shard, model, name)
             loaded[name] = loaded.get(name, 0) + 1
-        _install_integers(model, params, integers, expected, w8a8_checkpoint)
+        model.quant_kernels = kernels | _install_integers(model, params, integers, expected, w8a8_checkpoint)
         try:  # W8A8: the quantized layers' inputs quantized as the checkpoint says (static scales read here)
             model.activation_schemes = w8a8.install(model, quantization, handles, _tensor_getter(handles),
                                                     (lambda k: (k, None)) if model.checkpoint_fused else _target)
@@ -185,21 +196,23 @@ def _int_weight(key: str, f, handles: dict, quantization, module, param, shard, 
 
 
 def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], expected: dict[str, int],
-                      w8a8: bool) -> None:
+                      w8a8: bool) -> dict[str, str]:
     """Kept-quantized weights onto their layers; a fused weight with a slice that had to be dequantized is
-    dequantized whole."""
+    dequantized whole. Returns {layer: kernel} (linear_method.install)."""
     whole = {}
     for name, slices in integers.items():
         if len(slices) == expected[name]:
-            weight = linear_method.IntWeight.cat([slices[k] for k in sorted(slices, key=lambda s: s or 0)])
+            parts = [slices[k] for k in sorted(slices, key=lambda s: s or 0)]
+            weight = parts[0] if len(parts) == 1 else linear_method.IntWeight.cat(parts)
             if tuple(weight.values.shape) != tuple(params[name].shape):
                 raise ModelLoadError(f"weight {name} has shape {tuple(weight.values.shape)}, the config implies "
                                      f"{tuple(params[name].shape)}")
             whole[name] = weight
         else:
+            params[name] = deferred_weight.allocated(model.get_submodule(name.removesuffix(".weight")))
             for shard, part in slices.items():
                 _copy_into(params[name], part.dequantize(), shard, model, name)
-    model.quant_kernels = linear_method.install(model, whole, next(iter(params.values())).dtype, w8a8)
+    return linear_method.install(model, whole, next(iter(params.values())).dtype, w8a8)
 
 
 def _target(key: str) -> tuple[str, int | None]:

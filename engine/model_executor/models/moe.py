@@ -18,6 +18,7 @@ from torch import nn
 
 from ...config import ModelSpec, Part
 from ...distributed.parallel_state import all_reduce
+from ..layers import deferred_weight
 from ..layers.fused_moe.layer import FusedMoE
 from ..layers.fused_moe.router import softmax_topk, topk_softmax
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -174,6 +175,7 @@ class MoECausalLM(CausalLM):
             return self.load_stacked(match.group(1), match.group(2), bool(match.group(3)), read(key))
         if match := _SHARED.fullmatch(name):  # the shared expert's own intermediate size, not the config's
             linear = self.get_submodule(match.group(1)).gate_up_proj
+            deferred_weight.allocated(linear)  # written in float here (a deferred float weight allocated)
             tensor, part = read(key), linear.parts[0]
             if tuple(tensor.shape) != (part.total, linear.in_features):
                 raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies "

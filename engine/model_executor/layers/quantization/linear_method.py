@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import two_cores
+from ..deferred_weight import allocated, device_of, stand_in
 
 KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "cpu_int8_vnni", "cpu_int4_vnni",
            "dequantized")
@@ -189,7 +190,7 @@ class WeightOnlyIntMethod:
         device = layer.weight.device
         keep = {}
         if kernel == "cpu_int4":
-            unsigned = (weight.values.to(torch.int32) + 8).to(device)
+            unsigned = weight.values.to(torch.int32).add_(8).to(device)  # one int32 copy of one layer at a time
             scale = weight.scale.t().to(torch.float32)  # [groups, out]
             zero = -(weight.zero.t().to(torch.float32) * scale) if weight.zero is not None else torch.zeros_like(scale)
             keep["qweight"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
@@ -260,15 +261,17 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
     chosen = {}
     for name, weight in weights.items():
         layer = model.get_submodule(name.removesuffix(".weight"))
-        kernel = choose_kernel(weight, layer.weight.device, dtype, w8a8)
+        kernel = choose_kernel(weight, device_of(layer), dtype, w8a8)
         if kernel == "dequantized":
             with torch.no_grad():
-                layer.weight.copy_(weight.dequantize())
+                allocated(layer).copy_(weight.dequantize())
         elif kernel in NATIVE:
             from .cpu_native.method import NativeIntMethod
 
+            stand_in(layer)  # a deferred float weight: its device and shape, no memory (deferred_weight.py)
             attach(layer, NativeIntMethod(layer, weight, kernel, dtype))
         else:
+            stand_in(layer)
             attach(layer, WeightOnlyIntMethod(layer, weight, kernel, dtype))
         # the start-up log names fp8 layers apart: "triton_fp8"
         chosen[name.removesuffix(".weight")] = f"{kernel}_fp8" if weight.fp8 and kernel != "dequantized" else kernel
