@@ -4,8 +4,8 @@ dispatch mode that counts every storage torch's operators create until it is fre
 loaded model holds, not the float weights' bytes. Before, `to_empty` allocated every projection in the model
 dtype first: the peak over the held bytes was all the float projection weights and more (measured on the
 commit before: 1.27-1.77x the float projections' bytes; every case below fails), so a 70B fp8 checkpoint could
-not load on one 80 GB GPU. Now it is one layer's integers in transit (measured 0.07-0.22x; bound 0.4). A layer the kernel choice does
-not keep gets its float weight on its first float write, and holds it."""
+not load on one 80 GB GPU. Now it is one layer's integers in transit (measured 0.07-0.22x; bound 0.4). A layer
+the kernel choice does not keep gets its float weight on its first float write, and holds it."""
 import pytest
 import torch
 from load_peak import LiveBytes, held_bytes

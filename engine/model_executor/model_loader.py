@@ -125,7 +125,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                 integers.setdefault(name, {})[shard] = parts
                 loaded[name] = loaded.get(name, 0) + 1
                 if len(integers[name]) == expected[name]:  # installed at once: one layer's integers in transit
-                    kernels.update(_install_integers(model, params, {name: integers.pop(name)}, expected, w8a8_checkpoint))
+                    complete = {name: integers.pop(name)}
+                    kernels.update(_install_integers(model, params, complete, expected, w8a8_checkpoint))
                 continue
             params[name] = deferred_weight.allocated(module, params[name])  # a deferred weight written in float
             if hasattr(module, "weight_pieces") and quantization is None and not _stored_as_fp8(f, key):
