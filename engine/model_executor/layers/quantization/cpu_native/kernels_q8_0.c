@@ -20,11 +20,33 @@ static inline float roundf_away(float v) { /* gguf's np_roundf, exactly */
     return v < 0 ? -b : (v > 0 ? b : 0.0f);
 }
 
-/* x [M, K] float32, K a multiple of 32 -> q [M, K] int8, d [M, K / 32] float, s [M, K / 32] int32 sums of q. */
+#if KI_VNNI
+/* roundf_away on 16 lanes: t = trunc(|v|), plus one where |v| - t (exact) >= 0.5, the sign put back. */
+static inline __m512 round_away16(__m512 v) {
+    __m512 a = _mm512_abs_ps(v), t = _mm512_roundscale_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    t = _mm512_mask_add_ps(t, up, t, _mm512_set1_ps(1.0f));
+    return _mm512_or_ps(t, _mm512_and_ps(v, _mm512_set1_ps(-0.0f)));
+}
+#endif
+
+/* x [M, K] float32, K a multiple of 32 -> q [M, K] int8, d [M, K / 32] float, s [M, K / 32] int32 sums of q.
+ * The vector path does the scalar one's float operations (each exactly rounded), so the same bits. */
 void ki_quantize_q8_0(const float *x, int M, int K, int8_t *q, float *d, int32_t *s) {
     int blocks = K / BLOCK;
     for (long b = 0; b < (long)M * blocks; b++) {
         const float *xb = x + b * BLOCK;
+#if KI_VNNI
+        __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        float db = amax / 127.0f, id = db == 0.0f ? 0.0f : 1.0f / db;
+        __m512 vid = _mm512_set1_ps(id);
+        __m512i v0 = _mm512_cvttps_epi32(round_away16(_mm512_mul_ps(x0, vid)));
+        __m512i v1 = _mm512_cvttps_epi32(round_away16(_mm512_mul_ps(x1, vid)));
+        _mm_storeu_si128((__m128i *)(q + b * BLOCK), _mm512_cvtepi32_epi8(v0));
+        _mm_storeu_si128((__m128i *)(q + b * BLOCK + 16), _mm512_cvtepi32_epi8(v1));
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+#else
         float amax = 0.0f;
         for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
         float db = amax / 127.0f, id = db == 0.0f ? 0.0f : 1.0f / db;
@@ -34,6 +56,7 @@ void ki_quantize_q8_0(const float *x, int M, int K, int8_t *q, float *d, int32_t
             q[b * BLOCK + i] = (int8_t)v;
             sum += v;
         }
+#endif
         d[b] = half_round(db);
         s[b] = sum;
     }
