@@ -65,7 +65,7 @@ void ki_quantize_q8_0(const float *x, int M, int K, int8_t *q, float *d, int32_t
 typedef struct {
     const int8_t *q;
     const float *d;
-    const int32_t *s;
+    const int32_t *s;       /* [M, K / 32]: (uint16)(-sum of the block's q), vpdpwssd's operand */
     const uint8_t *w;       /* packed, bits 8 or 4 */
     const float *scale;     /* [groups of rows][weight groups][16] */
     const int32_t *offset;  /* the same shape: the storage offset (128 or 8) plus the zero point */
@@ -85,7 +85,7 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
     __m512 acc[2][TILE];
     for (int i = 0; i < 2; i++)
         for (int t = 0; t < TILE; t++) acc[i][t] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     for (int b = 0; b < blocks; b++) {
         int gi = b / c->blocks_per_group;
         __m512i isum[2][TILE];
@@ -97,6 +97,9 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
                 const uint8_t *wb = wg + i * stride + b * block_bytes;
                 if (c->bits == 8) {
                     w0[i] = _mm512_loadu_si512(wb + 128 * j), w1[i] = _mm512_loadu_si512(wb + 128 * j + 64);
+                } else if (ng == 1) { /* high nibbles as 16 * nibble (no shift): its own chain, shifted after */
+                    __m512i v = _mm512_loadu_si512(wb + 64 * j);
+                    w0[i] = _mm512_and_si512(v, low), w1[i] = _mm512_and_si512(v, high);
                 } else {
                     __m512i v = _mm512_loadu_si512(wb + 64 * j);
                     w0[i] = _mm512_and_si512(v, low), w1[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -115,13 +118,14 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
             }
         }
         if (ng == 1)
-            for (int t = 0; t < mt; t++) isum[0][t] = _mm512_add_epi32(isum[0][t], isum[1][t]);
+            for (int t = 0; t < mt; t++)
+                isum[0][t] = _mm512_add_epi32(isum[0][t], c->bits == 8 ? isum[1][t] : _mm512_srai_epi32(isum[1][t], 4));
         for (int i = 0; i < ng; i++) {
             __m512 sw = _mm512_loadu_ps(scales + i * pstride + gi * ROWS);
             __m512i off = _mm512_loadu_si512(offsets + i * pstride + gi * ROWS);
             for (int t = 0; t < mt; t++) {
                 long idx = (long)(m0 + t) * blocks + b;
-                __m512i sum = _mm512_sub_epi32(isum[i][t], _mm512_mullo_epi32(off, _mm512_set1_epi32(c->s[idx])));
+                __m512i sum = _mm512_dpwssd_epi32(isum[i][t], off, _mm512_set1_epi32(c->s[idx])); /* -off * sum(q) */
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(c->d[idx]), sw),
                                             acc[i][t]);
             }
@@ -152,7 +156,7 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
                         sum += u * c->q[(size_t)m * c->K + b * BLOCK + k];
                     }
                     long idx = (long)m * blocks + b;
-                    sum -= offsets[gi * ROWS + r] * c->s[idx];
+                    sum += offsets[gi * ROWS + r] * (int16_t)c->s[idx]; /* s: -sum(q) in 16 bits */
                     acc = fmaf((float)sum, c->d[idx] * scales[gi * ROWS + r], acc);
                 }
                 c->out[(size_t)m * c->N + n0 + r] = acc;
@@ -180,6 +184,7 @@ int ki_q8_0_linear(const float *x, int M, int K, const uint8_t *w, int bits, con
         return -1;
     }
     ki_quantize_q8_0(x, M, K, q, d, s);
+    for (size_t b = 0; b < blocks; b++) s[b] = (uint16_t)(-s[b]); /* |sum| <= 4096: int16, high half zero */
     q8_ctx c = {q, d, s, w, scale, offset, out, M, N, K, bits, groups, group_size / BLOCK};
     pthread_mutex_lock(&call_mu);
     parallel(q8_task, &c, ((N + ROWS - 1) / ROWS + 1) / 2);
