@@ -3,7 +3,13 @@
  * Activations are quantized per block of 32 inputs as llama.cpp's Q8_0 (ggml's quantize_row_q8_0, the gguf
  * package's Q8_0.quantize_blocks): d = amax / 127, q = roundf(x / d) computed as x * (1 / d) rounded half away
  * from zero, d kept as float16. Each block's int32 sum with the weights becomes float and is accumulated as
- * sum += isum * (d * weight scale), the weight's zero point z subtracted as z * sum(q) of the block. */
+ * sum += isum * (d * weight scale), the weight's zero point z subtracted as z * sum(q) of the block.
+ *
+ * Speed (benchmarks/RESULTS.md "cpu-native-vnni"): at 16 tokens a tile runs at vpdpbusd's throughput (about
+ * 2 ns per 16 rows x 32 inputs x token on one core, weights in cache: eight vpdpbusd, one a cycle), so the
+ * per-block scaling (one vpdpwssd, a convert, a multiply, an FMA) rides along; at one token a product is bound
+ * by reading the weights. Tried, and not faster here: all of a tile's tokens on weights held in registers (each
+ * token's chain in turn: 0.6-0.9x), two row groups a tile at one token, two blocks interleaved, prefetching. */
 
 /* float -> float16 -> float, round to nearest even (numpy's astype(np.float16), F16C's vcvtps2ph). */
 static float half_round(float f) {
