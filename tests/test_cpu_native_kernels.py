@@ -114,6 +114,25 @@ def test_q8_0_activations_equal_gguf_bit_for_bit():
     assert torch.equal(sums, q.view(7, 8, 32).sum(-1, dtype=torch.int32))
 
 
+def test_activation_rounding_of_exact_halves():
+    """Values that land exactly on k + 0.5 (the vectorized quantizations' rounding): Q8_0 rounds half away from
+    zero (gguf), the W8A8 per-token int8 half to even (torch)."""
+    from gguf import GGMLQuantizationType, quants
+
+    halves = torch.arange(-127, 127, dtype=torch.float32) + 0.5  # 254 values in [-126.5, 126.5]
+    x = torch.cat([halves, torch.tensor([127.0, -127.0])]).view(8, 32)  # amax 127 per block: d = 1, x * id = x
+    x[:, 0] = torch.where(x[:, 0].abs() == 127, x[:, 0], torch.tensor(127.0))
+    q, _, _ = ops.quantize_q8_0(x)
+    blocks = quants.quantize(x.numpy(), GGMLQuantizationType.Q8_0).reshape(8, 34)
+    assert np.array_equal(q.numpy(), blocks[:, 2:].copy().view(np.int8))
+    assert q[0, 1] == -126 and q[0, 2] == -125  # -125.5 -> -126, -124.5 -> -125: away from zero
+    w = torch.eye(48, 100, dtype=torch.int8)  # the product picks single activations out
+    row = torch.cat([torch.tensor([127.5]), torch.arange(-49, 50, dtype=torch.float32) + 0.5])  # scale 1: halves
+    got = ops.w8a8_linear(row[None], TOKEN, ops.pack_int8(w), torch.ones(48))
+    assert torch.equal(got, activations.int8_linear(row[None], TOKEN, w.t().contiguous(), torch.ones(48)))
+    assert got[0, 1] == -48 and got[0, 2] == -48  # -48.5 -> -48, -47.5 -> -48: to even
+
+
 def test_portable_build_equals_the_vnni_build(monkeypatch):
     """KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the plain C twins; they give the same bits."""
     native = {"w8a8": [], "q8": []}

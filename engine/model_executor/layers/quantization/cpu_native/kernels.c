@@ -279,11 +279,30 @@ int ki_w8a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, co
 void ki_quantize_token_int8(const float *x, int M, int K, int8_t *q, float *scale) {
     for (int m = 0; m < M; m++) {
         const float *xm = x + (size_t)m * K;
+#if KI_VNNI /* 16 lanes at a time, the tail masked (zeros: neutral for the min and max, which start at 0) */
+        __m512 vlo = _mm512_setzero_ps(), vhi = _mm512_setzero_ps();
+        for (int k = 0; k < K; k += 16) {
+            __m512 v = _mm512_maskz_loadu_ps(K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1), xm + k);
+            vlo = _mm512_min_ps(vlo, v), vhi = _mm512_max_ps(vhi, v);
+        }
+        float lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
+#else
         float lo = 0.0f, hi = 0.0f;
         for (int k = 0; k < K; k++) lo = fminf(lo, xm[k]), hi = fmaxf(hi, xm[k]);
+#endif
         float s = fmaxf(fabsf(lo), fabsf(hi)) / 127.5f;
         if (s == 0.0f) s = 1.1920928955078125e-07f; /* torch.finfo(float32).eps */
+#if KI_VNNI /* the same float operations: an exact division, clamp, round half to even */
+        __m512 vs = _mm512_set1_ps(s), vmin = _mm512_set1_ps(-128.0f), vmax = _mm512_set1_ps(127.0f);
+        for (int k = 0; k < K; k += 16) {
+            __mmask16 mask = K - k >= 16 ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+            __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(mask, xm + k), vs), vmin), vmax);
+            v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm512_mask_cvtepi32_storeu_epi8(q + (size_t)m * K + k, mask, _mm512_cvtps_epi32(v));
+        }
+#else
         for (int k = 0; k < K; k++) q[(size_t)m * K + k] = (int8_t)nearbyintf(fminf(fmaxf(xm[k] / s, -128.0f), 127.0f));
+#endif
         scale[m] = s;
     }
 }

@@ -3,7 +3,13 @@
  * Activations are quantized per block of 32 inputs as llama.cpp's Q8_0 (ggml's quantize_row_q8_0, the gguf
  * package's Q8_0.quantize_blocks): d = amax / 127, q = roundf(x / d) computed as x * (1 / d) rounded half away
  * from zero, d kept as float16. Each block's int32 sum with the weights becomes float and is accumulated as
- * sum += isum * (d * weight scale), the weight's zero point z subtracted as z * sum(q) of the block. */
+ * sum += isum * (d * weight scale), the weight's zero point z subtracted as z * sum(q) of the block.
+ *
+ * Speed (benchmarks/RESULTS.md "cpu-native-vnni"): at 16 tokens a tile runs at vpdpbusd's throughput (about
+ * 2 ns per 16 rows x 32 inputs x token on one core, weights in cache: eight vpdpbusd, one a cycle), so the
+ * per-block scaling (one vpdpwssd, a convert, a multiply, an FMA) rides along; at one token a product is bound
+ * by reading the weights. Tried, and not faster here: all of a tile's tokens on weights held in registers (each
+ * token's chain in turn: 0.6-0.9x), two row groups a tile at one token, two blocks interleaved, prefetching. */
 
 /* float -> float16 -> float, round to nearest even (numpy's astype(np.float16), F16C's vcvtps2ph). */
 static float half_round(float f) {
@@ -20,11 +26,33 @@ static inline float roundf_away(float v) { /* gguf's np_roundf, exactly */
     return v < 0 ? -b : (v > 0 ? b : 0.0f);
 }
 
-/* x [M, K] float32, K a multiple of 32 -> q [M, K] int8, d [M, K / 32] float, s [M, K / 32] int32 sums of q. */
+#if KI_VNNI
+/* roundf_away on 16 lanes: t = trunc(|v|), plus one where |v| - t (exact) >= 0.5, the sign put back. */
+static inline __m512 round_away16(__m512 v) {
+    __m512 a = _mm512_abs_ps(v), t = _mm512_roundscale_ps(a, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(a, t), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+    t = _mm512_mask_add_ps(t, up, t, _mm512_set1_ps(1.0f));
+    return _mm512_or_ps(t, _mm512_and_ps(v, _mm512_set1_ps(-0.0f)));
+}
+#endif
+
+/* x [M, K] float32, K a multiple of 32 -> q [M, K] int8, d [M, K / 32] float, s [M, K / 32] int32 sums of q.
+ * The vector path does the scalar one's float operations (each exactly rounded), so the same bits. */
 void ki_quantize_q8_0(const float *x, int M, int K, int8_t *q, float *d, int32_t *s) {
     int blocks = K / BLOCK;
     for (long b = 0; b < (long)M * blocks; b++) {
         const float *xb = x + b * BLOCK;
+#if KI_VNNI
+        __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        float db = amax / 127.0f, id = db == 0.0f ? 0.0f : 1.0f / db;
+        __m512 vid = _mm512_set1_ps(id);
+        __m512i v0 = _mm512_cvttps_epi32(round_away16(_mm512_mul_ps(x0, vid)));
+        __m512i v1 = _mm512_cvttps_epi32(round_away16(_mm512_mul_ps(x1, vid)));
+        _mm_storeu_si128((__m128i *)(q + b * BLOCK), _mm512_cvtepi32_epi8(v0));
+        _mm_storeu_si128((__m128i *)(q + b * BLOCK + 16), _mm512_cvtepi32_epi8(v1));
+        int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+#else
         float amax = 0.0f;
         for (int i = 0; i < BLOCK; i++) amax = fmaxf(amax, fabsf(xb[i]));
         float db = amax / 127.0f, id = db == 0.0f ? 0.0f : 1.0f / db;
@@ -34,6 +62,7 @@ void ki_quantize_q8_0(const float *x, int M, int K, int8_t *q, float *d, int32_t
             q[b * BLOCK + i] = (int8_t)v;
             sum += v;
         }
+#endif
         d[b] = half_round(db);
         s[b] = sum;
     }
@@ -42,7 +71,7 @@ void ki_quantize_q8_0(const float *x, int M, int K, int8_t *q, float *d, int32_t
 typedef struct {
     const int8_t *q;
     const float *d;
-    const int32_t *s;
+    const int32_t *s;       /* [M, K / 32]: (uint16)(-sum of the block's q), vpdpwssd's operand */
     const uint8_t *w;       /* packed, bits 8 or 4 */
     const float *scale;     /* [groups of rows][weight groups][16] */
     const int32_t *offset;  /* the same shape: the storage offset (128 or 8) plus the zero point */
@@ -62,7 +91,7 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
     __m512 acc[2][TILE];
     for (int i = 0; i < 2; i++)
         for (int t = 0; t < TILE; t++) acc[i][t] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     for (int b = 0; b < blocks; b++) {
         int gi = b / c->blocks_per_group;
         __m512i isum[2][TILE];
@@ -74,6 +103,9 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
                 const uint8_t *wb = wg + i * stride + b * block_bytes;
                 if (c->bits == 8) {
                     w0[i] = _mm512_loadu_si512(wb + 128 * j), w1[i] = _mm512_loadu_si512(wb + 128 * j + 64);
+                } else if (ng == 1) { /* high nibbles as 16 * nibble (no shift): its own chain, shifted after */
+                    __m512i v = _mm512_loadu_si512(wb + 64 * j);
+                    w0[i] = _mm512_and_si512(v, low), w1[i] = _mm512_and_si512(v, high);
                 } else {
                     __m512i v = _mm512_loadu_si512(wb + 64 * j);
                     w0[i] = _mm512_and_si512(v, low), w1[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -92,13 +124,14 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
             }
         }
         if (ng == 1)
-            for (int t = 0; t < mt; t++) isum[0][t] = _mm512_add_epi32(isum[0][t], isum[1][t]);
+            for (int t = 0; t < mt; t++)
+                isum[0][t] = _mm512_add_epi32(isum[0][t], c->bits == 8 ? isum[1][t] : _mm512_srai_epi32(isum[1][t], 4));
         for (int i = 0; i < ng; i++) {
             __m512 sw = _mm512_loadu_ps(scales + i * pstride + gi * ROWS);
             __m512i off = _mm512_loadu_si512(offsets + i * pstride + gi * ROWS);
             for (int t = 0; t < mt; t++) {
                 long idx = (long)(m0 + t) * blocks + b;
-                __m512i sum = _mm512_sub_epi32(isum[i][t], _mm512_mullo_epi32(off, _mm512_set1_epi32(c->s[idx])));
+                __m512i sum = _mm512_dpwssd_epi32(isum[i][t], off, _mm512_set1_epi32(c->s[idx])); /* -off * sum(q) */
                 acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(c->d[idx]), sw),
                                             acc[i][t]);
             }
@@ -129,7 +162,7 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
                         sum += u * c->q[(size_t)m * c->K + b * BLOCK + k];
                     }
                     long idx = (long)m * blocks + b;
-                    sum -= offsets[gi * ROWS + r] * c->s[idx];
+                    sum += offsets[gi * ROWS + r] * (int16_t)c->s[idx]; /* s: -sum(q) in 16 bits */
                     acc = fmaf((float)sum, c->d[idx] * scales[gi * ROWS + r], acc);
                 }
                 c->out[(size_t)m * c->N + n0 + r] = acc;
@@ -157,6 +190,7 @@ int ki_q8_0_linear(const float *x, int M, int K, const uint8_t *w, int bits, con
         return -1;
     }
     ki_quantize_q8_0(x, M, K, q, d, s);
+    for (size_t b = 0; b < blocks; b++) s[b] = (uint16_t)(-s[b]); /* |sum| <= 4096: int16, high half zero */
     q8_ctx c = {q, d, s, w, scale, offset, out, M, N, K, bits, groups, group_size / BLOCK};
     pthread_mutex_lock(&call_mu);
     parallel(q8_task, &c, ((N + ROWS - 1) / ROWS + 1) / 2);

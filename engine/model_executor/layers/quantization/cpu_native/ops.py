@@ -136,18 +136,24 @@ def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.T
                 group_size: int, out_features: int) -> torch.Tensor:
     """x [..., K] (K a multiple of 32) times packed int8 / int4 weights in llama.cpp's arithmetic; `scale` and
     `offset` from pack_groups ([N / 16, groups, 16]); returns float32 [..., N]."""
-    if x.shape[-1] % BLOCK:
-        raise ValueError(f"llama.cpp's arithmetic needs inputs in blocks of {BLOCK}; got {x.shape[-1]}")
-    rows = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    if rows.shape[0]:
+    k = x.shape[-1]
+    if k % BLOCK:
+        raise ValueError(f"llama.cpp's arithmetic needs inputs in blocks of {BLOCK}; got {k}")
+    # a decode step makes ~50 of these calls: no copy, view or check that is not needed (microseconds each)
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(-1, k)
+    if rows.dtype != torch.float32 or not rows.is_contiguous():
+        rows = rows.to(torch.float32).contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, out_features, dtype=torch.float32)
+    if m:
         groups = scale.shape[1]
-        size = rows.shape[1] if groups == 1 else group_size
-        status = library().ki_q8_0_linear(_ptr(rows), rows.shape[0], rows.shape[1], _ptr(packed), bits,
-                                          _ptr(scale), _ptr(offset), groups, size, out_features, _ptr(out))
+        status = library().ki_q8_0_linear(rows.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(),
+                                          offset.data_ptr(), groups, k if groups == 1 else group_size,
+                                          out_features, out.data_ptr())
         if status != 0:
             raise MemoryError("native Q8_0 kernel: out of memory")
-    return out.reshape(*x.shape[:-1], out_features)
+    return out if flat else out.view(*x.shape[:-1], out_features)
 
 
 def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
