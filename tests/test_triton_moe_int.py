@@ -12,7 +12,7 @@ from test_triton_kernels import DEVICES  # also sets TRITON_INTERPRET=1 without 
 
 from kubeinfer.engine.model_executor.layers.fused_moe.activation import silu_and_mul
 from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts
-from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import ExpertsIntMethod, dequantize_rows, stack
+from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import ExpertsIntMethod, stack
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight
 
@@ -43,7 +43,7 @@ def test_fused_kernel_dequantizes_kept_experts_like_torch(device, kind, num_toke
     down = stack([int_weight(kind, H, I, g) for _ in range(E)])
     x = torch.randn(num_tokens, H, generator=g)
     weights, ids = uneven_routing(num_tokens, seed=num_tokens)
-    expected = grouped_experts(x, dequantize_rows(gate_up), dequantize_rows(down), weights, ids, silu_and_mul)
+    expected = grouped_experts(x, gate_up.dequantize(), down.dequantize(), weights, ids, silu_and_mul)
 
     moe = FusedMoE(E, H, I).to(device)  # as the loader holds it, then the kept weights replace the float stacks
     moe.int_method = ExpertsIntMethod(moe, {"gate_up": gate_up, "down": down}, "triton", torch.float32)
@@ -69,9 +69,9 @@ def test_fused_kernel_on_kept_int8_experts_quantizes_their_inputs(device):
     quant = ExpertInputQuant(token, token, {})
     x = torch.randn(6, H, generator=g)
     weights, ids = uneven_routing(6, seed=2)
-    expected = grouped_experts(x, dequantize_rows(gate_up), dequantize_rows(down), weights, ids, silu_and_mul,
+    expected = grouped_experts(x, gate_up.dequantize(), down.dequantize(), weights, ids, silu_and_mul,
                                input_quant=quant)
-    unquantized = grouped_experts(x, dequantize_rows(gate_up), dequantize_rows(down), weights, ids, silu_and_mul)
+    unquantized = grouped_experts(x, gate_up.dequantize(), down.dequantize(), weights, ids, silu_and_mul)
     assert not torch.allclose(expected, unquantized, rtol=1e-4, atol=1e-4)  # the input quantization shows
     moe = FusedMoE(E, H, I).to(device)
     moe.input_quant = quant.to(device)

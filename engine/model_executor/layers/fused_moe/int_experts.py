@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantization.linear_method import BF16_ACTIVATIONS, IntWeight, choose_kernel
+from ..quantization.linear_method import BF16_ACTIVATIONS, IntWeight, choose_kernel, pack
 
 PROJECTIONS = ("gate_up", "down")
 
@@ -48,30 +48,9 @@ def stack(parts: list[IntWeight]) -> IntWeight:
     if any(p.group_size != first.group_size or p.bits != first.bits or p.fp8 != first.fp8
            or p.values.shape != first.values.shape or (p.zero is None) != (first.zero is None) for p in parts):
         raise ValueError("the experts of one layer are quantized differently (bits, groups, zero points)")
-    values = torch.stack([p.values.view(torch.uint8) if p.fp8 else p.values for p in parts])
+    values = torch.stack([p.values.view(torch.uint8) if p.fp8 else p.values for p in parts]).view(first.values.dtype)
     zero = None if first.zero is None else torch.stack([p.zero for p in parts])
     return IntWeight(values, torch.stack([p.scale for p in parts]), zero, first.group_size, first.bits, first.fp8)
-
-
-def _pack(weight: IntWeight, kernel: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The stacked tensors the kernel reads (module docstring), by parameter suffix."""
-    if kernel == "cpu_int4":
-        scale = weight.scale.transpose(1, 2).to(torch.float32)  # [E, groups, N]
-        zero = -(weight.zero.transpose(1, 2).to(torch.float32) * scale) if weight.zero is not None \
-            else torch.zeros_like(scale)
-        packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(v.to(torch.int32) + 8, 1) for v in weight.values]
-        scales_and_zeros = torch.stack([scale, zero], -1).to(dtype).contiguous()
-        return {"qweight": torch.stack(packed), "scales_and_zeros": scales_and_zeros}
-    if kernel == "cpu_int8":
-        return {"qweight": weight.values.contiguous(), "scale": weight.scale[..., 0].to(dtype).contiguous()}
-    values = weight.values  # triton: fp8 already its e4m3 bits (uint8)
-    if weight.bits == 4:
-        unsigned = (values.to(torch.int16) + 8).to(torch.uint8)
-        values = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)
-    packed = {"qweight": values.contiguous(), "scale": weight.scale.to(torch.float32).contiguous()}
-    if weight.zero is not None:
-        packed["zero"] = weight.zero.to(torch.int8).contiguous()
-    return packed
 
 
 class ExpertsIntMethod:
@@ -89,7 +68,7 @@ class ExpertsIntMethod:
         self.down_group = weights["down"].group_size  # a TP cut inside a group regroups down alone
         device = moe.gate_up_proj.device if device is None else device
         for which in PROJECTIONS:
-            for suffix, tensor in _pack(weights[which], kernel, self.act_dtype).items():
+            for suffix, tensor in pack(weights[which], kernel, self.act_dtype).items():
                 moe.register_parameter(f"{which}_{suffix}", nn.Parameter(tensor.to(device), requires_grad=False))
             float_stack = getattr(moe, f"{which}_proj")  # its shape stays, its memory goes
             setattr(moe, f"{which}_proj", nn.Parameter(torch.empty(float_stack.shape, dtype=float_stack.dtype,
@@ -128,14 +107,3 @@ class ExpertsIntMethod:
         if bias is not None:
             out.add_(bias)
 
-
-def dequantize_rows(weight: IntWeight) -> torch.Tensor:
-    """A stacked [E, N, K] (or one expert's [N, K]) weight to float32, as IntWeight.dequantize does for [N, K]."""
-    values = weight.values.view(torch.float8_e4m3fn) if weight.fp8 else weight.values
-    w = values.to(torch.float32)
-
-    def expand(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.float32).repeat_interleave(weight.group_size, dim=-1)[..., :w.shape[-1]]
-    if weight.zero is not None:
-        w = w - expand(weight.zero)
-    return w * expand(weight.scale)

@@ -109,9 +109,11 @@ class IntWeight:
                          self.bits, self.fp8)
 
     def expand(self, grid: torch.Tensor) -> torch.Tensor:
-        return grid.to(torch.float32).repeat_interleave(self.group_size, dim=1)[:, :self.values.shape[1]]
+        """A [..., N, groups] grid spread to one entry per input column, float32."""
+        return grid.to(torch.float32).repeat_interleave(self.group_size, dim=-1)[..., :self.values.shape[-1]]
 
     def dequantize(self) -> torch.Tensor:
+        """float32 [..., N, K]: one weight, or the experts' stack (fused_moe/int_experts.py)."""
         w = self.values.to(torch.float32)
         if self.zero is not None:
             w = w - self.expand(self.zero)
@@ -175,6 +177,36 @@ def applies(kernel: str, w: IntWeight) -> bool:
     return True
 
 
+# pack()'s tensors as a dense layer's parameters (an MoE layer prefixes them with its projection's name)
+DENSE_NAMES = {"scale": "weight_scale", "zero": "weight_zero"}
+
+
+def pack(weight: IntWeight, kernel: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors `kernel` reads, for one weight [N, K] or a stack of experts' [E, N, K]: cpu_int4 torch's CPU
+    int4 pack (half a byte a weight) and `scales_and_zeros` [..., groups, N, 2] in `dtype`; cpu_int8 the values
+    and one `scale` per row in `dtype`; triton the values (fp8: its e4m3fn bits; int4: two per byte, the even
+    column in the low nibble, offset to unsigned), `scale` float32 and `zero` int8 where asymmetric."""
+    if kernel == "cpu_int4":
+        def int4pack(values: torch.Tensor) -> torch.Tensor:  # one int32 copy of one matrix at a time
+            return torch.ops.aten._convert_weight_to_int4pack_for_cpu(values.to(torch.int32).add_(8), 1)
+        values = weight.values
+        scale = weight.scale.transpose(-1, -2).to(torch.float32)  # [..., groups, out]
+        zero = -(weight.zero.transpose(-1, -2).to(torch.float32) * scale) if weight.zero is not None \
+            else torch.zeros_like(scale)
+        return {"qweight": int4pack(values) if values.dim() == 2 else torch.stack([int4pack(v) for v in values]),
+                "scales_and_zeros": torch.stack([scale, zero], dim=-1).to(dtype).contiguous()}
+    if kernel == "cpu_int8":
+        return {"qweight": weight.values.contiguous(), "scale": weight.scale[..., 0].to(dtype).contiguous()}
+    values = weight.values.view(torch.uint8) if weight.fp8 else weight.values  # e4m3fn bits, one byte
+    if weight.bits == 4:
+        unsigned = (values.to(torch.int16) + 8).to(torch.uint8)
+        values = unsigned[..., 0::2] | (unsigned[..., 1::2] << 4)
+    packed = {"qweight": values.contiguous(), "scale": weight.scale.to(torch.float32).contiguous()}
+    if weight.zero is not None:
+        packed["zero"] = weight.zero.to(torch.int8).contiguous()
+    return packed
+
+
 class WeightOnlyIntMethod:
     """Holds the quantized weight on the layer (parameters, so memory accounting and .to() see them) and
     multiplies with the chosen kernel; activations stay in the model dtype, except for the *_bf16 kernels,
@@ -188,25 +220,7 @@ class WeightOnlyIntMethod:
         self.fp8 = weight.fp8
         self.halves: dict = {}  # two_cores' cut of the kept tensors
         device = layer.weight.device
-        keep = {}
-        if kernel == "cpu_int4":
-            unsigned = weight.values.to(torch.int32).add_(8).to(device)  # one int32 copy of one layer at a time
-            scale = weight.scale.t().to(torch.float32)  # [groups, out]
-            zero = -(weight.zero.t().to(torch.float32) * scale) if weight.zero is not None else torch.zeros_like(scale)
-            keep["qweight"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
-            keep["scales_and_zeros"] = torch.stack([scale, zero], dim=-1).to(dtype).contiguous()
-        elif kernel == "cpu_int8":
-            keep["qweight"] = weight.values.contiguous()
-            keep["weight_scale"] = weight.scale[:, 0].to(dtype)
-        else:  # triton
-            values = weight.values.view(torch.uint8) if weight.fp8 else weight.values  # e4m3fn bits, one byte
-            if weight.bits == 4:  # two per byte: the even column in the low nibble, offset to unsigned
-                unsigned = (values.to(torch.int16) + 8).to(torch.uint8)
-                values = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
-            keep["qweight"] = values.contiguous()
-            keep["weight_scale"] = weight.scale.to(torch.float32).contiguous()
-            if weight.zero is not None:
-                keep["weight_zero"] = weight.zero.to(torch.int8).contiguous()
+        keep = {DENSE_NAMES.get(k, k): t for k, t in pack(weight, kernel, dtype).items()}
         for name, tensor in keep.items():
             layer.register_parameter(name, nn.Parameter(tensor.to(device), requires_grad=False))
         self.names = tuple(keep)
