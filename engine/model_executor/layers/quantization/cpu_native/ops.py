@@ -62,6 +62,15 @@ def available() -> bool:
     return library() is not None
 
 
+def layers_enabled() -> bool:
+    """Whether a CPU model's non-matmul ops (decode attention, norms, activation, rotary) run through the native
+    kernels; KUBEINFER_CPU_NATIVE_LAYERS=0 keeps them in torch (default 1, where the library is built)."""
+    wanted = os.environ.get("KUBEINFER_CPU_NATIVE_LAYERS", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"KUBEINFER_CPU_NATIVE_LAYERS must be 0 or 1; got {wanted!r}")
+    return wanted == "1" and available()
+
+
 def has_vnni() -> bool:
     lib = library()
     return bool(lib is not None and lib.ki_has_vnni())
