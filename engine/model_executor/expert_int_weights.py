@@ -5,7 +5,13 @@ this rank's slice of each expert (gate/up: its rows of the intermediate dimensio
 inside a quantization group regrouped exactly by IntWeight.narrow), stacked for the chosen kernel, as soon as
 the layer's last expert weight is read (one layer's integers in transit at a time). A layer the
 kernel choice does not keep (or one where some expert's weight has no integer form, e.g. GPTQ act-order) is
-dequantized into the float stacks through FusedMoE's own loaders, as before."""
+dequantized into the float stacks through FusedMoE's own loaders, as before.
+
+`--quantization fp8` on a float checkpoint (the format's `int_weight` quantizes each float expert weight per
+output row to e4m3 as it is read, fp8.quantize_per_channel: the bits of the float path's round trip) comes
+through here too where a kept fp8 kernel exists (CUDA, or the forced Triton kernel): the layer's experts stay
+e4m3 with one float32 scale per row and the float stacks are never allocated; a layer that falls back is
+dequantized into them, the round trip's very values, not round-tripped again."""
 from __future__ import annotations
 
 import torch
@@ -82,9 +88,15 @@ def _rank_slices(moe, weights: dict) -> dict[str, list[IntWeight]] | None:
 
 
 def _dequantize_into(moe, weights: dict) -> None:
-    for (projection, expert), weight in weights.items():
-        tensor = weight.dequantize()
-        if projection == "down_proj":
-            moe.load_down(expert, tensor)
-        else:
-            moe.load_gate_or_up(projection.removesuffix("_proj"), expert, tensor)
+    """Each expert's weight dequantized into the float stacks; the layer's `weight_transform` (the float path's
+    fp8 round trip) is not applied again: these values already are its result."""
+    transform, moe.weight_transform = moe.weight_transform, None
+    try:
+        for (projection, expert), weight in weights.items():
+            tensor = weight.dequantize()
+            if projection == "down_proj":
+                moe.load_down(expert, tensor)
+            else:
+                moe.load_gate_or_up(projection.removesuffix("_proj"), expert, tensor)
+    finally:
+        moe.weight_transform = transform

@@ -33,10 +33,10 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     spec = ModelSpec(files.config, files.architecture).for_rank(tp_rank, tp_size)
     with torch.device("meta"):
         model = model_class(files.architecture)(spec, backend, max_positions)
-    # experts that will be kept quantized never allocate their float stacks (allocated if a layer falls back)
+    # experts that will be kept quantized never allocate their float stacks (allocated if a layer falls back);
+    # --quantization fp8's too: each expert's float weight quantized as it is read (expert_int_weights.py)
     keeps = _keeps(files.quantization, device)
-    deferred = {m: m.defer_stacks() for m in getattr(model, "experts_modules", dict)().values()} \
-        if keeps and not getattr(files.quantization, "at_load", False) else {}
+    deferred = {m: m.defer_stacks() for m in getattr(model, "experts_modules", dict)().values()} if keeps else {}
     # so do the dense projections' float weights (allocated when written in float: layers/deferred_weight.py)
     linears = deferred_weight.defer(model) if keeps else []
     model = model.to_empty(device=device).to(dtype)
@@ -54,9 +54,10 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     dequantized = [n for n, k in getattr(model, "expert_kernels", {}).items() if k == "dequantized"]
     if files.quantization is not None and hasattr(model, "experts_modules") and (
             dequantized or not getattr(model, "expert_kernels", None)):  # else: kept (layers/fused_moe/int_experts.py)
-        logger.info("%s: expert weights of %d MoE layers dequantized at load into stacked %s tensors",
-                    files.architecture, len(dequantized) or len(model.experts_modules()),
-                    str(dtype).removeprefix("torch."))
+        how = "quantized to fp8 at load and dequantized back (no kept fp8 expert kernel on this device: the float " \
+              "model's memory)" if getattr(files.quantization, "at_load", False) else "dequantized at load"
+        logger.info("%s: expert weights of %d MoE layers %s into stacked %s tensors", files.architecture,
+                    len(dequantized) or len(model.experts_modules()), how, str(dtype).removeprefix("torch."))
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
         model.use_triton_kernels()
     # The CPU's small-step matmuls; not the GPU. Not with tensor parallelism: its ranks share the cores.
@@ -92,7 +93,8 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
         for file in weight_files:
             f = stack.enter_context(safe_open(str(file), framework="pt"))
             handles.update((key, (f, file)) for key in f.keys())
-        # MoE experts kept as integers / fp8 too, stacked per layer once every shard is read (expert_int_weights.py)
+        # MoE experts kept as integers / fp8 too, stacked per layer once every shard is read (expert_int_weights.py;
+        # --quantization fp8: each float expert weight quantized per channel as it is read)
         w8a8_checkpoint = any(s.inputs for s in getattr(quantization, "schemes", ()))  # compressed-tensors W8A8
         experts = ExpertIntegers(model, quantization, _tensor_getter(handles), weight.device, weight.dtype,
                                  w8a8_checkpoint) if keep and special else None
@@ -106,7 +108,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                 continue
             if special is not None:
                 try:
-                    filled = experts.take(ours, key, f) if experts is not None and not at_load else None
+                    filled = experts.take(ours, key, f) if experts is not None else None
                     filled = filled or special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization)
                                      if k in handles else None)
                 except ValueError as error:
