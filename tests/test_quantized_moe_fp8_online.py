@@ -156,3 +156,28 @@ def test_kept_bytes_are_a_quarter_of_the_float_stacks_and_never_float_at_load(tm
     assert peak - held_bytes(model) < 0.6 * layer, (peak, held_bytes(model), layer)
     _, round_trip_peak, round_trip_held, _ = measured("dequantized")
     assert round_trip_held == floats and round_trip_peak > floats
+
+
+def test_qwen2_moe_shared_expert_is_kept_like_a_dense_projection(float_dirs, monkeypatch):
+    """Qwen2-MoE's shared expert (gate/up fused here, its own intermediate size) is kept e4m3 per row like the
+    dense projections (before: its gate/up round-tripped into float); the routers and shared-expert gate float."""
+    from kubeinfer.engine.model_executor.layers.attention_selector import get_attention_backend
+    from kubeinfer.engine.model_executor.model_loader import inspect_model_dir, load_model
+
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")  # the loaded layout only: nothing is multiplied
+    float_dir = float_dirs("qwen2_moe")
+    model = load_model(inspect_model_dir(float_dir, "fp8"), get_attention_backend("torch"), 64, torch.device("cpu"),
+                       torch.float32)
+    weights = float_weights(float_dir)
+    assert set(model.expert_kernels.values()) == {"triton_fp8"}
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}.mlp"
+        for part in ("gate_up_proj", "down_proj"):
+            assert model.quant_kernels[f"{prefix}.shared_expert.{part}"] == "triton_fp8"
+        shared = layer.mlp.shared_expert.gate_up_proj
+        gate, up = (transformers_per_row(weights[f"{prefix}.shared_expert.{p}.weight"]) for p in ("gate_proj", "up_proj"))
+        assert shared.weight.device.type == "meta"
+        assert torch.equal(shared.qweight, torch.cat([gate[0], up[0]]).view(torch.uint8))
+        assert torch.equal(shared.weight_scale, torch.cat([gate[1], up[1]]))
+        for router in (layer.mlp.gate, layer.mlp.shared_expert_gate):
+            assert router.weight.dtype == torch.float32 and not hasattr(router, "qweight")

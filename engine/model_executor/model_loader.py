@@ -106,7 +106,9 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                 continue
             if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
                 continue
-            if special is not None:
+            # kept --quantization fp8: Qwen2-MoE's shared expert gate/up is a dense projection, kept like one
+            shared = at_load and keep and not model.checkpoint_fused and _target(ours)[0] in at_load
+            if special is not None and not shared:
                 try:
                     filled = experts.take(ours, key, f) if experts is not None else None
                     filled = filled or special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization)
