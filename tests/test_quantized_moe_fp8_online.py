@@ -15,8 +15,8 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-import torch
 import test_quantized_moe
+import torch
 from load_peak import LiveBytes, held_bytes
 from quant_checkpoints import MAX_TOKENS, PROMPTS, float_weights
 
@@ -80,9 +80,10 @@ def test_kept_fp8_experts_are_the_round_trips_quantization(float_dirs, monkeypat
         assert moe.gate_up_qweight.dtype == torch.uint8 and moe.input_quant is not None
         for e in range(moe.num_experts):
             gate, up, down = (transformers_per_row(weights[k]) for k in expert_keys(family, i, e))
-            bits = torch.cat([gate[0], up[0]]).view(torch.uint8)
-            assert torch.equal(moe.gate_up_qweight[e], bits) and torch.equal(moe.down_qweight[e], down[0].view(torch.uint8))
-            assert torch.equal(moe.gate_up_scale[e], torch.cat([gate[1], up[1]])) and torch.equal(moe.down_scale[e], down[1])
+            assert torch.equal(moe.gate_up_qweight[e], torch.cat([gate[0], up[0]]).view(torch.uint8))
+            assert torch.equal(moe.down_qweight[e], down[0].view(torch.uint8))
+            assert torch.equal(moe.gate_up_scale[e], torch.cat([gate[1], up[1]]))
+            assert torch.equal(moe.down_scale[e], down[1])
         assert torch.equal(kept_dequantized(moe, "gate_up"), ref.gate_up_proj)
         assert torch.equal(kept_dequantized(moe, "down"), ref.down_proj)
         # the layer itself: the fused kernel on the e4m3 bits against the round trip's float stacks (CPU path)
@@ -175,7 +176,7 @@ def test_qwen2_moe_shared_expert_is_kept_like_a_dense_projection(float_dirs, mon
         for part in ("gate_up_proj", "down_proj"):
             assert model.quant_kernels[f"{prefix}.shared_expert.{part}"] == "triton_fp8"
         shared = layer.mlp.shared_expert.gate_up_proj
-        gate, up = (transformers_per_row(weights[f"{prefix}.shared_expert.{p}.weight"]) for p in ("gate_proj", "up_proj"))
+        gate, up = (transformers_per_row(weights[f"{prefix}.shared_expert.{p}_proj.weight"]) for p in ("gate", "up"))
         assert shared.weight.device.type == "meta"
         assert torch.equal(shared.qweight, torch.cat([gate[0], up[0]]).view(torch.uint8))
         assert torch.equal(shared.weight_scale, torch.cat([gate[1], up[1]]))

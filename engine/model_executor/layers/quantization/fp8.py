@@ -8,10 +8,10 @@ scale per output row and group of block columns, a block's scale repeated over i
 the Triton kernel that decodes e4m3 inside it (triton_int_matmul.py; linear_method.py chooses it); under tensor
 parallelism each rank keeps its rows or columns with their scales (IntWeight.narrow: a cut inside a block is
 regrouped exactly). On the CPU (no fp8 matmul) each weight is multiplied out in float32 and stored in the model
-dtype, so the matmuls run as for a float checkpoint; so are MoE experts everywhere (no fp8 expert kernel yet)
-and e5m2 weights. KUBEINFER_QUANT_KERNEL=dequantized dequantizes on CUDA too. The activations are
-quantized to e4m3 as the format defines them (activations.py, w8a8.py): `activation_scheme: dynamic` per token
-and per group of the weight block's columns (`weight_block_size` [128, 128]: 128 columns, as DeepSeek's
+dtype, so the matmuls run as for a float checkpoint; so are e5m2 weights. MoE experts are kept alike (on CUDA
+e4m3 through the fused MoE kernel, fused_moe/int_experts.py; dequantized into float stacks on the CPU).
+KUBEINFER_QUANT_KERNEL=dequantized dequantizes on CUDA too. The activations are quantized to e4m3 as the
+format defines them (activations.py, w8a8.py): `activation_scheme: dynamic` per token and per group of the weight block's columns (`weight_block_size` [128, 128]: 128 columns, as DeepSeek's
 `act_quant` and vLLM's per-token-group quantization; the numbers are compressed-tensors' dynamic `group`
 scheme, amax / 448 with its eps for an all-zero group), per token for per-tensor and per-channel weights (one
 group of all the columns, as transformers' FineGrainedFP8 runs a weight without blocks); `static`: the
@@ -23,7 +23,11 @@ their activations are quantized dynamically per token, as vLLM's online fp8 quan
 outputs are those of the FP8 model; on CUDA the weights are kept as e4m3 with their per-channel scales (a CPU
 holds them dequantized: the memory and speed of the float model).
 In the MoE families that includes every expert (per expert and output row, the per-channel scales of vLLM's
-fp8 MoE method) and the shared expert; the routers stay float, as vLLM and transformers leave them."""
+fp8 MoE method) and the shared expert; the routers stay float, as vLLM and transformers leave them. On CUDA
+each per-expert weight is quantized as it is read (`int_weight`) and the layer's experts kept e4m3 through the
+fused MoE kernel, their float stacks never allocated (expert_int_weights.py); on the CPU (no fp8 expert
+kernel) and for experts stacked in the checkpoint (gpt-oss) they are round-tripped into the float stacks
+(`prepare_at_load`'s transform), the same values, and the start-up log says so."""
 from __future__ import annotations
 
 from dataclasses import dataclass
