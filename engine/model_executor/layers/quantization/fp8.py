@@ -3,19 +3,20 @@ write weights as float8 (e4m3) with a float32 scale beside each: `weight_scale_i
 `weight_block_size` [rows, cols] (or one for the tensor), or `weight_scale` per tensor or per output channel.
 The true weight is fp8 * scale (a block's scale covers its rows x cols tile; the last tiles may be partial).
 
-On CUDA the e4m3 weights stay in memory, one byte each (`int_weight`: an IntWeight with fp8 values and one
-scale per output row and group of block columns, a block's scale repeated over its rows), and multiply through
-the Triton kernel that decodes e4m3 inside it (triton_int_matmul.py; linear_method.py chooses it); under tensor
+On CUDA the e4m3 weights stay in memory, one byte each (`int_weight`: an IntWeight with fp8 values and one scale
+per output row and group of block columns, a block's scale repeated over its rows), and multiply through the
+Triton kernel that decodes e4m3 inside it (triton_int_matmul.py; linear_method.py chooses it); under tensor
 parallelism each rank keeps its rows or columns with their scales (IntWeight.narrow: a cut inside a block is
 regrouped exactly). On the CPU (no fp8 matmul) each weight is multiplied out in float32 and stored in the model
 dtype, so the matmuls run as for a float checkpoint; so are e5m2 weights. MoE experts are kept alike (on CUDA
 e4m3 through the fused MoE kernel, fused_moe/int_experts.py; dequantized into float stacks on the CPU).
-KUBEINFER_QUANT_KERNEL=dequantized dequantizes on CUDA too. The activations are quantized to e4m3 as the
-format defines them (activations.py, w8a8.py): `activation_scheme: dynamic` per token and per group of the weight block's columns (`weight_block_size` [128, 128]: 128 columns, as DeepSeek's
-`act_quant` and vLLM's per-token-group quantization; the numbers are compressed-tensors' dynamic `group`
-scheme, amax / 448 with its eps for an all-zero group), per token for per-tensor and per-channel weights (one
-group of all the columns, as transformers' FineGrainedFP8 runs a weight without blocks); `static`: the
-checkpoint's one `input_scale` (vLLM) or `activation_scale` (transformers) per layer.
+KUBEINFER_QUANT_KERNEL=dequantized dequantizes on CUDA too. The activations are quantized to e4m3 as the format
+defines them (activations.py, w8a8.py): `activation_scheme: dynamic` per token and per group of the weight
+block's columns (`weight_block_size` [128, 128]: 128 columns, as DeepSeek's `act_quant` and vLLM's
+per-token-group quantization; the numbers are compressed-tensors' dynamic `group` scheme, amax / 448 with its
+eps for an all-zero group), per token for per-tensor and per-channel weights (one group of all the columns, as
+transformers' FineGrainedFP8 runs a weight without blocks); `static`: the checkpoint's one `input_scale` (vLLM)
+or `activation_scale` (transformers) per layer.
 
 `--quantization fp8` on a float checkpoint quantizes the decoder's linear weights at load, per output channel
 to e4m3 (scale = amax / 448, as transformers' FP8 quantizer computes it), and dequantizes them the same way;
