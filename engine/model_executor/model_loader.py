@@ -54,8 +54,9 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     dequantized = [n for n, k in getattr(model, "expert_kernels", {}).items() if k == "dequantized"]
     if files.quantization is not None and hasattr(model, "experts_modules") and (
             dequantized or not getattr(model, "expert_kernels", None)):  # else: kept (layers/fused_moe/int_experts.py)
-        how = "quantized to fp8 at load and dequantized back (no kept fp8 expert kernel on this device: the float " \
-              "model's memory)" if getattr(files.quantization, "at_load", False) else "dequantized at load"
+        how = "quantized to fp8 at load and dequantized back (no kept fp8 expert kernel on this device, or experts " \
+              "stacked in the checkpoint: the float model's memory)" if getattr(files.quantization, "at_load", False) \
+            else "dequantized at load"
         logger.info("%s: expert weights of %d MoE layers %s into stacked %s tensors", files.architecture,
                     len(dequantized) or len(model.experts_modules()), how, str(dtype).removeprefix("torch."))
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
@@ -106,9 +107,10 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                 continue
             if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
                 continue
-            # kept --quantization fp8: Qwen2-MoE's shared expert gate/up is a dense projection, kept like one
-            shared = at_load and keep and not model.checkpoint_fused and _target(ours)[0] in at_load
-            if special is not None and not shared:
+            # kept --quantization fp8: a dense projection is kept here, Qwen2-MoE's shared expert gate/up too (the
+            # MoE loader would store it in float)
+            dense_kept = at_load and keep and not model.checkpoint_fused and _target(ours)[0] in at_load
+            if special is not None and not dense_kept:
                 try:
                     filled = experts.take(ours, key, f) if experts is not None else None
                     filled = filled or special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization)
