@@ -136,7 +136,8 @@ MEMORY_SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_siz
 def test_kept_bytes_are_a_quarter_of_the_float_stacks_and_never_float_at_load(tmp_path, monkeypatch):
     """The experts hold one byte a weight and one float32 scale a row (0.257x the float32 stacks here), and the
     load never allocates their float stacks: its peak over the held bytes (tests/load_peak.py) is one layer's
-    e4m3 experts in transit (per expert, then stacked: measured 0.44-0.46 of one layer's float stacks; bound 0.6),
+    e4m3 experts in transit (per expert, then stacked: measured 0.33 of one layer's float stacks, 0.46 before
+    the per-expert parts were let go as they were stacked; bound 0.45),
     where the round trip's load holds every float stack (measured peak 1.17-1.28x their bytes)."""
     from kubeinfer.testing.random_model import build_random_model
 
@@ -155,7 +156,7 @@ def test_kept_bytes_are_a_quarter_of_the_float_stacks_and_never_float_at_load(tm
     per_layer = e * (2 * i * h + h * i) + 4 * e * (2 * i + h)  # e4m3 values, float32 scales per row; nothing else
     assert held == MEMORY_SHAPE["num_layers"] * per_layer and held < 0.27 * floats
     layer = floats / MEMORY_SHAPE["num_layers"]
-    assert peak - held_bytes(model) < 0.6 * layer, (peak, held_bytes(model), layer)
+    assert peak - held_bytes(model) < 0.45 * layer, (peak, held_bytes(model), layer)
     _, round_trip_peak, round_trip_held, _ = measured("dequantized")
     assert round_trip_held == floats and round_trip_peak > floats
 

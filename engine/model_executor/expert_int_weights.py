@@ -61,12 +61,13 @@ class ExpertIntegers:
         if kept is not None:
             kernels = {choose_expert_kernel(kept[which][0], self.device, self.dtype, self.w8a8) for which in kept}
             kernel = kernels.pop() if len(kernels) == 1 else "dequantized"
+        fp8 = next(iter(weights.values())).fp8
         if kernel == "dequantized":
             _dequantize_into(moe, weights)
         else:
-            stacked = {w: stack(parts) for w, parts in kept.items()}
+            weights.clear()  # each part now lives in `kept` alone, and each projection's once stacked
+            stacked = {w: stack(kept.pop(w)) for w in list(kept)}
             moe.int_method = ExpertsIntMethod(moe, stacked, kernel, self.dtype, self.device)
-        fp8 = next(iter(weights.values())).fp8
         self.chosen[name] = f"{kernel}_fp8" if fp8 and kernel != "dequantized" else kernel
 
 
