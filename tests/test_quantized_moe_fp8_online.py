@@ -184,3 +184,19 @@ def test_qwen2_moe_shared_expert_is_kept_like_a_dense_projection(float_dirs, mon
         assert torch.equal(shared.weight_scale, torch.cat([gate[1], up[1]]))
         for router in (layer.mlp.gate, layer.mlp.shared_expert_gate):
             assert router.weight.dtype == torch.float32 and not hasattr(router, "qweight")
+
+
+@pytest.mark.slow  # two ranks, each under Triton's interpreter
+def test_two_ranks_of_kept_fp8_experts_give_one_ranks_tokens(float_dirs, monkeypatch):
+    """Each rank multiplies its slice of the kept e4m3 experts (the down input's per-token scale over the whole
+    row, all-reduced: w8a8_tp.whole_token_range): the tokens of one rank, and of the round trip. (It guards the
+    kept path's numerics under TP, which the old code never took: each rank giving down its rank-0 columns fails
+    it; the kept layout itself is test_a_ranks_kept_experts_are_its_slice_of_the_whole's.)"""
+    from quant_checkpoints import engine_greedy
+
+    float_dir = str(float_dirs("qwen3_moe"))
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
+    kept = engine_greedy(float_dir, quantization="fp8", tensor_parallel_size=2)
+    assert kept == engine_greedy(float_dir, quantization="fp8")
+    monkeypatch.delenv("KUBEINFER_QUANT_KERNEL")
+    assert kept == engine_greedy(float_dir, quantization="fp8")
