@@ -74,6 +74,11 @@ def test_kept_fp8_experts_are_the_round_trips_quantization(float_dirs, monkeypat
     ref_model, model = reference.engine.runner.model, kept.engine.runner.model
     assert not getattr(ref_model, "expert_kernels", None)
     assert model.expert_kernels == {name: "triton_fp8" for name in model.experts_modules()}
+    from kubeinfer.engine.core.model_setup import memory_summary
+
+    summary = memory_summary(kept.engine.runner, kept.engine.num_kv_blocks)  # the start-up log's line
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+    assert f"weights {held / (1 << 20):.2f} MiB" in summary and "2 MoE expert layers triton_fp8" in summary
     weights = float_weights(float_dir)
     for i, (mine, theirs) in enumerate(zip(model.model.layers, ref_model.model.layers)):
         moe, ref = mine.mlp.experts, theirs.mlp.experts
