@@ -136,8 +136,9 @@ def roundtrip_per_channel(weight: torch.Tensor, config: Fp8Config, name: str) ->
 
 
 def prepare_at_load(model: torch.nn.Module, config: Fp8Config) -> set[str]:
-    """--quantization fp8 on a float checkpoint: the decoder's linear weights the loader round-trips (not the
-    embeddings, lm_head, norms or MoE routers); an MoE model's experts are set to round-trip as they load."""
+    """--quantization fp8 on a float checkpoint: the decoder's linear weights the loader quantizes (kept e4m3 on
+    CUDA, else round-tripped; not the embeddings, lm_head, norms or MoE routers); an MoE model's experts are set
+    to round-trip as they load into float stacks (those kept e4m3 never reach them: expert_int_weights.py)."""
     routers = model.router_names() if hasattr(model, "router_names") else set()
     if hasattr(model, "transform_expert_weights"):
         model.transform_expert_weights(lambda weight, name: roundtrip_per_channel(weight, config, name))
