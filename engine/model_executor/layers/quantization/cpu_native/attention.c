@@ -65,7 +65,7 @@ static inline float ka_exp(float x) {
 }
 
 /* sum a[d] * b[d] in 16 lanes (element d in lane d % 16), the lanes summed pairwise: a fixed order for any D. */
-static inline float ka_dot(const float *a, const float *b, int D) {
+static inline __attribute__((always_inline)) float ka_dot(const float *a, const float *b, int D) {
     float lane[KA_LANES] = {0};
     int d = 0;
     for (; d + KA_LANES <= D; d += KA_LANES)
@@ -77,21 +77,23 @@ static inline float ka_dot(const float *a, const float *b, int D) {
 }
 
 /* Row `row` (token slot * Hkv + head) of a cache as float32: the cache itself for float32, else widened to buf. */
-static inline const float *ka_row(const attn_ctx *c, const char *cache, size_t row, float *buf) {
-    size_t at = row * (size_t)c->D;
+static inline __attribute__((always_inline)) const float *ka_row(const attn_ctx *c, const char *cache, size_t row, float *buf, const int D) {
+    size_t at = row * (size_t)D;
     if (c->kind == 0) return (const float *)cache + at;
     if (c->kind == 1) {
         const uint16_t *src = (const uint16_t *)cache + at;
-        for (int d = 0; d < c->D; d++) buf[d] = bf16_to_f32(src[d]);
+        for (int d = 0; d < D; d++) buf[d] = bf16_to_f32(src[d]);
     } else {
         const uint8_t *src = (const uint8_t *)cache + at;
-        for (int d = 0; d < c->D; d++) buf[d] = c->lut[src[d]];
+        for (int d = 0; d < D; d++) buf[d] = c->lut[src[d]];
     }
     return buf;
 }
 
-static void attn_unit(attn_ctx *c, int unit) {
-    const int b = unit / c->Hkv, g = unit % c->Hkv, group = c->H / c->Hkv, D = c->D, bs = c->block_size;
+/* One (sequence, KV head) unit. D a constant where inlined (64, 128): the d loops unroll and the lanes stay in
+ * registers; the same operations in the same order as the generic D. */
+static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int unit, const int D) {
+    const int b = unit / c->Hkv, g = unit % c->Hkv, group = c->H / c->Hkv, bs = c->block_size;
     const long len = c->lens[b];
     const long start = c->window > 0 && len > c->window ? len - c->window : 0, n = len - start;
     if (n <= 0) { /* no context (cannot happen for a decode): zeros, as an empty softmax has no rows */
@@ -102,12 +104,12 @@ static void attn_unit(attn_ctx *c, int unit) {
         }
         return;
     }
-    float *mem = malloc(sizeof(float) * ((size_t)group * (2 * D + n) + D));
+    float *mem = malloc(sizeof(float) * ((size_t)group * (D + n) + D));
     if (!mem) {
         atomic_store(&c->failed, 1);
         return;
     }
-    float *qf = mem, *acc = qf + (size_t)group * D, *buf = acc + (size_t)group * D, *s = buf + D;
+    float *qf = mem, *buf = qf + (size_t)group * D, *s = buf + D;
     for (int j = 0; j < group; j++) {
         size_t at = (size_t)b * c->q_stride + ((size_t)g * group + j) * D;
         for (int d = 0; d < D; d++)
@@ -117,7 +119,7 @@ static void attn_unit(attn_ctx *c, int unit) {
     for (long t = 0; t < n; t++) { /* scores s[j * n + t] */
         long p = start + t;
         size_t row = ((size_t)table[p / bs] * bs + p % bs) * c->Hkv + g;
-        const float *k = ka_row(c, c->k_cache, row, buf);
+        const float *k = ka_row(c, c->k_cache, row, buf, D);
         for (int j = 0; j < group; j++) s[j * n + t] = ka_dot(qf + j * D, k, D) * c->scale;
     }
     float sum[group];
@@ -141,20 +143,18 @@ static void attn_unit(attn_ctx *c, int unit) {
             for (int l = 0; l < w; l++) lane[l] += lane[l + w];
         sum[j] = lane[0];
     }
-    memset(acc, 0, sizeof(float) * (size_t)group * D);
-    for (long t = 0; t < n; t++) {
-        long p = start + t;
-        size_t row = ((size_t)table[p / bs] * bs + p % bs) * c->Hkv + g;
-        const float *v = ka_row(c, c->v_cache, row, buf);
-        for (int j = 0; j < group; j++) {
-            float w = s[j * n + t], *a = acc + j * D;
+    for (int j = 0; j < group; j++) { /* per query: its D sums stay in registers where D is a constant */
+        float a[D];
+        for (int d = 0; d < D; d++) a[d] = 0.0f;
+        for (long t = 0; t < n; t++) {
+            long p = start + t;
+            size_t row = ((size_t)table[p / bs] * bs + p % bs) * c->Hkv + g;
+            const float *v = ka_row(c, c->v_cache, row, buf, D), w = s[j * n + t];
             for (int d = 0; d < D; d++) a[d] += w * v[d];
         }
-    }
-    for (int j = 0; j < group; j++) {
         size_t o = ((size_t)b * c->H + (size_t)g * group + j) * D;
         for (int d = 0; d < D; d++) {
-            float x = acc[j * D + d] / sum[j];
+            float x = a[d] / sum[j];
             if (c->q_bf16) ((uint16_t *)c->out)[o + d] = f32_to_bf16(x);
             else ((float *)c->out)[o + d] = x;
         }
@@ -162,8 +162,14 @@ static void attn_unit(attn_ctx *c, int unit) {
     free(mem);
 }
 
+static void attn_unit_64(attn_ctx *c, int unit) { attn_unit_d(c, unit, 64); }
+static void attn_unit_128(attn_ctx *c, int unit) { attn_unit_d(c, unit, 128); }
+static void attn_unit_any(attn_ctx *c, int unit) { attn_unit_d(c, unit, c->D); }
+
 static void attn_task(const void *ctx, int start, int end) {
-    for (int u = start; u < end; u++) attn_unit((attn_ctx *)ctx, u);
+    attn_ctx *c = (attn_ctx *)ctx;
+    void (*unit)(attn_ctx *, int) = c->D == 64 ? attn_unit_64 : c->D == 128 ? attn_unit_128 : attn_unit_any;
+    for (int u = start; u < end; u++) unit(c, u);
 }
 
 /* The step's new K and V rows (B of them, `kv_stride` elements apart, Hkv * D each, already in the cache's type
