@@ -111,9 +111,11 @@ def _backend_step(monkeypatch, native: bool, q, k, v, k_cache, v_cache, meta):
     return out, k_cache, v_cache
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.float8_e5m2), (torch.bfloat16, torch.float8_e4m3fn)],
-                         ids=["f32", "bf16", "f32-e5m2", "bf16-e4m3"])
+CASES = {"f32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
+         "f32-e5m2": (torch.float32, torch.float8_e5m2), "bf16-e4m3": (torch.bfloat16, torch.float8_e4m3fn)}
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", CASES.values(), ids=CASES.keys())
 def test_decode_step_writes_the_cache_as_index_copy_and_attends_as_torch(monkeypatch, dtype, cache_dtype):
     """The backend's decode step, native against torch: the same cache bytes after the write (K/V as strided
     views of a qkv row, values beyond e5m2's range to saturate), outputs within the tolerance."""
@@ -138,10 +140,10 @@ def test_mixed_step_takes_native_decodes_and_torch_prefills(monkeypatch):
     """Decodes then a prompt chunk: the decode rows native, the chunk through torch, as the torch path does."""
     lengths, new = [23, 40, 30], [1, 1, 12]
     gen = torch.Generator().manual_seed(6)
-    q, k_cache, v_cache, _ = make_step(lengths, 16, 8, 64, torch.float32, seed=6)
-    tables = make_step(lengths, 16, 8, 64, torch.float32, seed=6)[3].block_tables
-    starts = [0, 1, 2, 14]
-    slots = [int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK for i, n in enumerate(lengths) for p in range(n - new[i], n)]
+    _, k_cache, v_cache, decodes = make_step(lengths, 16, 8, 64, torch.float32, seed=6)
+    tables, starts = decodes.block_tables, [0, 1, 2, 14]
+    slots = [int(tables[i, p // BLOCK]) * BLOCK + p % BLOCK
+             for i, n in enumerate(lengths) for p in range(n - new[i], n)]
     meta = AttentionMetadata.build(slots, starts, lengths, tables, 2, None, torch.device("cpu"))
     q = torch.randn(14, 16, 64, generator=gen)
     k, v = torch.randn(14, 8, 64, generator=gen), torch.randn(14, 8, 64, generator=gen)
