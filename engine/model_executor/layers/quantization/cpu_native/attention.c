@@ -90,10 +90,19 @@ static inline __attribute__((always_inline)) const float *ka_row(const attn_ctx 
     return buf;
 }
 
+/* Positions p of [start, len) in order, t = p - start, `row` the cache row (slot * Hkv + head g) of p: a block's
+ * slots are consecutive, so the block table is read, and p divided by the block size, once per block. */
+#define FOR_EACH_POSITION(c, table, start, len, t, row)                                                        \
+    for (long blk_ = (start) / (c)->block_size, t = 0; t < (len) - (start); blk_++)                            \
+        for (long off_ = t ? 0 : (start) % (c)->block_size,                                                     \
+                  end_ = off_ + (len) - (start) - t < (c)->block_size ? off_ + (len) - (start) - t : (c)->block_size, \
+                  row = ((long)(table)[blk_] * (c)->block_size + off_) * (c)->Hkv + g;                         \
+             off_ < end_; off_++, t++, row += (c)->Hkv)
+
 /* One (sequence, KV head) unit. D a constant where inlined (64, 128): the d loops unroll and the lanes stay in
  * registers; the same operations in the same order as the generic D. */
 static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int unit, const int D) {
-    const int b = unit / c->Hkv, g = unit % c->Hkv, group = c->H / c->Hkv, bs = c->block_size;
+    const int b = unit / c->Hkv, g = unit % c->Hkv, group = c->H / c->Hkv;
     const long len = c->lens[b];
     const long start = c->window > 0 && len > c->window ? len - c->window : 0, n = len - start;
     if (n <= 0) { /* no context (cannot happen for a decode): zeros, as an empty softmax has no rows */
@@ -116,9 +125,7 @@ static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int u
             qf[j * D + d] = c->q_bf16 ? bf16_to_f32(((const uint16_t *)c->q)[at + d]) : ((const float *)c->q)[at + d];
     }
     const int64_t *table = c->tables + (size_t)b * c->table_stride;
-    for (long t = 0; t < n; t++) { /* scores s[j * n + t] */
-        long p = start + t;
-        size_t row = ((size_t)table[p / bs] * bs + p % bs) * c->Hkv + g;
+    FOR_EACH_POSITION(c, table, start, len, t, row) { /* scores s[j * n + t] */
         const float *k = ka_row(c, c->k_cache, row, buf, D);
         for (int j = 0; j < group; j++) s[j * n + t] = ka_dot(qf + j * D, k, D) * c->scale;
     }
@@ -146,9 +153,7 @@ static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int u
     for (int j = 0; j < group; j++) { /* per query: its D sums stay in registers where D is a constant */
         float a[D];
         for (int d = 0; d < D; d++) a[d] = 0.0f;
-        for (long t = 0; t < n; t++) {
-            long p = start + t;
-            size_t row = ((size_t)table[p / bs] * bs + p % bs) * c->Hkv + g;
+        FOR_EACH_POSITION(c, table, start, len, t, row) {
             const float *v = ka_row(c, c->v_cache, row, buf, D), w = s[j * n + t];
             for (int d = 0; d < D; d++) a[d] += w * v[d];
         }
