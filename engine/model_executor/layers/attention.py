@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ...device_copy import on_device, to_device
-from . import two_cores
+from . import cpu_attention, two_cores
+from .quantization.kv_cache_dtype import to_cache_dtype
 
 MIN_SHARED_DECODES = 4  # decodes in a CPU small step from which attention runs half on each core (two_cores.py)
 
@@ -134,15 +135,6 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """K or V in the cache's type; an fp8 cache saturates at its largest finite value, as vLLM's does (torch's
-    cast already saturates e4m3, but overflows e5m2 to inf)."""
-    if dtype == torch.float8_e5m2:
-        limit = torch.finfo(dtype).max
-        x = x.clamp(-limit, limit)
-    return x.to(dtype)
-
-
 def sequence_context(cache: torch.Tensor, meta: AttentionMetadata, seq: int, length: int) -> torch.Tensor:
     """[1, Hkv, length, D] keys or values of one sequence: a slice of the cache when its blocks are
     consecutive (no copy: at batch 1 the gathers were the largest of a step's small ops), else gathered."""
@@ -170,6 +162,9 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, softcap=None, sinks=None):
+        native = cpu_attention.usable(q, k_cache, meta, softcap, sinks)  # decode rows in C (cpu_attention.py)
+        if native and meta.num_decodes == meta.num_seqs:  # a decode step: the K/V write in the same call
+            return cpu_attention.decode(q, k_cache, v_cache, meta, scale, new_kv=(k, v))
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if softcap or sinks is not None:  # SDPA cannot cap scores or add sinks: every sequence through the eager path
             return self._eager(q, k_cache, v_cache, meta, scale, softcap, sinks)
@@ -180,7 +175,7 @@ class TorchAttentionBackend(AttentionBackend):
             return self._prefill(q, k_cache, v_cache, meta, 0, scale)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = (cpu_attention.decode if native else self._decode)(q[:nd], k_cache, v_cache, meta, scale)
         for i in range(nd, meta.num_seqs):
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             out[start:end] = self._prefill(q[start:end], k_cache, v_cache, meta, i, scale)

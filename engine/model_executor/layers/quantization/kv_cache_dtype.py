@@ -25,6 +25,15 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else KV_CACHE_TORCH_DTYPES[name]
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V in the cache's type; an fp8 cache saturates at its largest finite value, as vLLM's does (torch's
+    cast already saturates e4m3, but overflows e5m2 to inf)."""
+    if dtype == torch.float8_e5m2:
+        limit = torch.finfo(dtype).max
+        x = x.clamp(-limit, limit)
+    return x.to(dtype)
+
+
 def check_kv_cache_dtype(name: str, backend: str, device: torch.device) -> None:
     """Triton has no float8_e4m3 before compute capability 8.9 (Ada, Hopper): refused there, naming the way out."""
     if name in ("fp8", "fp8_e4m3") and backend == "triton" and device.type == "cuda":

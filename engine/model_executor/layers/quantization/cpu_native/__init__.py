@@ -2,4 +2,5 @@
 llama.cpp multiplies its Q8_0 / Q4_0 weights, where torch has nothing fast at both 1 and 16 tokens
 (`torch._int_mm` reads int8 weights at a quarter of the memory bandwidth at one token). kernels.c is compiled
 at first use with the system C compiler (build.py) and called through ctypes (ops.py), which releases the GIL;
-its threads are a persistent pool of its own. Without a compiler the torch kernels run (ops.available())."""
+its threads are a persistent pool of its own. Without a compiler the torch kernels run (ops.available()).
+attention.c (#included by kernels.c) is the CPU decode attention over the paged KV cache (layers/cpu_attention.py)."""

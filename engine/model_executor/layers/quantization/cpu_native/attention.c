@@ -1,0 +1,206 @@
+/* Decode attention over the paged KV cache (#included at the end of kernels.c; cpu_attention.py calls it).
+ *
+ * One call per layer for a step's decode rows (one query token per sequence). Work unit: a (sequence, KV head)
+ * pair, run on the pool: the group of H / Hkv query heads that share the KV head, against the sequence's context
+ * read in place block by block through its block-table row (cache [num_blocks, block_size, Hkv, D]), only the
+ * last `window` positions where a window is set. Softmax in float32, two passes over the scores (max, then
+ * exp and sum), then the weighted sum of V rows, divided by the sum. Each unit alone, in a fixed order, on one
+ * thread: a sequence's output has the same bits whatever the batch around it and however units are chunked.
+ *
+ * Plain C that gcc vectorizes (-O3 -march=native): dot products in 16 lanes summed in a fixed tree, exp by a
+ * polynomial (expf is a libm call per element); no intrinsics, so the portable build runs the same code.
+ * Cache element kinds: float32, bfloat16, and one byte through a 256-entry table (fp8 e4m3 / e5m2: the table
+ * holds each byte's exact float value, so widening equals torch's cast). */
+
+#define KA_LANES 16
+
+typedef struct {
+    const char *q;        /* [B, H, D] rows `q_stride` elements apart, heads D apart: float32 or bf16 */
+    const char *k_cache;  /* [num_blocks, block_size, Hkv, D] */
+    const char *v_cache;
+    const float *lut;     /* kind 2: the float value of each byte */
+    const int64_t *tables;/* [B, table_stride] block ids */
+    const int64_t *lens;  /* [B] context lengths (the step's token included) */
+    char *out;            /* [B, H, D] contiguous, q's type */
+    long q_stride, table_stride;
+    int q_bf16, kind, H, Hkv, D, block_size, window;
+    float scale;
+    atomic_int failed;
+} attn_ctx;
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's cast; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* exp(x) for x <= 0 (scores minus their max): 2^n * e^r, r = x - n ln 2 in two steps (Cody-Waite), a degree-7
+ * Taylor polynomial on |r| <= ln2 / 2 (error ~5e-9 relative, below float32's 6e-8 ulp). Below -87 it returns
+ * exp(-87) ~ 1.6e-38 instead of less: a weight that small against the max's 1 changes no float32 sum. */
+static inline float ka_exp(float x) {
+    x = x > -87.0f ? x : -87.0f;
+    float n = __builtin_rintf(x * 1.4426950408889634f);
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.4286068203094172e-06f;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, 4);
+    return p * two_n;
+}
+
+/* sum a[d] * b[d] in 16 lanes (element d in lane d % 16), the lanes summed pairwise: a fixed order for any D. */
+static inline __attribute__((always_inline)) float ka_dot(const float *a, const float *b, int D) {
+    float lane[KA_LANES] = {0};
+    int d = 0;
+    for (; d + KA_LANES <= D; d += KA_LANES)
+        for (int l = 0; l < KA_LANES; l++) lane[l] += a[d + l] * b[d + l];
+    for (int l = 0; d + l < D; l++) lane[l] += a[d + l] * b[d + l];
+    for (int w = KA_LANES / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+    return lane[0];
+}
+
+/* Row `row` (token slot * Hkv + head) of a cache as float32: the cache itself for float32, else widened to buf. */
+static inline __attribute__((always_inline)) const float *ka_row(const attn_ctx *c, const char *cache, size_t row, float *buf, const int D) {
+    size_t at = row * (size_t)D;
+    if (c->kind == 0) return (const float *)cache + at;
+    if (c->kind == 1) {
+        const uint16_t *src = (const uint16_t *)cache + at;
+        for (int d = 0; d < D; d++) buf[d] = bf16_to_f32(src[d]);
+    } else {
+        const uint8_t *src = (const uint8_t *)cache + at;
+        for (int d = 0; d < D; d++) buf[d] = c->lut[src[d]];
+    }
+    return buf;
+}
+
+/* Positions p of [start, len) in order, t = p - start, `row` the cache row (slot * Hkv + head g) of p: a block's
+ * slots are consecutive, so the block table is read, and p divided by the block size, once per block. */
+#define FOR_EACH_POSITION(c, table, start, len, t, row)                                                        \
+    for (long blk_ = (start) / (c)->block_size, t = 0; t < (len) - (start); blk_++)                            \
+        for (long off_ = t ? 0 : (start) % (c)->block_size,                                                     \
+                  end_ = off_ + (len) - (start) - t < (c)->block_size ? off_ + (len) - (start) - t : (c)->block_size, \
+                  row = ((long)(table)[blk_] * (c)->block_size + off_) * (c)->Hkv + g;                         \
+             off_ < end_; off_++, t++, row += (c)->Hkv)
+
+/* One (sequence, KV head) unit. D a constant where inlined (64, 128): the d loops unroll and the lanes stay in
+ * registers; the same operations in the same order as the generic D. */
+static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int unit, const int D) {
+    const int b = unit / c->Hkv, g = unit % c->Hkv, group = c->H / c->Hkv;
+    const long len = c->lens[b];
+    const long start = c->window > 0 && len > c->window ? len - c->window : 0, n = len - start;
+    if (n <= 0) { /* no context (cannot happen for a decode): zeros, as an empty softmax has no rows */
+        for (int j = 0; j < group; j++) {
+            size_t o = ((size_t)b * c->H + (size_t)g * group + j) * D;
+            if (c->q_bf16) memset((uint16_t *)c->out + o, 0, 2 * (size_t)D);
+            else memset((float *)c->out + o, 0, 4 * (size_t)D);
+        }
+        return;
+    }
+    float *mem = malloc(sizeof(float) * ((size_t)group * (D + n) + D));
+    if (!mem) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    float *qf = mem, *buf = qf + (size_t)group * D, *s = buf + D;
+    for (int j = 0; j < group; j++) {
+        size_t at = (size_t)b * c->q_stride + ((size_t)g * group + j) * D;
+        for (int d = 0; d < D; d++)
+            qf[j * D + d] = c->q_bf16 ? bf16_to_f32(((const uint16_t *)c->q)[at + d]) : ((const float *)c->q)[at + d];
+    }
+    const int64_t *table = c->tables + (size_t)b * c->table_stride;
+    FOR_EACH_POSITION(c, table, start, len, t, row) { /* scores s[j * n + t] */
+        const float *k = ka_row(c, c->k_cache, row, buf, D);
+        for (int j = 0; j < group; j++) s[j * n + t] = ka_dot(qf + j * D, k, D) * c->scale;
+    }
+    float sum[group];
+    for (int j = 0; j < group; j++) {
+        float *sj = s + j * n, m = sj[0];
+        for (long t = 1; t < n; t++) m = sj[t] > m ? sj[t] : m;
+        float lane[KA_LANES] = {0};
+        long t = 0;
+        for (; t + KA_LANES <= n; t += KA_LANES)
+            for (int l = 0; l < KA_LANES; l++) {
+                float e = ka_exp(sj[t + l] - m);
+                sj[t + l] = e;
+                lane[l] += e;
+            }
+        for (int l = 0; t + l < n; l++) {
+            float e = ka_exp(sj[t + l] - m);
+            sj[t + l] = e;
+            lane[l] += e;
+        }
+        for (int w = KA_LANES / 2; w > 0; w /= 2)
+            for (int l = 0; l < w; l++) lane[l] += lane[l + w];
+        sum[j] = lane[0];
+    }
+    for (int j = 0; j < group; j++) { /* per query: its D sums stay in registers where D is a constant */
+        float a[D];
+        for (int d = 0; d < D; d++) a[d] = 0.0f;
+        FOR_EACH_POSITION(c, table, start, len, t, row) {
+            const float *v = ka_row(c, c->v_cache, row, buf, D), w = s[j * n + t];
+            for (int d = 0; d < D; d++) a[d] += w * v[d];
+        }
+        size_t o = ((size_t)b * c->H + (size_t)g * group + j) * D;
+        for (int d = 0; d < D; d++) {
+            float x = a[d] / sum[j];
+            if (c->q_bf16) ((uint16_t *)c->out)[o + d] = f32_to_bf16(x);
+            else ((float *)c->out)[o + d] = x;
+        }
+    }
+    free(mem);
+}
+
+static void attn_unit_64(attn_ctx *c, int unit) { attn_unit_d(c, unit, 64); }
+static void attn_unit_128(attn_ctx *c, int unit) { attn_unit_d(c, unit, 128); }
+static void attn_unit_any(attn_ctx *c, int unit) { attn_unit_d(c, unit, c->D); }
+
+static void attn_task(const void *ctx, int start, int end) {
+    attn_ctx *c = (attn_ctx *)ctx;
+    void (*unit)(attn_ctx *, int) = c->D == 64 ? attn_unit_64 : c->D == 128 ? attn_unit_128 : attn_unit_any;
+    for (int u = start; u < end; u++) unit(c, u);
+}
+
+/* The step's new K and V rows (B of them, `kv_stride` elements apart, Hkv * D each, already in the cache's type
+ * of `elem` bytes) copied into their slots: index_copy_'s result. Before any unit reads (a slot may be read by
+ * a unit of another sequence only where blocks are shared, and a decode never writes a shared block). */
+static void write_kv(const char *k, const char *v, long kv_stride, int B, int Hkv, int D, int elem,
+                     const int64_t *slots, char *k_cache, char *v_cache) {
+    size_t row = (size_t)Hkv * D * elem;
+    for (int b = 0; b < B; b++) {
+        memcpy(k_cache + (size_t)slots[b] * row, k + (size_t)b * kv_stride * elem, row);
+        memcpy(v_cache + (size_t)slots[b] * row, v + (size_t)b * kv_stride * elem, row);
+    }
+}
+
+/* out [B, H, D] = decode attention of q's B rows (see the top of this file). kind: 0 float32 cache, 1 bf16,
+ * 2 one byte through `lut`. window <= 0: none. `slots` not NULL: first the step's k and v rows (`kv_stride`
+ * elements apart, in the cache's type) written to those slots. Returns 0, or -1 when out of memory. */
+int ki_decode_attention(const char *q, long q_stride, int q_bf16, const char *k, const char *v, long kv_stride,
+                        const int64_t *slots, char *k_cache, char *v_cache, int kind, const float *lut,
+                        const int64_t *tables, long table_stride, const int64_t *lens, int B, int H, int Hkv, int D,
+                        int block_size, int window, float scale, char *out) {
+    attn_ctx c = {q, k_cache, v_cache, lut, tables, lens, out, q_stride, table_stride, q_bf16, kind, H, Hkv, D,
+                  block_size, window, scale, 0};
+    pthread_mutex_lock(&call_mu);
+    if (slots) write_kv(k, v, kv_stride, B, Hkv, D, kind == 0 ? 4 : kind == 1 ? 2 : 1, slots, k_cache, v_cache);
+    parallel(attn_task, &c, B * Hkv);
+    pthread_mutex_unlock(&call_mu);
+    return atomic_load(&c.failed) ? -1 : 0;
+}
