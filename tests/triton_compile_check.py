@@ -21,15 +21,16 @@ SCALAR_TYPES = {"scale_log2": "fp32", "eps": "fp32", "softcap": "fp32"}
 def variants():
     """(kernel, constexprs) pairs: the shapes the engine launches for Llama-3-8B-like models (GQA 4, head_dim
     128), a group that is no power of two, MHA with an odd head_dim, and the fp32 (upcast) path."""
-    from kubeinfer.engine.model_executor.layers import triton_attention as ta
     from kubeinfer.engine.lora import triton_ops as tlo
+    from kubeinfer.engine.model_executor.layers import triton_attention as ta
     from kubeinfer.engine.model_executor.layers import triton_norm as tn
+    from kubeinfer.engine.model_executor.layers.fused_moe import triton_moe as tm
     from kubeinfer.engine.model_executor.layers.quantization import triton_int_matmul as qm
 
     attn = dict(GROUP=4, GROUP_PAD=4, BLOCK_N=64, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, UPCAST=False,
-                SOFTCAP=False)
+                SOFTCAP=False, SINKS=False)
     return [
-        (ta._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, BLOCK_SIZE=16)),
+        (ta._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, BLOCK_SIZE=16, FP8_MAX=0.0)),
         (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=4)),  # decode
         (ta._paged_attention_kernel, dict(attn, BLOCK_M=64, BLOCK_Q=16)),  # prefill
         (ta._paged_attention_kernel, dict(attn, GROUP=7, GROUP_PAD=8, BLOCK_M=64, BLOCK_Q=8)),
@@ -37,6 +38,8 @@ def variants():
         (ta._paged_attention_kernel, dict(attn, BLOCK_M=64, BLOCK_Q=16, UPCAST=True)),
         (ta._paged_attention_kernel, dict(attn, BLOCK_M=64, BLOCK_Q=32, GROUP=2, GROUP_PAD=2, HEAD_DIM=256,
                                           DIM_PAD=256, SOFTCAP=True)),  # Gemma 2: capped scores, 256-wide heads
+        (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=2, GROUP=8, GROUP_PAD=8, HEAD_DIM=64, DIM_PAD=64,
+                                          SINKS=True)),  # gpt-oss: a sink logit per head
         (tlo._shrink_kernel, dict(BLOCK_T=16, BLOCK_R=16, BLOCK_K=64, UPCAST=False)),
         (tlo._expand_kernel, dict(BLOCK_T=16, BLOCK_O=64, BLOCK_R=16, UPCAST=False)),
         (tn._rms_norm_kernel, dict(N=4096, BLOCK=4096, HAS_RESIDUAL=True)),
@@ -50,17 +53,38 @@ def variants():
                                                                 BLOCK_SIZE=16, FP8_MAX=limit)),
                                      (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=4)))],
         # kept-quantized int8 / int4 weights (layers/quantization/triton_int_matmul.py)
-        *[(qm._int_matmul_kernel, dict(GROUP=group, INT4=int4, HAS_ZERO=zero, HAS_BIAS=False, UPCAST=False,
+        # kept-quantized int8 / int4 / fp8 (e4m3 bits as bytes) weights (layers/quantization/triton_int_matmul.py)
+        *[(qm._int_matmul_kernel, dict(GROUP=group, INT4=int4, FP8=fp8, HAS_ZERO=zero, HAS_BIAS=False, UPCAST=False,
                                        BLOCK_M=16, BLOCK_N=64, BLOCK_K=64),
-           {"q_ptr": "*u8" if int4 else "*i8", "scale_ptr": "*fp32", "zero_ptr": "*i8"})
-          for int4, group, zero in ((False, 4096, False), (True, 128, True), (True, 64, False))],
+           {"q_ptr": "*u8" if int4 or fp8 else "*i8", "scale_ptr": "*fp32", "zero_ptr": "*i8"})
+          for int4, fp8, group, zero in ((False, False, 4096, False), (True, False, 128, True),
+                                         (True, False, 64, False), (False, True, 128, False))],
+        (qm._decode_e4m3_kernel, dict(BLOCK=256), {"bits_ptr": "*u8", "out_ptr": "*fp32"}),
+        # the fused MoE GEMMs (fused_moe/triton_moe.py): the first reads each token top_k times, the second weighs
+        # each pair; float stacks (gpt-oss: with biases) and kept int8 / int4 / fp8 experts
+        *[(tm._grouped_gemm_kernel, dict(MOE, A_ROWS_PER_TOKEN=rows, MUL_WEIGHT=rows == 1, HAS_BIAS=bias, **quant),
+           {**MOE_POINTERS, **({"b_ptr": "*u8" if quant["INT4"] or quant["FP8"] else "*i8", "scale_ptr": "*bf16",
+                                "zero_ptr": "*bf16"} if quant["QUANT"] else {})})
+          for rows in (8, 1) for bias, quant in (
+              (False, dict(QUANT=False, INT4=False, FP8=False, HAS_ZERO=False, GROUP=1)),
+              (True, dict(QUANT=False, INT4=False, FP8=False, HAS_ZERO=False, GROUP=1)),
+              (False, dict(QUANT=True, INT4=False, FP8=False, HAS_ZERO=False, GROUP=2048)),
+              (False, dict(QUANT=True, INT4=True, FP8=False, HAS_ZERO=True, GROUP=128)),
+              (False, dict(QUANT=True, INT4=False, FP8=True, HAS_ZERO=False, GROUP=128)))],
     ]
+
+
+MOE = dict(UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+MOE_POINTERS = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32"}
 
 
 def signature(kernel, constexprs: dict, pointers: dict | None = None) -> dict[str, str]:
     fp32 = constexprs.get("UPCAST") is True and kernel.__name__ == "_paged_attention_kernel"
     activation = "*fp32" if fp32 else "*bf16"
     sig = {}
+    missing = [p.name for p in kernel.params if p.is_constexpr and p.name not in constexprs]
+    if missing:  # a constexpr left out would compile as a runtime integer: a kernel the engine never launches
+        raise ValueError(f"{kernel.__name__}: give every constexpr; missing {missing}")
     for name in kernel.arg_names:
         if name in constexprs:
             sig[name] = "constexpr"
