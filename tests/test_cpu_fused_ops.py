@@ -2,8 +2,9 @@
 against torch and transformers: RMSNorm with its residual add, silu(gate) * up, rotary in place; then in the
 engine, greedy tokens equal to transformers' with the kernels on, and KUBEINFER_CPU_NATIVE_LAYERS=0 taking torch.
 
-Tolerances (measured: at most ~3 float32 ulps for the norm, ~2 for the activation): relative 6e-7 (5 ulps).
-The residual sum and the rotation do torch's float operations, so they are compared bit for bit."""
+Tolerances (measured: at most ~3 float32 ulps for the norm, ~2 for the activation): relative 6e-7 (5 ulps); the
+bf16 norm within two bf16 ulps (one of bf16(s * inv)), on under 1% of the elements. The residual sum and the
+rotation do torch's float operations, so they are compared bit for bit."""
 from __future__ import annotations
 
 import pytest
@@ -45,6 +46,29 @@ def test_rms_norm_with_residual_matches_torch_and_transformers(tokens, width, sc
     close(out, F.rms_norm(x + residual, (width,), theirs.weight.detach(), 1e-6))
     close(out, theirs(x + residual).detach())
     close(cpu_fused_ops.rms_norm(x, theirs.weight.detach(), 1e-6), theirs(x).detach())  # no residual: layer 0
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("width", [1024, 67])
+def test_rms_norm_bf16_rounds_where_torch_rounds(tokens, width, monkeypatch):
+    """bf16: s = x + r and y = w * bf16(s * inv) rounded as torch's bf16 ops (RMSNorm._norm, LlamaRMSNorm); only
+    inv differs by float32 ulps, so a product near a rounding boundary may land one bf16 ulp away."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(tokens + width)
+    x, residual = torch.randn(tokens, width).bfloat16(), torch.randn(tokens, width).bfloat16()
+    theirs = LlamaRMSNorm(width, eps=1e-6).bfloat16()
+    with torch.no_grad():
+        theirs.weight.normal_()
+    ours = RMSNorm(width, 1e-6).bfloat16()
+    ours.weight.data.copy_(theirs.weight.data)
+    out, summed = cpu_fused_ops.rms_norm(x, ours.weight.detach(), 1e-6, residual)
+    assert out.dtype == summed.dtype == torch.bfloat16 and torch.equal(summed, x + residual)
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "0")
+    reference, _ = ours(x, residual)
+    assert torch.equal(reference, theirs(x + residual))
+    torch.testing.assert_close(out, reference, rtol=2 ** -6, atol=0)  # one ulp of bf16(s * inv), then w * it rounded
+    assert (out != reference).float().mean() < 0.01
 
 
 def test_rms_norm_per_head_on_a_strided_view():
@@ -95,15 +119,16 @@ def test_rotary_refuses_a_position_past_the_tables():
 
 
 def test_unsupported_inputs_fall_back_to_torch():
-    x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    x, w = torch.randn(4, 64, dtype=torch.float16), torch.randn(64, dtype=torch.float16)
     assert cpu_fused_ops.rms_norm(x, w, 1e-6) is None
+    assert cpu_fused_ops.rms_norm(x.bfloat16(), w.float(), 1e-6) is None  # mixed: torch promotes, we do not
     assert cpu_fused_ops.rms_norm(torch.randn(4, 64), torch.randn(64), 1e-6, torch.randn(64, 4).t()) is None
     assert cpu_fused_ops.silu_mul(torch.randn(4, 64).t(), 2) is None
     assert cpu_fused_ops.rotate_(torch.randn(2, 4, 64), torch.tensor([1, 2], dtype=torch.int32),
                                  torch.randn(8, 32), torch.randn(8, 32)) is None
-    norm = RMSNorm(64, 1e-6).to(torch.bfloat16)  # the module then runs torch's arithmetic
+    norm = RMSNorm(64, 1e-6).to(torch.float16)  # the module then runs torch's arithmetic
     torch.testing.assert_close(norm(x), (torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
-                                         * x.float()).to(torch.bfloat16) * norm.weight, rtol=0, atol=0)
+                                         * x.float()).to(torch.float16) * norm.weight, rtol=0, atol=0)
 
 
 def test_the_switch_off_means_no_native_call(monkeypatch):

@@ -2,10 +2,11 @@
 silu(gate) * up, and rotary embeddings in place. Each replaces 3-8 torch kernels with one pass over each row;
 at batch 1 a step's ~100 such calls are most of its time outside the products.
 
-Each function returns None where it does not apply (not a CPU float32 tensor, a layout it does not take,
-KUBEINFER_CPU_NATIVE_LAYERS=0, no compiler): the caller then runs its torch code. float32 only: bf16 and the
-other dtypes stay in torch. Accuracy (tests/test_cpu_fused_ops.py): the residual sum and the rotation are
-torch's bits; the norm and the activation within a few float32 ulps (sums and exp in another order)."""
+Each function returns None where it does not apply (not a CPU tensor of a dtype it takes, a layout it does not
+take, KUBEINFER_CPU_NATIVE_LAYERS=0, no compiler): the caller then runs its torch code. float32; the norm bf16 too
+(rounded where torch rounds); other dtypes stay in torch. Accuracy (tests/test_cpu_fused_ops.py): the residual sum
+and the rotation are torch's bits; the norm and the activation within a few float32 ulps (sums and exp in another
+order)."""
 from __future__ import annotations
 
 import ctypes
@@ -14,6 +15,7 @@ import torch
 
 from .quantization.cpu_native import ops
 
+MAX_BF16_NORM = 16384  # decode_ops.c's KI_NORM_MAX: a bf16 row is widened into a stack buffer
 _state: dict = {}
 
 
@@ -25,17 +27,17 @@ def _lib():
     if lib is None:
         lib = ops.library()
         p, i, long_, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-        lib.ki_rms_norm.argtypes, lib.ki_rms_norm.restype = [p, long_, long_, p, p, p, p, i, i, i, f], None
+        lib.ki_rms_norm.argtypes, lib.ki_rms_norm.restype = [p, long_, long_, p, p, p, p, i, i, i, f, i], i
         lib.ki_silu_mul.argtypes, lib.ki_silu_mul.restype = [p, long_, p, i, i], None
         lib.ki_rotary.argtypes, lib.ki_rotary.restype = [p, long_, long_, p, p, p, i, i, i, i], i
         _state["lib"] = lib
     return lib
 
 
-def _rows3(x: torch.Tensor) -> tuple[int, int, int, int, int] | None:
-    """(T, H, N, token stride, head stride) of a [T, N] or [T, H, N] float32 CPU tensor whose last dimension is
+def _rows3(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[int, int, int, int, int] | None:
+    """(T, H, N, token stride, head stride) of a [T, N] or [T, H, N] CPU tensor of `dtype` whose last dimension is
     contiguous; None otherwise. (A batch-1 step makes ~100 calls: every check here costs ~0.1 us.)"""
-    if x.dtype is not torch.float32 or not x.is_cpu or x.stride(-1) != 1:
+    if x.dtype is not dtype or not x.is_cpu or x.stride(-1) != 1:
         return None
     dim = x.dim()
     if dim == 2:
@@ -48,19 +50,22 @@ def _rows3(x: torch.Tensor) -> tuple[int, int, int, int, int] | None:
 
 
 def _new(x: torch.Tensor) -> torch.Tensor:
-    """A contiguous float32 tensor of x's shape (empty_like: half torch.empty's cost, for a contiguous x)."""
-    return torch.empty_like(x) if x.is_contiguous() else torch.empty(x.shape, dtype=torch.float32)
+    """A contiguous tensor like x (empty_like: half torch.empty's cost, for a contiguous x)."""
+    return torch.empty_like(x) if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm.forward (weight * normalised, in float32) of x [T, N] or [T, H, N] (per-head norms, any token
-    and head strides): the normalised rows, or (normalised, x + residual) given `residual` (x's shape); both
-    new tensors. None where it does not apply."""
-    shape = _rows3(x)
-    if (shape is None or weight.dtype is not torch.float32 or weight.dim() != 1 or weight.shape[0] != shape[2]
-            or not weight.is_contiguous()):
+    """RMSNorm.forward (weight * normalised) of x [T, N] or [T, H, N] (per-head norms, any token and head
+    strides), float32 or bf16 (weight and residual of x's dtype): the normalised rows, or (normalised,
+    x + residual) given `residual` (x's shape); both new tensors. None where it does not apply."""
+    dtype = x.dtype
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:
         return None
-    if residual is not None and (residual.dtype is not torch.float32 or residual.shape != x.shape
+    shape = _rows3(x, dtype)
+    if (shape is None or weight.dtype is not dtype or weight.dim() != 1 or weight.shape[0] != shape[2]
+            or not weight.is_contiguous() or (dtype is torch.bfloat16 and shape[2] > MAX_BF16_NORM)):
+        return None
+    if residual is not None and (residual.dtype is not dtype or residual.shape != x.shape
                                  or not residual.is_contiguous()):
         return None
     lib = _lib()
@@ -70,12 +75,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = _new(x)
     if residual is None:
         if t:
-            lib.ki_rms_norm(x.data_ptr(), st, sh, None, None, weight.data_ptr(), out.data_ptr(), t, h, n, eps)
+            lib.ki_rms_norm(x.data_ptr(), st, sh, None, None, weight.data_ptr(), out.data_ptr(), t, h, n, eps,
+                            dtype is torch.bfloat16)
         return out
     summed = torch.empty_like(residual)
     if t:
         lib.ki_rms_norm(x.data_ptr(), st, sh, residual.data_ptr(), summed.data_ptr(), weight.data_ptr(),
-                        out.data_ptr(), t, h, n, eps)
+                        out.data_ptr(), t, h, n, eps, dtype is torch.bfloat16)
     return out, summed
 
 

@@ -1,11 +1,12 @@
-/* The small float32 ops of a decode step (included by kernels.c): RMSNorm with its residual add, the gated
+/* The small ops of a decode step, float32 (the norm bf16 too) (included by kernels.c): RMSNorm with its residual add, the gated
  * activation silu(gate) * up, and rotary embeddings in place. One pass over each row instead of torch's 3-8
  * kernels; a batch-1 step makes ~100 of these calls, so each runs on the calling thread alone unless the call
  * is large enough (prefill) for the pool's hand-off to pay.
  *
  * Plain C that -O3 -march=native vectorizes (no intrinsics, so no portable twin is needed); -ffp-contract=off:
  * every product and sum is rounded as torch rounds it.
- * - RMSNorm: s = x + r (one float add: torch's bits), y = w * (s * (1 / sqrtf(mean(s * s) + eps))). The sum of
+ * - RMSNorm (float32, or bf16 as torch rounds it): s = x + r (one float add: torch's bits),
+ *   y = w * (s * (1 / sqrtf(mean(s * s) + eps))). The sum of
  *   squares is summed in 16 lanes then a tree (torch sums in another order), and torch's rsqrt is its own
  *   vectorized 1 / sqrt: y within a few float32 ulps of torch's (tests/test_cpu_fused_ops.py states the bound).
  * - silu(g) * u = (g / (1 + exp(-g))) * u, torch's formula, with exp below (within 2 ulps of expf; torch's
@@ -48,44 +49,88 @@ static void ki_run(task_fn fn, const void *ctx, int items, long elems) {
     pthread_mutex_unlock(&call_mu);
 }
 
-/* ------------------------------------------------------------------ RMSNorm */
+/* ------------------------------------------------------------------ RMSNorm
+ * float32: y = (s * inv) * w. bf16 (x, residual, weight and y): s = bf16(x + r), y = bf16(w * bf16(s * inv)),
+ * each product in float32 and rounded to nearest even, as torch's bf16 ops and RMSNorm._norm do. */
+#define KI_NORM_MAX 16384 /* bf16 rows are widened into a stack buffer of this many floats */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; a NaN stays a (quiet) NaN */
+    union { float f; uint32_t u; } v = {.f = f};
+    uint16_t r = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)((v.u >> 16) | 0x40u) : r;
+}
+
 typedef struct {
-    const float *x, *res, *w;
-    float *sum, *out;
-    long sx_t, sx_h; /* x's token and head strides, in floats (its last one is 1) */
-    int H, N;
+    const void *x, *res, *w;
+    void *sum, *out;
+    long sx_t, sx_h; /* x's token and head strides, in elements (its last one is 1) */
+    int H, N, bf16;
     float eps;
 } norm_ctx;
 
-static void norm_task(const void *ctx, int start, int end) {
+/* 1 / sqrt(mean(v^2) + eps): the squares summed in 16 lanes, then a tree. */
+static inline float inv_rms(const float *v, int N, float eps) {
+    float acc[16] = {0};
+    int i = 0;
+    for (; i + 16 <= N; i += 16)
+        for (int j = 0; j < 16; j++) acc[j] += v[i + j] * v[i + j];
+    for (int j = 0; i < N; i++, j++) acc[j] += v[i] * v[i];
+    for (int w = 8; w; w /= 2)
+        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
+    return 1.0f / sqrtf(acc[0] / (float)N + eps);
+}
+
+static void norm_f32_task(const void *ctx, int start, int end) {
     const norm_ctx *c = ctx;
     const int N = c->N;
+    const float *w = c->w;
     for (int row = start; row < end; row++) {
-        const float *x = c->x + (long)(row / c->H) * c->sx_t + (long)(row % c->H) * c->sx_h;
-        float *y = c->out + (long)row * N;
+        const float *x = (const float *)c->x + (long)(row / c->H) * c->sx_t + (long)(row % c->H) * c->sx_h;
+        float *y = (float *)c->out + (long)row * N;
         if (c->res) { /* s = x + r into `sum`, then normalised from there */
-            const float *r = c->res + (long)row * N;
-            float *s = c->sum + (long)row * N;
+            const float *r = (const float *)c->res + (long)row * N;
+            float *s = (float *)c->sum + (long)row * N;
             for (int i = 0; i < N; i++) s[i] = x[i] + r[i];
             x = s;
         }
-        float acc[16] = {0};
-        int i = 0;
-        for (; i + 16 <= N; i += 16)
-            for (int j = 0; j < 16; j++) acc[j] += x[i + j] * x[i + j];
-        for (int j = 0; i < N; i++, j++) acc[j] += x[i] * x[i];
-        for (int w = 8; w; w /= 2)
-            for (int j = 0; j < w; j++) acc[j] += acc[j + w];
-        float inv = 1.0f / sqrtf(acc[0] / (float)N + c->eps);
-        for (i = 0; i < N; i++) y[i] = (x[i] * inv) * c->w[i];
+        float inv = inv_rms(x, N, c->eps);
+        for (int i = 0; i < N; i++) y[i] = (x[i] * inv) * w[i];
     }
 }
 
-/* x [T, H, N] (strides sx_t, sx_h, 1), w [N]; res, sum (may be NULL together) and out contiguous [T, H, N]. */
-void ki_rms_norm(const float *x, long sx_t, long sx_h, const float *res, float *sum, const float *w, float *out,
-                 int T, int H, int N, float eps) {
-    norm_ctx c = {x, res, w, sum, out, sx_t, sx_h, H, N, eps};
-    ki_run(norm_task, &c, T * H, (long)T * H * N);
+static void norm_bf16_task(const void *ctx, int start, int end) {
+    const norm_ctx *c = ctx;
+    const int N = c->N;
+    const uint16_t *w = c->w;
+    float v[KI_NORM_MAX];
+    for (int row = start; row < end; row++) {
+        const uint16_t *x = (const uint16_t *)c->x + (long)(row / c->H) * c->sx_t + (long)(row % c->H) * c->sx_h;
+        uint16_t *y = (uint16_t *)c->out + (long)row * N;
+        if (c->res) {
+            const uint16_t *r = (const uint16_t *)c->res + (long)row * N;
+            uint16_t *s = (uint16_t *)c->sum + (long)row * N;
+            for (int i = 0; i < N; i++) s[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(r[i]));
+            x = s;
+        }
+        for (int i = 0; i < N; i++) v[i] = bf16_to_f32(x[i]);
+        float inv = inv_rms(v, N, c->eps);
+        for (int i = 0; i < N; i++) y[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(v[i] * inv)));
+    }
+}
+
+/* x [T, H, N] (strides sx_t, sx_h, 1), w [N]; res, sum (may be NULL together) and out contiguous [T, H, N]; all
+ * float32, or all bf16 (`bf16`, N <= KI_NORM_MAX). Returns -1 (nothing written) for a bf16 row too long. */
+int ki_rms_norm(const void *x, long sx_t, long sx_h, const void *res, void *sum, const void *w, void *out,
+                int T, int H, int N, float eps, int bf16) {
+    if (bf16 && N > KI_NORM_MAX) return -1;
+    norm_ctx c = {x, res, w, sum, out, sx_t, sx_h, H, N, bf16, eps};
+    ki_run(bf16 ? norm_bf16_task : norm_f32_task, &c, T * H, (long)T * H * N);
+    return 0;
 }
 
 /* ------------------------------------------------------------------ silu(gate) * up */
