@@ -177,3 +177,24 @@ def test_engine_greedy_tokens_equal_transformers_with_native_ops(family, tmp_pat
         else:
             assert not any(taken.values()), taken
         monkeypatch.undo()
+
+
+def test_engine_bf16_native_norms_keep_the_torch_paths_tokens(tmp_path, monkeypatch):
+    """--dtype bfloat16: the norms go native (the activation and rotary stay torch's), greedy tokens unchanged."""
+    from test_engine_correctness import MAX_TOKENS, PROMPTS
+
+    from kubeinfer.engine import LLM, SamplingParams
+    from kubeinfer.testing.random_model import build_random_model
+
+    model_dir = build_random_model(tmp_path / "llama", "llama", tokenizer=False, seed=6)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+    tokens = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", switch)
+        taken = spy(monkeypatch)
+        llm = LLM(str(model_dir), block_size=4, max_model_len=128, dtype="bfloat16")
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        tokens[switch] = [o.outputs[0].token_ids for o in outs]
+        assert bool(taken["rms_norm"]) == (switch == "1") and not taken["silu_mul"] and not taken["rotate_"], taken
+        monkeypatch.undo()
+    assert tokens["1"] == tokens["0"]
