@@ -126,6 +126,8 @@ def test_unsupported_inputs_fall_back_to_torch():
     assert cpu_fused_ops.silu_mul(torch.randn(4, 64).t(), 2) is None
     assert cpu_fused_ops.rotate_(torch.randn(2, 4, 64), torch.tensor([1, 2], dtype=torch.int32),
                                  torch.randn(8, 32), torch.randn(8, 32)) is None
+    overlapping = torch.randn(2, 160).as_strided((2, 4, 64), (160, 32, 1))  # heads share values: not in place
+    assert cpu_fused_ops.rotate_(overlapping, torch.tensor([1, 2]), torch.randn(8, 32), torch.randn(8, 32)) is None
     norm = RMSNorm(64, 1e-6).to(torch.float16)  # the module then runs torch's arithmetic
     torch.testing.assert_close(norm(x), (torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
                                          * x.float()).to(torch.float16) * norm.weight, rtol=0, atol=0)

@@ -114,6 +114,8 @@ def rotate_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
     if lib is None:
         return None
     t, h, d, st, sh = shape
+    if h > 1 and sh < d or t > 1 and st < h * sh:  # overlapping heads or tokens: in place would be wrong
+        return None
     if t and lib.ki_rotary(x.data_ptr(), st, sh, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                            cos.shape[0], t, h, d) != 0:
         raise IndexError(f"rotary: a position outside [0, {cos.shape[0]}) (the model's max positions)")
