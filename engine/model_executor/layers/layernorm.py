@@ -1,9 +1,12 @@
-"""RMSNorm, with the residual add folded in; on the GPU path one fused Triton kernel (triton_norm)."""
+"""RMSNorm, with the residual add folded in; on the GPU path one fused Triton kernel (triton_norm), on the CPU
+the native one (cpu_fused_ops) for float32 where the subclass keeps this `_norm`."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -18,6 +21,10 @@ class RMSNorm(nn.Module):
         if self.fused:
             from .triton_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
+        if x.is_cpu and type(self)._norm is RMSNorm._norm:  # a subclass's own arithmetic stays torch
+            out = cpu_fused_ops.rms_norm(x, self.weight, self.eps, residual)
+            if out is not None:
+                return out
         if residual is not None:
             x = x + residual
             return self._norm(x), x

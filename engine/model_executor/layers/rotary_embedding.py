@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from . import cpu_fused_ops
+
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
@@ -98,7 +100,14 @@ class RotaryEmbedding(torch.nn.Module):
         if self.fused:
             from .triton_norm import apply_rotary
             return apply_rotary(q, k, positions, self.cos, self.sin)
-        return self.rotate(positions, q), self.rotate(positions, k)
+        return self.rotate_scratch(positions, q), self.rotate_scratch(positions, k)
+
+    def rotate_scratch(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`rotate`, but x may be overwritten (the caller owns it, as forward's callers own q and k): on the CPU
+        the native kernel rotates it in place where it applies (float32; cpu_fused_ops), torch elsewhere."""
+        if x.is_cpu and cpu_fused_ops.rotate_(x, positions, self.cos, self.sin) is not None:
+            return x
+        return self.rotate(positions, x)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, D] (any heads, so q and k may go through together) -> rotated, a new tensor.

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...config import ModelSpec, Part
+from ..layers import cpu_fused_ops
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.layernorm import RMSNorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -71,7 +72,8 @@ class Attention(nn.Module):
         """q, k, v from the fused projection, q and k rotated in one pass: they lie side by side in each row
         (one rotation over H + Hkv heads costs what one over H did; a step's small ops are its overhead)."""
         heads = self.num_heads + self.num_kv_heads
-        qk = self.rotary.rotate(positions, qkv[:, :self.q_size + self.kv_size].reshape(-1, heads, self.head_dim))
+        qk = qkv[:, :self.q_size + self.kv_size].reshape(-1, heads, self.head_dim)
+        qk = self.rotary.rotate_scratch(positions, qk)  # qkv is this step's scratch: rotated in place on the CPU
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, qkv[:, self.q_size + self.kv_size:].reshape(-1, self.num_kv_heads, self.head_dim)
 
@@ -98,6 +100,10 @@ class MLP(nn.Module):
 
     def forward(self, x, lora: LoRAContext | None = None):
         gate_up = _project(self.gate_up_proj, x, lora, self.layer_idx, "gate_up_proj")
+        if self.activation is F.silu and gate_up.is_cpu:  # one native pass (float32)
+            h = cpu_fused_ops.silu_mul(gate_up, self.intermediate_size)
+            if h is not None:
+                return _project(self.down_proj, h, lora, self.layer_idx, "down_proj")
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return _project(self.down_proj, self.activation(gate) * up, lora, self.layer_idx, "down_proj")
 

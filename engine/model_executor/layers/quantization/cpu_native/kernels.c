@@ -309,3 +309,4 @@ void ki_quantize_token_int8(const float *x, int M, int K, int8_t *q, float *scal
 
 #include "kernels_q8_0.c"
 #include "attention.c"
+#include "decode_ops.c"
