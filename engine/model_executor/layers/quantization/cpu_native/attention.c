@@ -28,20 +28,6 @@ typedef struct {
     atomic_int failed;
 } attn_ctx;
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's cast; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* exp(x) for x <= 0 (scores minus their max): 2^n * e^r, r = x - n ln 2 in two steps (Cody-Waite), a degree-7
  * Taylor polynomial on |r| <= ln2 / 2 (error ~5e-9 relative, below float32's 6e-8 ulp). Below -87 it returns
  * exp(-87) ~ 1.6e-38 instead of less: a weight that small against the max's 1 changes no float32 sum. */

@@ -54,17 +54,6 @@ static void ki_run(task_fn fn, const void *ctx, int items, long elems) {
  * each product in float32 and rounded to nearest even, as torch's bf16 ops and RMSNorm._norm do. */
 #define KI_NORM_MAX 16384 /* bf16 rows are widened into a stack buffer of this many floats */
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; a NaN stays a (quiet) NaN */
-    union { float f; uint32_t u; } v = {.f = f};
-    uint16_t r = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-    return f != f ? (uint16_t)((v.u >> 16) | 0x40u) : r;
-}
-
 typedef struct {
     const void *x, *res, *w;
     void *sum, *out;

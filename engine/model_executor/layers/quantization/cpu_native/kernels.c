@@ -307,6 +307,18 @@ void ki_quantize_token_int8(const float *x, int M, int K, int8_t *q, float *scal
     }
 }
 
+/* bf16 <-> float32 for the kernels included below (attention.c, decode_ops.c). */
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even; a NaN stays a (quiet) NaN */
+    union { float f; uint32_t u; } v = {.f = f};
+    uint16_t r = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)((v.u >> 16) | 0x40u) : r;
+}
+
 #include "kernels_q8_0.c"
 #include "attention.c"
 #include "decode_ops.c"
