@@ -25,12 +25,21 @@ def engine_pair(llama_dir, **kwargs):
             LLM(llama_dir, block_size=4, async_output_processing=True, **kwargs))
 
 
+class Near(float):
+    """A log-prob equal to another within 1e-4: the inline engine's probe leaves PROMPTS[0] in its prefix cache, so
+    that prefill runs in other shapes there and its sums differ in the last float bits (seen at 1e-6 through torch's
+    ops, 2.6e-6 with the native CPU ops): rounding both to 5 places failed whenever a value straddled the rounding."""
+
+    def __eq__(self, other):
+        return abs(float(self) - float(other)) < 1e-4
+
+    __hash__ = float.__hash__
+
+
 def summary(outputs) -> list:
-    # Log-probs to 5 places: the inline engine's probe leaves PROMPTS[0] in its prefix cache, so that prefill
-    # runs in other shapes there and its sums differ in the last float bits (seen at 1e-6).
     return [[(c.text, c.token_ids, c.finish_reason, c.stop_reason,
-              None if c.cumulative_logprob is None else round(c.cumulative_logprob, 5),
-              None if c.logprobs is None else [{t: (round(lp.logprob, 5), lp.rank, lp.decoded_token)
+              None if c.cumulative_logprob is None else Near(c.cumulative_logprob),
+              None if c.logprobs is None else [{t: (Near(lp.logprob), lp.rank, lp.decoded_token)
                                                  for t, lp in entry.items()} for entry in c.logprobs])
              for c in o.outputs] for o in outputs]
 
