@@ -15,6 +15,7 @@ from .cuda_graphs import DecodeGraphs, capture_cuda_graph, capture_sizes
 from .layers import cpu_blas
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
+from .layers.quantization.cpu_native import ops as native_ops
 from .model_loader import ModelFiles, load_model
 from .models.registry import ARCHITECTURES
 from .sampler import SampleResult, grammar_bitmask, sample
@@ -181,7 +182,8 @@ class ModelRunner:
         timer = self.timer
         timer.num_seqs, timer.all_decode = len(batch.entries), inputs.num_decodes == len(batch.entries)
         kernels = getattr(self.model, "quant_kernels", {}).values()  # kept-int models share the cores (two_cores.py)
-        with cpu_blas.small_step(self._openblas_step(inputs), any(k.startswith("cpu_int") for k in kernels)):
+        with (cpu_blas.small_step(self._openblas_step(inputs), any(k.startswith("cpu_int") for k in kernels)),
+              native_ops.layers_switch_held()):  # the native-layers switch read once a step, not once a layer
             return self._forward_and_sample(batch, inputs, sampling_seqs)
 
     def _openblas_step(self, inputs: StepInputs) -> bool:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
+from contextlib import contextmanager
 
 import torch
 
@@ -24,6 +26,8 @@ ROWS, BLOCK = 16, 32
 MAX_INPUTS = 65536  # the W8A8 kernel's int32 sums of (w + 128) * x, |.| <= 255 * 128 * K, stay below 2**31
 logger = logging.getLogger(__name__)
 _state: dict = {}
+_held = threading.local()  # .layers: layers_enabled()'s answer in this thread's step (layers_switch_held)
+_UNREAD = object()  # in a step, before its first layers_enabled()
 
 
 def default_threads() -> int:
@@ -64,11 +68,34 @@ def available() -> bool:
 
 def layers_enabled() -> bool:
     """Whether a CPU model's non-matmul ops (decode attention, norms, activation, rotary) run through the native
-    kernels; KUBEINFER_CPU_NATIVE_LAYERS=0 keeps them in torch (default 1, where the library is built)."""
+    kernels; KUBEINFER_CPU_NATIVE_LAYERS=0 keeps them in torch (default 1, where the library is built). Read at
+    every call, except inside `layers_switch_held` (an engine step): once there."""
+    held = getattr(_held, "layers", None)
+    if held is None:
+        return _read_layers_switch()
+    if held is _UNREAD:
+        held = _held.layers = _read_layers_switch()
+    return held
+
+
+def _read_layers_switch() -> bool:
     wanted = os.environ.get("KUBEINFER_CPU_NATIVE_LAYERS", "1")
     if wanted not in ("0", "1"):
         raise ValueError(f"KUBEINFER_CPU_NATIVE_LAYERS must be 0 or 1; got {wanted!r}")
     return wanted == "1" and available()
+
+
+@contextmanager
+def layers_switch_held():
+    """Within (one engine step, on this thread): layers_enabled() reads the environment at its first call only. A
+    batch-1 step asks ~60 times, each read of os.environ ~0.6 us; a switch flipped between steps is seen at the
+    next step. Nothing is read (nor the library loaded) in a step that does not ask (the GPU path)."""
+    previous = getattr(_held, "layers", None)
+    _held.layers = _UNREAD
+    try:
+        yield
+    finally:
+        _held.layers = previous
 
 
 def has_vnni() -> bool:
@@ -151,18 +178,25 @@ def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.T
     # a decode step makes ~50 of these calls: no copy, view or check that is not needed (microseconds each)
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, k)
-    if rows.dtype != torch.float32 or not rows.is_contiguous():
+    if rows.dtype is not torch.float32 or not rows.is_contiguous():
         rows = rows.to(torch.float32).contiguous()
     m = rows.shape[0]
-    out = torch.empty(m, out_features, dtype=torch.float32)
+    out = rows.new_empty(m, out_features)  # float32 CPU as rows: half torch.empty(..., dtype=)'s cost
     if m:
         groups = scale.shape[1]
-        status = library().ki_q8_0_linear(rows.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(),
-                                          offset.data_ptr(), groups, k if groups == 1 else group_size,
-                                          out_features, out.data_ptr())
+        status = _q8_0_kernel()(rows.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(), offset.data_ptr(),
+                                groups, k if groups == 1 else group_size, out_features, out.data_ptr())
         if status != 0:
             raise MemoryError("native Q8_0 kernel: out of memory")
     return out if flat else out.view(*x.shape[:-1], out_features)
+
+
+def _q8_0_kernel():
+    """ki_q8_0_linear, looked up once (library() and the attribute cost ~0.2 us a product)."""
+    fn = _state.get("q8_0")
+    if fn is None:
+        fn = _state["q8_0"] = library().ki_q8_0_linear
+    return fn
 
 
 def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
