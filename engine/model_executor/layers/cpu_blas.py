@@ -58,11 +58,12 @@ def use_openblas_for_small_steps(model: nn.Module) -> bool:
 
 def _openblas_forward(layer: nn.Linear, torch_forward):
     seen = [None, 0, None]  # the weight tensor, its data pointer, its transposed numpy view
+    params = layer._parameters  # not Module.__getattr__ (~0.4 us a name): a float32 decode step makes ~85 products
 
     def weight_t() -> np.ndarray:
         # The loader and LoRA may swap the tensor or its storage: look again when either changed (a view
         # shares memory, so writes in place are seen without it).
-        weight = layer.weight
+        weight = params["weight"]
         if weight is not seen[0] or weight.data_ptr() != seen[1]:
             seen[:] = weight, weight.data_ptr(), weight.detach().numpy().T
         return seen[2]
@@ -71,7 +72,8 @@ def _openblas_forward(layer: nn.Linear, torch_forward):
         if not getattr(_step, "active", False) or x.dtype != torch.float32 or x.requires_grad:
             return torch_forward(x)
         out = torch.from_numpy(np.matmul(x.numpy(), weight_t()))
-        return out if layer.bias is None else out.add_(layer.bias)
+        bias = params["bias"]
+        return out if bias is None else out.add_(bias)
     return forward
 
 

@@ -22,7 +22,8 @@ class RMSNorm(nn.Module):
             from .triton_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
         if x.is_cpu and type(self)._norm is RMSNorm._norm:  # a subclass's own arithmetic stays torch
-            out = cpu_fused_ops.rms_norm(x, self.weight, self.eps, residual)
+            # the weight from the parameter dict: Module.__getattr__ costs ~0.4 us, and a decode step has ~25 norms
+            out = cpu_fused_ops.rms_norm(x, self._parameters["weight"], self.eps, residual)
             if out is not None:
                 return out
         if residual is not None:
