@@ -1,7 +1,7 @@
 """A decode step's small ops native (layers/cpu_fused_ops.py: RMSNorm + residual add, silu(gate) * up, rotary) or
 torch, on the large model of bench_quantized_decode.py (222M; its checkpoints under .cache, built on first use):
 float32 and W8A16 through KUBEINFER_QUANT_KERNEL=cpu_int8_vnni, batch 1 and 16. One engine per model; the switch
-KUBEINFER_CPU_NATIVE_LAYERS (read at every call) flips between rounds, on and off alternating in each round and
+KUBEINFER_CPU_NATIVE_LAYERS (read at each step) flips between rounds, on and off alternating in each round and
 their order swapped round to round, so both see the same load; best and median round, ms per decode step.
 
     python benchmarks/bench_cpu_fused_ops.py [--tokens 32] [--repeats 5]

@@ -1,5 +1,5 @@
 """The native CPU decode attention (layers/cpu_attention.py) against the torch path, in one process so the load is
-the same for both: KUBEINFER_CPU_NATIVE_LAYERS=1 and 0 alternate (the engine reads it at every layer's call).
+the same for both: KUBEINFER_CPU_NATIVE_LAYERS=1 and 0 alternate (read at each engine step).
   * default: one layer's attention step (TorchAttentionBackend.forward: the K/V write and the decode attention),
     the large model's heads (16 query, 8 KV, head_dim 64), 1 and 16 sequences of 40-63 cached tokens in
     scattered blocks of 16, float32 and bf16; fastest tenth of --calls, best of --rounds;

@@ -1,0 +1,92 @@
+"""Before / after for Python-side changes of the CPU decode step: the working tree against another checkout (a git
+worktree of the base revision with its own `make setup`), whole engines of bench_quantized_decode's large model
+(its checkpoints under .cache: run that benchmark once first). Python code cannot be swapped inside one process,
+so each (system, side) round is its own process, the sides alternating (and which goes first alternating round by
+round), so both see the same load. Per round: median ms of a decode step (engine.step wall time, the first 3 steps
+left out) at batch 1 and 16; the table shows the best round's and the median round's.
+`python benchmarks/bench_decode_glue_ab.py --base ../wt-base [--repeats 3]`"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SYSTEMS = {"cpu_int4_vnni": "bench-llama-222m-w4a16", "cpu_int8_vnni": "bench-llama-222m-w8a16",
+           "float32": "bench-llama-222m"}
+BATCHES = (1, 16)
+
+
+def worker(system: str, tokens: int) -> None:
+    """One engine of `system` in this checkout: a warm-up round, then one round per batch; prints JSON."""
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as the `kubeinfer` command sets it (two_cores.py)
+    if system != "float32":
+        os.environ["KUBEINFER_QUANT_KERNEL"] = system
+    from kubeinfer.engine import LLM, SamplingParams
+
+    engine = LLM(str(Path(".cache") / SYSTEMS[system]), max_num_seqs=max(BATCHES), enable_prefix_caching=False,
+                 num_kv_blocks=64 * max(BATCHES)).engine
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    out = {}
+    for batch in (1, *BATCHES):  # the first: warm-up
+        for i in range(batch):
+            engine.add_request(f"{batch}-{len(out)}-{i}", [(7 * i + j) % 16000 + 10 for j in range(32)], params)
+        steps = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - start)
+        out[batch] = statistics.median(steps[3:]) * 1e3
+    print(json.dumps(out))
+
+
+def run_side(checkout: Path, system: str, tokens: int) -> dict[int, float]:
+    python = checkout / ".venv" / "bin" / "python"
+    done = subprocess.run([str(python), str(HERE / Path(__file__).name), "--worker", system, "--tokens", str(tokens)],
+                          cwd=checkout, capture_output=True, text=True, check=True)
+    return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--base", type=Path, help="the other checkout (with its .venv and the .cache checkpoints)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--worker", choices=tuple(SYSTEMS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.tokens)
+    if args.base is None:
+        parser.error("--base is required")
+    sides = {"before": args.base.resolve(), "after": HERE.parent}
+    ms: dict[tuple[str, str, int], list[float]] = {}
+    loads = [os.getloadavg()[0]]
+    for r in range(args.repeats):
+        for system in SYSTEMS:
+            for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                for batch, value in run_side(sides[side], system, args.tokens).items():
+                    ms.setdefault((system, side, batch), []).append(value)
+            loads.append(os.getloadavg()[0])
+            print(r, system, {f"{k[1]} b{k[2]}": f"{v[-1]:.2f}" for k, v in ms.items() if k[0] == system},
+                  f"load {loads[-1]:.1f}", flush=True)
+    rows = []
+    for system in SYSTEMS:
+        for batch in BATCHES:
+            before, after = ms[(system, "before", batch)], ms[(system, "after", batch)]
+            rows.append(f"| {system} | {batch} | {min(before):.2f} ({statistics.median(before):.2f}) | "
+                        f"{min(after):.2f} ({statistics.median(after):.2f}) | {min(before) / min(after):.2f}x "
+                        f"({statistics.median(before) / statistics.median(after):.2f}x) |")
+    print(f"\n{platform.machine()}, {os.cpu_count()} cores, 1-minute load {min(loads):.1f}-{max(loads):.1f}, "
+          f"{args.repeats} rounds per side, {args.tokens} tokens\n")
+    print("| system | batch | before ms/step best (median) | after | speed-up best (median) |\n|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
