@@ -4,7 +4,9 @@ worktree of the base revision with its own `make setup`), whole engines of bench
 so each (system, side) round is its own process, the sides alternating (and which goes first alternating round by
 round), so both see the same load. Per round: median ms of a decode step (engine.step wall time, the first 3 steps
 left out) at batch 1 and 16; the table shows the best round's and the median round's.
-`python benchmarks/bench_decode_glue_ab.py --base ../wt-base [--repeats 3]`"""
+`--split`: also the step's time outside the native kernels' C calls and lm_head (each timed by a wrapper, so both
+sides pay the wrappers' ~0.3 us a call): the Python around the kernels, far less noisy than the whole step.
+`python benchmarks/bench_decode_glue_ab.py --base ../wt-base [--repeats 3] [--split]`"""
 from __future__ import annotations
 
 import argparse
@@ -23,15 +25,53 @@ SYSTEMS = {"cpu_int4_vnni": "bench-llama-222m-w4a16", "cpu_int8_vnni": "bench-ll
 BATCHES = (1, 16)
 
 
-def worker(system: str, tokens: int) -> None:
+def time_native_calls(spent: list[float]) -> None:
+    """Every ctypes call of the native library (products, norms, activation, rotary, attention) adds its wall
+    time to spent[0]: the library object and the two layer modules' cached handles wrapped (their private caches)."""
+    from kubeinfer.engine.model_executor.layers import cpu_attention, cpu_fused_ops
+    from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+
+    def timed(fn):
+        def call(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[0] += time.perf_counter() - start
+        return call
+
+    class Timed:
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            fn = getattr(self._lib, name)
+            wrapped = timed(fn) if name.startswith("ki_") and name != "ki_init" else fn
+            setattr(self, name, wrapped)  # once per name, as ctypes caches its functions
+            return wrapped
+    cpu_fused_ops._lib()  # argtypes set on the real functions first
+    cpu_attention._kernel()
+    ops._state["lib"] = Timed(ops.library())
+    if cpu_fused_ops._state.get("lib") is not None:
+        cpu_fused_ops._state["lib"] = ops._state["lib"]
+    cpu_attention._state["fn"] = timed(cpu_attention._state["fn"])
+
+
+def worker(system: str, tokens: int, split: bool) -> None:
     """One engine of `system` in this checkout: a warm-up round, then one round per batch; prints JSON."""
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as the `kubeinfer` command sets it (two_cores.py)
     if system != "float32":
         os.environ["KUBEINFER_QUANT_KERNEL"] = system
     from kubeinfer.engine import LLM, SamplingParams
 
+    spent = [0.0]
+    if split:
+        time_native_calls(spent)
     engine = LLM(str(Path(".cache") / SYSTEMS[system]), max_num_seqs=max(BATCHES), enable_prefix_caching=False,
                  num_kv_blocks=64 * max(BATCHES)).engine
+    if split:
+        lm_head = engine.runner.model.lm_head
+        lm_head.forward = timed_forward(lm_head.forward, spent)
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     out = {}
     for batch in (1, *BATCHES):  # the first: warm-up
@@ -39,17 +79,28 @@ def worker(system: str, tokens: int) -> None:
             engine.add_request(f"{batch}-{len(out)}-{i}", [(7 * i + j) % 16000 + 10 for j in range(32)], params)
         steps = []
         while engine.has_unfinished_requests():
+            spent[0] = 0.0
             start = time.perf_counter()
             engine.step()
-            steps.append(time.perf_counter() - start)
+            steps.append(time.perf_counter() - start - (spent[0] if split else 0.0))
         out[batch] = statistics.median(steps[3:]) * 1e3
     print(json.dumps(out))
 
 
-def run_side(checkout: Path, system: str, tokens: int) -> dict[int, float]:
+def timed_forward(forward, spent: list[float]):
+    def call(x):
+        start = time.perf_counter()
+        try:
+            return forward(x)
+        finally:
+            spent[0] += time.perf_counter() - start
+    return call
+
+
+def run_side(checkout: Path, system: str, tokens: int, split: bool) -> dict[int, float]:
     python = checkout / ".venv" / "bin" / "python"
-    done = subprocess.run([str(python), str(HERE / Path(__file__).name), "--worker", system, "--tokens", str(tokens)],
-                          cwd=checkout, capture_output=True, text=True, check=True)
+    command = [str(python), str(HERE / Path(__file__).name), "--worker", system, "--tokens", str(tokens)]
+    done = subprocess.run(command + ["--split"] * split, cwd=checkout, capture_output=True, text=True, check=True)
     return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
@@ -58,10 +109,11 @@ def main() -> None:
     parser.add_argument("--base", type=Path, help="the other checkout (with its .venv and the .cache checkpoints)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--split", action="store_true", help="ms of a step outside the native calls and lm_head")
     parser.add_argument("--worker", choices=tuple(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.tokens)
+        return worker(args.worker, args.tokens, args.split)
     if args.base is None:
         parser.error("--base is required")
     sides = {"before": args.base.resolve(), "after": HERE.parent}
@@ -70,7 +122,7 @@ def main() -> None:
     for r in range(args.repeats):
         for system in SYSTEMS:
             for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                for batch, value in run_side(sides[side], system, args.tokens).items():
+                for batch, value in run_side(sides[side], system, args.tokens, args.split).items():
                     ms.setdefault((system, side, batch), []).append(value)
             loads.append(os.getloadavg()[0])
             print(r, system, {f"{k[1]} b{k[2]}": f"{v[-1]:.2f}" for k, v in ms.items() if k[0] == system},
@@ -84,7 +136,8 @@ def main() -> None:
                         f"({statistics.median(before) / statistics.median(after):.2f}x) |")
     print(f"\n{platform.machine()}, {os.cpu_count()} cores, 1-minute load {min(loads):.1f}-{max(loads):.1f}, "
           f"{args.repeats} rounds per side, {args.tokens} tokens\n")
-    print("| system | batch | before ms/step best (median) | after | speed-up best (median) |\n|---|---|---|---|---|")
+    what = "ms/step outside the native calls and lm_head" if args.split else "ms/step"
+    print(f"| system | batch | before {what}, best (median) | after | speed-up best (median) |\n|---|---|---|---|---|")
     print("\n".join(rows))
 
 
