@@ -39,8 +39,9 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   int8 or int4 weights by channel or groups of a multiple of 32, symmetric or not. One [tokens, 2048] x
   [8192, 2048] product on one thread, ms at 1 / 16 tokens, same run (load 2.0, benchmarks/RESULTS.md
   "cpu-native-vnni"): int8 0.45 / 1.39, int4 0.32 / 1.32 against cpu_int8_bf16 0.98 / 3.96 and cpu_int4_bf16
-  0.53 / 3.31; whole engine (`bench_quantized_decode.py --model large`, quiet machine, load 1.1-1.4), tok/s
-  at batch 1 / 16: W8A16 113 / 643, W4A16 139 / 670 (llama.cpp Q8_0 129 / 401, Q4_0 235 / 914). It
+  0.53 / 3.31; whole engine (`bench_quantized_decode.py --model large`, quiet machine, load 1.3-1.7, with the
+  native attention and small ops), tok/s at batch 1 / 16: W8A16 129 / 799, W4A16 168 / 850 (llama.cpp Q8_0
+  127 / 411, Q4_0 207 / 887). It
   changes a weight-only checkpoint's numerics (its activations are 16-bit), so it is never the default.
 KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, cpu_int8_vnni, cpu_int4_vnni,
 dequantized) overrides the choice where the kernel applies; cpu_int4/cpu_int8 take the activations in the model
