@@ -225,7 +225,10 @@ def test_a_gap_is_filled_from_the_replay_socket(llama_dir, followed, monkeypatch
         f.llm.generate([[50 + 9 * i + j for j in range(13)]], _params())
     publisher = f.llm.engine.kv_events.publisher
     deadline = time.time() + WAIT_S
-    while f.sub.streams[POD].last_seq != max(s for s in range(publisher._next_seq) if s % 2 == 0) \
+    # every queued batch sent first (the publisher's thread may lag a fast engine: the loop below would see only
+    # what was sent so far, maybe nothing odd yet), then until the last even one arrived
+    while (publisher._next_seq < publisher.enqueued
+           or f.sub.streams[POD].last_seq != max(s for s in range(publisher._next_seq) if s % 2 == 0)) \
             and time.time() < deadline:
         f.sub.step(20)
     assert lost and f.sub.streams[POD].stats["gaps"] >= 1 and f.sub.streams[POD].stats["replayed"] >= 1

@@ -9,9 +9,16 @@ import httpx
 from server_harness import RunningServer
 from test_gateway_tenants import metrics_text, start_gateway, write_tenants
 
+from kubeinfer.testing.random_model import build_random_model
 
-async def test_a_spent_budget_ends_the_request_with_usage_counted_for_the_tenant(llama_dir, tmp_path):
-    with RunningServer(llama_dir, name="base") as server:
+
+async def test_a_spent_budget_ends_the_request_with_usage_counted_for_the_tenant(tmp_path):
+    # A model that needs well over the 300 ms budget for 400 tokens (the suite's tiny one decodes them in ~130 ms
+    # on this CPU since the native decode ops: it finished before the budget was spent), yet gives its first
+    # token well within it.
+    model_dir = build_random_model(tmp_path / "model", "llama", hidden_size=512, num_layers=8, num_heads=8,
+                                   num_kv_heads=4, intermediate_size=1536)
+    with RunningServer(str(model_dir), name="base") as server:
         gateway = await start_gateway([server], tenants_file=write_tenants(tmp_path))
         try:
             async with httpx.AsyncClient(timeout=60) as http:
