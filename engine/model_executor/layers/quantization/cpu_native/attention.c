@@ -28,28 +28,6 @@ typedef struct {
     atomic_int failed;
 } attn_ctx;
 
-/* exp(x) for x <= 0 (scores minus their max): 2^n * e^r, r = x - n ln 2 in two steps (Cody-Waite), a degree-7
- * Taylor polynomial on |r| <= ln2 / 2 (error ~5e-9 relative, below float32's 6e-8 ulp). Below -87 it returns
- * exp(-87) ~ 1.6e-38 instead of less: a weight that small against the max's 1 changes no float32 sum. */
-static inline float ka_exp(float x) {
-    x = x > -87.0f ? x : -87.0f;
-    float n = __builtin_rintf(x * 1.4426950408889634f);
-    float r = x - n * 0.693145751953125f;
-    r = r - n * 1.4286068203094172e-06f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, 4);
-    return p * two_n;
-}
-
 /* sum a[d] * b[d] in 16 lanes (element d in lane d % 16), the lanes summed pairwise: a fixed order for any D. */
 static inline __attribute__((always_inline)) float ka_dot(const float *a, const float *b, int D) {
     float lane[KA_LANES] = {0};
@@ -123,12 +101,12 @@ static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int u
         long t = 0;
         for (; t + KA_LANES <= n; t += KA_LANES)
             for (int l = 0; l < KA_LANES; l++) {
-                float e = ka_exp(sj[t + l] - m);
+                float e = ki_expf(sj[t + l] - m);
                 sj[t + l] = e;
                 lane[l] += e;
             }
         for (int l = 0; t + l < n; l++) {
-            float e = ka_exp(sj[t + l] - m);
+            float e = ki_expf(sj[t + l] - m);
             sj[t + l] = e;
             lane[l] += e;
         }

@@ -16,28 +16,6 @@
 
 #define KI_PAR_ELEMS 65536 /* below this many elements a call runs on the calling thread alone */
 
-/* e^x within ~2 ulps, inf above 88.72 as expf (below -87.3 a tiny normal where expf gives a denormal or 0; it is
- * only ever added to 1 here): x = n ln2 + r,
- * |r| <= ln2 / 2 (ln2 in two parts, so r is exact to ~2^-32), e^r by its Taylor series to r^7 (the remainder
- * < 2^-27 relative), times 2^n put into the exponent bits. Branch-free, so loops over it vectorize. */
-static inline float ki_expf(float xo) {
-    float x = xo < -87.3f ? -87.3f : (xo > 88.3f ? 88.3f : xo);
-    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to the nearest integer */
-    float t = x * 1.44269504088896341f + shift;
-    float n = t - shift;
-    float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723e-6f;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { uint32_t u; float f; } scale = {.u = (uint32_t)((int32_t)n + 127) << 23};
-    return xo > 88.7228394f ? INFINITY : p * scale.f;
-}
-
 /* Runs fn over [0, items) on the pool when `elems` pays for the hand-off, else on this thread. */
 static void ki_run(task_fn fn, const void *ctx, int items, long elems) {
     if (elems < KI_PAR_ELEMS || pool_active == 1) {
