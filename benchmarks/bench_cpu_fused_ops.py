@@ -1,8 +1,9 @@
-"""A decode step's small ops native (layers/cpu_fused_ops.py: RMSNorm + residual add, silu(gate) * up, rotary) or
-torch, on the large model of bench_quantized_decode.py (222M; its checkpoints under .cache, built on first use):
-float32 and W8A16 through KUBEINFER_QUANT_KERNEL=cpu_int8_vnni, batch 1 and 16. One engine per model; the switch
-KUBEINFER_CPU_NATIVE_LAYERS (read at each step) flips between rounds, on and off alternating in each round and
-their order swapped round to round, so both see the same load; best and median round, ms per decode step.
+"""A decode step's non-matmul ops native (layers/cpu_fused_ops.py: RMSNorm + residual add, silu(gate) * up, rotary;
+layers/cpu_attention.py: the decode attention) or torch, on the large model of bench_quantized_decode.py (222M; its
+checkpoints under .cache, built on first use): float32 and W8A16 through KUBEINFER_QUANT_KERNEL=cpu_int8_vnni, batch
+1 and 16. One engine per model; the switch KUBEINFER_CPU_NATIVE_LAYERS (read at each step) flips between rounds, on
+and off alternating in each round and their order swapped round to round, so both see the same load; best and median
+round, ms per decode step.
 
     python benchmarks/bench_cpu_fused_ops.py [--tokens 32] [--repeats 5]
 """
@@ -104,7 +105,8 @@ def main() -> None:
         f"{min(loads):.1f}-{max(loads):.1f} during the run), torch {torch.__version__}, {torch.get_num_threads()} "
         f"threads. Large model (222M: hidden 1024, 12 layers, 16/8 heads, intermediate 4096); {PROMPT_LEN}-token "
         f"prompts, {args.tokens} tokens greedy; ms per decode step from the aggregate decode rate; "
-        f"KUBEINFER_CPU_NATIVE_LAYERS=1 (native norm, activation, rotary) and =0 (torch) alternating round by round "
+        f"KUBEINFER_CPU_NATIVE_LAYERS=1 (native norm, activation, rotary, decode attention) and =0 (torch) alternating "
+        f"round by round "
         f"in one engine; best round (median).", "",
         "| system | batch | native ms/step | torch ms/step | speed-up |", "|---|---|---|---|---|", *rows, "",
         "Each op alone at the large model's shapes (us per call, best of 7 rounds of 200 calls, interleaved; rotary: "
