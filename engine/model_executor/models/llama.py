@@ -27,6 +27,7 @@ from ..layers.layernorm import RMSNorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.rotary_embedding import RotaryEmbedding
 from ..layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from . import native_decode
 
 if TYPE_CHECKING:
     from ...lora.layers import LoRAContext
@@ -162,6 +163,7 @@ class CausalLM(nn.Module):
     layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[nn.Module] = RMSNorm
     checkpoint_fused = False  # the checkpoint holds q/k/v and gate/up apart; we fuse them at load time
+    native_decode_types = (DecoderLayer, Attention, MLP)  # the layers native_decode.py may run in one C call
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
@@ -180,8 +182,12 @@ class CausalLM(nn.Module):
         for rotary in self.model.rotaries:
             rotary.begin_step()
         x, residual = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer.forward(x, residual, positions, kv_cache, meta, lora)
+        native = native_decode.forward_layers(self, x, positions, kv_caches, meta, lora) if x.is_cpu else None
+        if native is not None:  # a CPU decode step: runs of whole layers in one C call each (native_decode.py)
+            x, residual = native
+        else:
+            for layer, kv_cache in zip(self.model.layers, kv_caches):
+                x, residual = layer.forward(x, residual, positions, kv_cache, meta, lora)
         if logits_indices.shape[0] != x.shape[0]:  # as many rows as tokens: every row samples (increasing, distinct)
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.model.norm(x, residual)

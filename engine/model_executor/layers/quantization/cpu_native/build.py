@@ -1,5 +1,6 @@
-"""Compiles kernels.c (with kernels_q8_0.c) into a shared library with the system C compiler, once per source,
-compiler, flags and CPU: the library is cached under $KUBEINFER_CACHE_DIR or ~/.cache/kubeinfer/cpu_native/<key>/,
+"""Compiles kernels.c (with the files it #includes: SOURCES) into a shared library with the system C compiler,
+once per source, compiler, flags and CPU: the library is cached under $KUBEINFER_CACHE_DIR or
+~/.cache/kubeinfer/cpu_native/<key>/,
 the key a hash of those (the CPU's feature flags: -march=native code never runs on another CPU). `-O3
 -march=native`: AVX-512 VNNI intrinsics where the CPU has them, the portable C twins elsewhere;
 KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the portable C on any CPU (for tests).
@@ -16,7 +17,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c")
+SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "decoder_layer.c")
 HERE = Path(__file__).parent
 
 

@@ -1,0 +1,114 @@
+"""The ctypes side of cpu_native/decoder_layer.c: whole decoder layers of a CPU decode step in one C call.
+
+`Layers` holds a run of consecutive layers' descriptors (their weights' pointers, prepared once; the tensors kept
+alive here) and the step's scratch (grown to the largest batch seen, reused). `Layers.run` takes only the step's
+pointers: the input and residual, positions, each layer's K/V caches and the step's metadata per window. Which
+layers qualify, and when a step may take this path, is models/native_decode.py's business."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .quantization.cpu_native import ops
+
+P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_state: dict = {}
+
+
+class Proj(ctypes.Structure):
+    _fields_ = [("w", P), ("scale", P), ("bias", P), ("offset", P), ("bits", I), ("groups", I), ("group_size", I),
+                ("N", I), ("K", I)]
+
+
+class View(ctypes.Structure):
+    _fields_ = [("slots", P), ("tables", P), ("lens", P), ("table_stride", L), ("window", I)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj), ("in_norm", P), ("post_norm", P),
+                ("q_norm", P), ("k_norm", P), ("cos", P), ("sin", P), ("in_eps", F), ("post_eps", F), ("q_eps", F),
+                ("k_eps", F), ("scale", F), ("H", I), ("Hkv", I), ("D", I), ("hidden", I), ("inter", I),
+                ("max_positions", I), ("view", I)]
+
+
+def _lib():
+    lib = _state.get("lib")
+    if lib is None:
+        lib = ops.library()
+        lib.ki_decoder_scratch_floats.argtypes, lib.ki_decoder_scratch_floats.restype = [P], ctypes.c_size_t
+        lib.ki_decoder_layers.argtypes = [P, I, P, P, I, P, P, P, I, P, P, P]
+        lib.ki_decoder_layers.restype = I
+        _state["lib"] = lib
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def proj(linear: torch.nn.Linear, keep: list) -> Proj:
+    """A projection multiplied by NativeIntMethod (its packed weight, scales, offsets and bias), as its apply."""
+    method, params = linear.quant_method, linear._parameters
+    tensors = [params["qweight"], params["weight_scale"], params["weight_offset"], params.get("bias")]
+    keep.extend(tensors)
+    groups = tensors[1].shape[1]
+    return Proj(_ptr(tensors[0]), _ptr(tensors[1]), _ptr(tensors[3]), _ptr(tensors[2]), method.bits, groups,
+                method.group_size, method.out_features, linear.in_features)
+
+
+class Layers:
+    """Consecutive decoder layers run by one ki_decoder_layers call; `descriptors` from `proj` and Layer(...)."""
+
+    def __init__(self, descriptors: list[Layer], views: list[int | None], keep: list) -> None:
+        """views: the attention window of each view index the descriptors name (None: the model's own)."""
+        self.count = len(descriptors)
+        self.layers = (Layer * self.count)(*descriptors)
+        self.windows = views
+        self.keep = keep  # the tensors whose pointers the descriptors hold
+        self.hidden = descriptors[0].hidden
+        self.row_floats = max(_lib().ki_decoder_scratch_floats(ctypes.byref(d)) for d in descriptors)
+        self.scratch = torch.empty(0)
+        self._caches_key = None
+        self._view_array = (View * len(views))()
+
+    def caches(self, kv_caches: list, first: int) -> tuple | None:
+        """(pointer array, block size) of this run's caches, or None where one is not a contiguous float32 cache;
+        rebuilt only when the list or its first tensor changes (the engine keeps one list)."""
+        key = (id(kv_caches), kv_caches[first][0].data_ptr())
+        if key != self._caches_key:
+            pairs = kv_caches[first:first + self.count]
+            block = pairs[0][0].shape[1]
+            if any(c.dtype != torch.float32 or not c.is_contiguous() or c.shape[1] != block for p in pairs for c in p):
+                return None
+            self._caches = ((P * (2 * self.count))(*(c.data_ptr() for p in pairs for c in p)), block)
+            self._caches_key = key
+        return self._caches
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, caches: tuple,
+            metas: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """This run's layers over a decode step: x [T, hidden] float32 contiguous, residual like it or None;
+        metas: the step's AttentionMetadata for each of self.windows (int64 tables, lengths and slots)."""
+        x = x.contiguous()  # (a no-op for the embeddings and the layers' outputs)
+        residual = None if residual is None else residual.contiguous()
+        tokens = x.shape[0]
+        need = tokens * self.row_floats + 16
+        if self.scratch.numel() < need:
+            self.scratch = torch.empty(need)
+        base = self.scratch.data_ptr()
+        base += -base % 64
+        views = self._view_array
+        for view, meta in zip(views, metas):
+            tables = meta.block_tables
+            view.slots, view.tables, view.lens = (meta.slot_mapping.data_ptr(), tables.data_ptr(),
+                                                  meta.context_lens_tensor.data_ptr())
+            view.table_stride, view.window = tables.stride(0), meta.sliding_window or 0
+        x_out, res_out = torch.empty_like(x), torch.empty_like(x)
+        status = _lib().ki_decoder_layers(self.layers, self.count, views, caches[0], caches[1], x.data_ptr(),
+                                          _ptr(residual), positions.data_ptr(), tokens, base, x_out.data_ptr(),
+                                          res_out.data_ptr())
+        if status == -2:
+            raise IndexError("rotary: a position outside the model's max positions")
+        if status != 0:
+            raise MemoryError("native decoder layers: out of memory")
+        return x_out, res_out

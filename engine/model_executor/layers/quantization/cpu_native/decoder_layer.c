@@ -1,0 +1,100 @@
+/* Whole Llama-family decoder layers of a decode step in one call (#included at the end of kernels.c;
+ * layers/cpu_decoder.py prepares the descriptors and calls it, models/native_decode.py decides when).
+ *
+ * Each layer is the per-module native path's calls, in its order and with its arguments, so the same bits:
+ * ki_rms_norm (input norm, the residual add inside), ki_q8_0_linear (fused qkv) plus its bias, the optional
+ * per-head q / k norms (Qwen3), ki_rotary, ki_decode_attention (the step's K/V written first), ki_q8_0_linear
+ * (o_proj) plus bias, ki_rms_norm (post norm, the residual add), ki_q8_0_linear (gate_up) plus bias,
+ * ki_silu_mul, ki_q8_0_linear (down) plus bias. A bias is added as torch's `out + bias` (one float add).
+ * What saves time is only what is no longer between them: ~40 us of Python a layer at batch 1. */
+
+typedef struct {
+    const uint8_t *w;
+    const float *scale, *bias; /* bias: NULL for none */
+    const int32_t *offset;
+    int bits, groups, group_size, N, K;
+} ki_proj;
+
+typedef struct {                      /* the step's attention metadata for one window */
+    const int64_t *slots, *tables, *lens;
+    long table_stride;
+    int window;                       /* <= 0: none */
+} ki_view;
+
+typedef struct {
+    ki_proj qkv, o, gate_up, down;
+    const float *in_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL for none */
+    const float *cos, *sin;           /* [max_positions, D / 2] */
+    float in_eps, post_eps, q_eps, k_eps, scale;
+    int H, Hkv, D, hidden, inter, max_positions, view;
+} ki_layer;
+
+/* One product as NativeIntMethod.apply: out [T, N] = x [T, K] times the packed weight, then + bias. */
+static int kd_project(const ki_proj *p, const float *x, int T, float *out) {
+    int status = ki_q8_0_linear(x, T, p->K, p->w, p->bits, p->scale, p->offset, p->groups,
+                                p->groups == 1 ? p->K : p->group_size, p->N, out);
+    if (status == 0 && p->bias)
+        for (long t = 0; t < T; t++)
+            for (int n = 0; n < p->N; n++) out[t * p->N + n] += p->bias[n];
+    return status;
+}
+
+static inline size_t kd_round(size_t n) { return (n + 15) & ~(size_t)15; } /* 64-byte aligned regions */
+
+/* Floats of scratch a layer needs per token (decoder_scratch in cpu_decoder.py sizes it as the max of these). */
+size_t ki_decoder_scratch_floats(const ki_layer *L) {
+    size_t qd = (size_t)L->H * L->D, kvd = (size_t)L->Hkv * L->D;
+    return kd_round(L->hidden) + kd_round(L->qkv.N) + kd_round(qd) + 2 * kd_round(kvd) + kd_round(qd)
+           + kd_round(L->hidden) + kd_round(L->gate_up.N) + kd_round(L->inter);
+}
+
+/* Layers [0, n) of a decode step of T tokens (one a sequence). x [T, hidden]: the first layer's input; res: the
+ * residual before it (NULL at the model's first layer: the residual is x). Writes the last layer's output to
+ * x_out and the residual to res_out (both [T, hidden], neither x nor res). caches: 2n pointers (each layer's K
+ * then V cache, float32 [blocks, block_size, Hkv, D]); views: the step's metadata per window; scratch: T times
+ * the max of ki_decoder_scratch_floats, 64-byte aligned. Returns 0; -1 out of memory; -2 a position outside the
+ * rotary tables (nothing of that layer's attention done). */
+int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char *const *caches, int block_size,
+                      const float *x, const float *res, const int64_t *pos, int T, float *scratch, float *x_out,
+                      float *res_out) {
+    for (int l = 0; l < n; l++) {
+        const ki_layer *L = &layers[l];
+        const int hidden = L->hidden, H = L->H, Hkv = L->Hkv, D = L->D, qkv_n = L->qkv.N;
+        const size_t qd = (size_t)H * D, kvd = (size_t)Hkv * D;
+        float *h = scratch, *qkv = h + T * kd_round(hidden), *qn = qkv + T * kd_round(qkv_n);
+        float *kn = qn + T * kd_round(qd), *vn = kn + T * kd_round(kvd), *att = vn + T * kd_round(kvd);
+        float *o = att + T * kd_round(qd), *gu = o + T * kd_round(hidden), *act = gu + T * kd_round(L->gate_up.N);
+        const float *in = l ? x_out : x, *r = l ? res_out : res;
+        if (r) {
+            ki_rms_norm(in, hidden, hidden, r, res_out, L->in_norm, h, T, 1, hidden, L->in_eps, 0);
+        } else {
+            ki_rms_norm(in, hidden, hidden, NULL, NULL, L->in_norm, h, T, 1, hidden, L->in_eps, 0);
+            memcpy(res_out, in, sizeof(float) * (size_t)T * hidden);
+        }
+        if (kd_project(&L->qkv, h, T, qkv)) return -1;
+        const float *q = qkv, *k = qkv + qd, *v = k + kvd;
+        long q_stride = qkv_n, kv_stride = qkv_n;
+        if (L->q_norm) { /* Attention.forward's Qwen3 path: normed q and k new tensors, v and k made alike */
+            ki_rms_norm(qkv, qkv_n, D, NULL, NULL, L->q_norm, qn, T, H, D, L->q_eps, 0);
+            ki_rms_norm(qkv + qd, qkv_n, D, NULL, NULL, L->k_norm, kn, T, Hkv, D, L->k_eps, 0);
+            for (int t = 0; t < T; t++) memcpy(vn + t * kvd, v + (size_t)t * qkv_n, sizeof(float) * kvd);
+            if (ki_rotary(qn, qd, D, pos, L->cos, L->sin, L->max_positions, T, H, D)
+                || ki_rotary(kn, kvd, D, pos, L->cos, L->sin, L->max_positions, T, Hkv, D))
+                return -2;
+            q = qn, k = kn, v = vn, q_stride = qd, kv_stride = kvd;
+        } else if (ki_rotary(qkv, qkv_n, D, pos, L->cos, L->sin, L->max_positions, T, H + Hkv, D)) {
+            return -2; /* q and k side by side in each row: one pass over H + Hkv heads */
+        }
+        const ki_view *m = &views[L->view];
+        if (ki_decode_attention((const char *)q, q_stride, 0, (const char *)k, (const char *)v, kv_stride, m->slots,
+                                caches[2 * l], caches[2 * l + 1], 0, NULL, m->tables, m->table_stride, m->lens, T, H,
+                                Hkv, D, block_size, m->window, L->scale, (char *)att))
+            return -1;
+        if (kd_project(&L->o, att, T, o)) return -1;
+        ki_rms_norm(o, hidden, hidden, res_out, res_out, L->post_norm, h, T, 1, hidden, L->post_eps, 0);
+        if (kd_project(&L->gate_up, h, T, gu)) return -1;
+        ki_silu_mul(gu, L->gate_up.N, act, T, L->inter);
+        if (kd_project(&L->down, act, T, x_out)) return -1;
+    }
+    return 0;
+}

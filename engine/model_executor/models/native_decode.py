@@ -1,0 +1,158 @@
+"""A CPU decode step's Llama-family decoder layers in one native call (layers/cpu_decoder.py, cpu_native/
+decoder_layer.c) instead of ~10 module calls each: at batch 1 the Python between the native kernels was ~40 us a
+layer, a fifth of a 5.5 ms step. The same C kernels in the same order as the per-module path: the same bits.
+
+Which layers: decided once, at the first step that asks: llama.py's DecoderLayer itself (not another family's),
+RMSNorm norms (float32), the rotate-half rotary on the CPU, the torch attention backend without a score cap,
+silu, every projection through NativeIntMethod (KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni), tensor
+parallel size 1; Qwen3's q/k norms included. Consecutive such layers are one call; the others run their forward.
+Which steps, checked each step: decodes only (one token a sequence), no LoRA adapter in it, float32 activations
+and KV caches, the native layers on (`ops.layers_enabled()`: KUBEINFER_CPU_NATIVE_LAYERS) and
+KUBEINFER_CPU_FUSED_LAYERS not 0 (default 1; 0 keeps the per-module path, for A/B measurements). Anything else
+returns None and the model runs its layers one module at a time."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..layers import cpu_decoder
+from ..layers.attention import TorchAttentionBackend
+from ..layers.layernorm import RMSNorm
+from ..layers.quantization.cpu_native import ops
+from ..layers.quantization.cpu_native.method import NativeIntMethod
+from ..layers.rotary_embedding import RotaryEmbedding
+
+PLAN = "_native_decode_plan"
+
+
+def switched_on() -> bool:
+    wanted = os.environ.get("KUBEINFER_CPU_FUSED_LAYERS", "1")
+    if wanted not in ("0", "1"):
+        raise ValueError(f"KUBEINFER_CPU_FUSED_LAYERS must be 0 or 1; got {wanted!r}")
+    return wanted == "1"
+
+
+def _norm_ok(norm) -> bool:
+    w = norm._parameters["weight"]
+    return (type(norm) is RMSNorm and not norm.fused and w.dtype == torch.float32 and w.is_contiguous()
+            and w.device.type == "cpu")
+
+
+def _native(linear, tp_ok: bool = True) -> bool:
+    method = getattr(linear, "quant_method", None)
+    bias = linear._parameters.get("bias")
+    return (type(method) is NativeIntMethod and tp_ok
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+
+
+def qualifies(layer, spec, types: tuple) -> bool:
+    """Whether this layer's decode is exactly what decoder_layer.c computes; types: llama.py's (DecoderLayer,
+    Attention, MLP), exactly (a subclass may compute otherwise)."""
+    layer_type, attn_type, mlp_type = types
+    if type(layer) is not layer_type or spec.tp_size != 1:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not attn_type or type(mlp) is not mlp_type or attn.softcap or mlp.activation is not F.silu:
+        return False
+    rotary = attn.rotary
+    if type(rotary) is not RotaryEmbedding or rotary.fused or rotary.cos.dtype != torch.float32:
+        return False
+    if type(attn.backend).forward is not TorchAttentionBackend.forward or attn.head_dim % 2:
+        return False
+    norms = [layer.input_layernorm, layer.post_attention_layernorm]
+    if attn.q_norm is not None:
+        norms += [attn.q_norm, attn.k_norm]
+    return (all(_norm_ok(n) for n in norms) and _native(attn.qkv_proj) and _native(mlp.gate_up_proj)
+            and _native(attn.o_proj, attn.o_proj.tp_size == 1) and _native(mlp.down_proj, mlp.down_proj.tp_size == 1))
+
+
+def describe(layer, windows: list, keep: list) -> cpu_decoder.Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    if attn.window not in windows:
+        windows.append(attn.window)
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    norm_ptr = (lambda n: None if n is None else n._parameters["weight"].data_ptr())
+    tables = attn.rotary._buffers
+    keep.extend([tables["cos"], tables["sin"]] + [n._parameters["weight"] for n in
+                (layer.input_layernorm, layer.post_attention_layernorm, q_norm, k_norm) if n is not None])
+    proj = cpu_decoder.proj
+    return cpu_decoder.Layer(
+        proj(attn.qkv_proj, keep), proj(attn.o_proj, keep), proj(mlp.gate_up_proj, keep), proj(mlp.down_proj, keep),
+        norm_ptr(layer.input_layernorm), norm_ptr(layer.post_attention_layernorm), norm_ptr(q_norm),
+        norm_ptr(k_norm), tables["cos"].data_ptr(), tables["sin"].data_ptr(), layer.input_layernorm.eps,
+        layer.post_attention_layernorm.eps, q_norm.eps if q_norm else 0.0, k_norm.eps if k_norm else 0.0,
+        attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.input_layernorm.weight.shape[0],
+        mlp.intermediate_size, tables["cos"].shape[0], windows.index(attn.window))
+
+
+def plan(model) -> list | None:
+    """[(first layer, Layers or None)...]: runs of qualifying layers and single others; None where no layer
+    qualifies. Built once per model."""
+    cached = model.__dict__.get(PLAN, False)
+    if cached is not False:
+        return cached
+    steps, run, windows, keep = [], [], [], []
+    layers = list(model.model.layers)
+
+    def close(end: int) -> None:
+        if run:
+            steps.append((end - len(run), cpu_decoder.Layers(run, list(windows), list(keep))))
+            run.clear(), windows.clear(), keep.clear()
+
+    for i, layer in enumerate(layers):
+        if qualifies(layer, model.spec, model.native_decode_types):
+            run.append(describe(layer, windows, keep))
+        else:
+            close(i)
+            steps.append((i, None))
+    close(len(layers))
+    result = steps if any(s is not None for _, s in steps) else None
+    model.__dict__[PLAN] = result
+    return result
+
+
+def _meta_ok(meta, tokens: int) -> bool:
+    tables, lens, slots = meta.block_tables, meta.context_lens_tensor, meta.slot_mapping
+    return (tables.dtype == torch.long and tables.stride(1) == 1 and lens.dtype == torch.long and lens.is_contiguous()
+            and slots.dtype == torch.long and slots.is_contiguous() and slots.shape[0] == tokens
+            and tables.device.type == "cpu")
+
+
+def forward_layers(model, x: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta, lora
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The decoder layers of a decode step (x: the embeddings) -> (output, residual), as the layer loop gives;
+    None where this step is not one for the native layers (the caller loops over its layers)."""
+    tokens = x.shape[0]
+    if (lora is not None or meta.num_decodes != tokens or meta.num_seqs != tokens or not tokens
+            or x.dtype is not torch.float32 or not x.is_cpu or positions.dtype is not torch.int64
+            or not positions.is_contiguous()):
+        return None
+    steps = model.__dict__.get(PLAN, False)
+    if steps is False and ops.available():
+        steps = plan(model)
+    if not steps or not ops.layers_enabled() or not switched_on():
+        return None
+    x = x.contiguous()
+    metas: dict = {}
+    runs = []
+    for first, run in steps:  # every check before anything runs: a step goes one way or the other
+        if run is None:
+            continue
+        for window in run.windows:
+            if window not in metas:
+                metas[window] = meta.for_window(window)
+                if not _meta_ok(metas[window], tokens):
+                    return None
+        caches = run.caches(kv_caches, first)
+        if caches is None:
+            return None
+        runs.append(caches)
+    residual, done = None, iter(runs)
+    for first, run in steps:
+        if run is None:
+            x, residual = model.model.layers[first].forward(x, residual, positions, kv_caches[first], meta, lora)
+        else:
+            x, residual = run.run(x, residual, positions, next(done), [metas[w] for w in run.windows])
+    return x, residual

@@ -1,0 +1,161 @@
+"""Whole decoder layers of a CPU decode step in one native call (models/native_decode.py, cpu_native/decoder_layer.c).
+
+The reference is the per-module native path (KUBEINFER_CPU_FUSED_LAYERS=0: each norm, product, rotary and the
+attention its own C call): the fused layers make the same calls in the same order, so several decode steps'
+logits and the KV caches they write must be the same bits, at batch 1, 3 and 16, int8 and int4 weights (llama.cpp's
+arithmetic), with and without a qkv bias, sliding windows (every layer's, or one layer's of two), Qwen3's q/k
+norms. Then the steps that must not take it: a prefill row in the step, a LoRA step, the native layers off; and
+the engine's greedy tokens are the same either way."""
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, write_checkpoint
+
+from kubeinfer.engine import LLM, SamplingParams
+from kubeinfer.engine.model_executor.layers import cpu_decoder
+from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata
+from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.model_executor.models import native_decode
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
+SCHEMES = {"w4": ("pack-quantized", 4, "int", "group", False, 32), "w4_sym": ("pack-quantized", 4, "int", "group",
+                                                                           True, 64),
+           "w8": ("pack-quantized", 8, "int", "channel", True, None)}
+KERNEL = {"w4": "cpu_int4_vnni", "w4_sym": "cpu_int4_vnni", "w8": "cpu_int8_vnni"}
+FAMILIES = {"qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                          layer_types=["full_attention", "sliding_attention"]),  # qkv bias; one layer windowed
+            "mistral": dict(sliding_window=9), "qwen3": {}}  # no bias, every layer windowed; q/k norms
+CASES = ["qwen2-w8", "qwen2-w4", "mistral-w8", "mistral-w4", "qwen3-w4_sym"]
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from kubeinfer.testing.random_model import build_random_model
+
+    root, made = tmp_path_factory.mktemp("decoder"), {}
+    for family, extra in FAMILIES.items():
+        float_dir = build_random_model(root / family, family, tokenizer=False, seed=5, vocab_size=96,
+                                       **SHAPE, **extra)
+        for name, scheme in SCHEMES.items():
+            if f"{family}-{name}" in CASES:
+                config = ct_scheme(*scheme)
+                made[f"{family}-{name}"] = write_checkpoint(float_dir, root / f"{family}-{name}",
+                                                            ct_compress(float_weights(float_dir), config), config)
+    return made
+
+
+@pytest.fixture
+def engine(checkpoints, request, monkeypatch):
+    case = request.param
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", KERNEL[case.split("-")[1]])
+    llm = LLM(checkpoints[case], max_model_len=128, num_kv_blocks=32)
+    yield llm
+    llm.shutdown()
+
+
+def spied(monkeypatch) -> list[int]:
+    calls = [0]
+    real = cpu_decoder.Layers.run
+
+    def run(self, *args):
+        calls[0] += 1
+        return real(self, *args)
+    monkeypatch.setattr(cpu_decoder.Layers, "run", run)
+    return calls
+
+
+def decode_steps(model, batch: int, steps: int = 3, prefill: int = 0, lora=None, seed: int = 0):
+    """Logits of `steps` decode steps of `batch` sequences over random caches and scattered block tables (a
+    prompt of `prefill` tokens after them, when given), each step's tokens the last one's argmax; and the caches."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = model.spec
+    lengths = torch.randint(1, 40, (batch,), generator=gen).tolist()
+    seqs = lengths + ([prefill] if prefill else [])
+    max_blocks = -(-(max(seqs) + steps) // BLOCK)
+    tables = torch.randperm(len(seqs) * max_blocks, generator=gen).view(len(seqs), max_blocks)
+    caches = [tuple(torch.randn(len(seqs) * max_blocks, BLOCK, spec.num_kv_heads, spec.head_dim, generator=gen)
+                    for _ in range(2)) for _ in range(spec.num_layers)]
+    ids = torch.randint(3, 96, (batch + prefill,), generator=gen)
+    out = []
+    for _ in range(steps):
+        lengths = [n + 1 for n in lengths]
+        context = lengths + ([prefill] if prefill else [])
+        positions = [n - 1 for n in lengths] + list(range(prefill))
+        owners = list(range(batch)) + [batch] * prefill
+        slots = [int(tables[s, p // BLOCK]) * BLOCK + p % BLOCK for s, p in zip(owners, positions)]
+        starts = list(range(batch + 1)) + ([batch + prefill] if prefill else [])
+        meta = AttentionMetadata.build(slots, starts, context, tables, batch, spec.sliding_window,
+                                       torch.device("cpu"))
+        rows = torch.tensor(list(range(batch)) + ([batch + prefill - 1] if prefill else []))
+        with torch.inference_mode(), ops.layers_switch_held():
+            logits = model(ids, torch.tensor(positions), caches, meta, rows, lora)
+        out.append(logits)
+        ids = torch.cat([logits[:batch].argmax(-1), ids[batch:]])
+        prefill = 0  # the prompt is in the cache now
+    return out, caches
+
+
+def both_ways(model, monkeypatch, **kwargs):
+    """{switch: (logits of each step, caches, native runs)} with the fused layers on ("1") and off ("0")."""
+    results, calls = {}, spied(monkeypatch)
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", switch)
+        before = calls[0]
+        results[switch] = (*decode_steps(model, **kwargs), calls[0] - before)
+    return results
+
+
+@pytest.mark.parametrize("engine", CASES, indirect=True)
+def test_fused_layers_give_the_per_module_paths_bits(engine, monkeypatch):
+    model = engine.engine.runner.model
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "1")
+    steps = native_decode.plan(model)
+    assert steps is not None and all(run is not None for _, run in steps) and len(steps) == 1  # both layers, one call
+    for batch in (1, 3, 16):
+        got = both_ways(model, monkeypatch, batch=batch)
+        (fused, fused_caches, calls), (ref, ref_caches, ref_calls) = got["1"], got["0"]
+        assert calls == 3 and ref_calls == 0, (calls, ref_calls)
+        for step, (a, b) in enumerate(zip(fused, ref)):
+            assert torch.equal(a, b), f"batch {batch} step {step}: max diff {(a - b).abs().max().item()}"
+        for (k, v), (rk, rv) in zip(fused_caches, ref_caches):
+            assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+@pytest.mark.parametrize("engine", ["qwen2-w4"], indirect=True)
+def test_steps_it_does_not_take(engine, monkeypatch):
+    model = engine.engine.runner.model
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "1")
+    got = both_ways(model, monkeypatch, batch=3, steps=1, prefill=5)  # decodes and a prompt: per module
+    assert got["1"][2] == 0 and all(torch.equal(a, b) for a, b in zip(got["1"][0], got["0"][0]))
+    monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", "1")
+    x = torch.zeros(2, model.spec.hidden_size)
+    meta = AttentionMetadata.build([0, 1], [0, 1, 2], [1, 1], torch.zeros(2, 1, dtype=torch.long), 2, None,
+                                   torch.device("cpu"))
+    positions = torch.zeros(2, dtype=torch.long)
+    caches = [(torch.zeros(1, BLOCK, model.spec.num_kv_heads, model.spec.head_dim),) * 2] * model.spec.num_layers
+    with ops.layers_switch_held():
+        assert native_decode.forward_layers(model, x, positions, caches, meta, lora=object()) is None  # LoRA step
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "0")
+    with ops.layers_switch_held():
+        assert native_decode.forward_layers(model, x, positions, caches, meta, None) is None
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "1")
+    with ops.layers_switch_held():
+        assert native_decode.forward_layers(model, x, positions, caches, meta, None) is not None
+    monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", "2")
+    with pytest.raises(ValueError, match="KUBEINFER_CPU_FUSED_LAYERS"), ops.layers_switch_held():
+        native_decode.forward_layers(model, x, positions, caches, meta, None)
+
+
+@pytest.mark.parametrize("engine", ["mistral-w4"], indirect=True)
+def test_engine_greedy_tokens_equal_either_way(engine, monkeypatch):
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(4)]
+    tokens, calls = {}, spied(monkeypatch)
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", switch)
+        before = calls[0]
+        outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
+        tokens[switch] = [o.outputs[0].token_ids for o in outs]
+        assert (calls[0] > before) == (switch == "1")
+    assert tokens["1"] == tokens["0"]
