@@ -6,7 +6,10 @@ round), so both see the same load. Per round: median ms of a decode step (engine
 left out) at batch 1 and 16; the table shows the best round's and the median round's.
 `--split`: also the step's time outside the native kernels' C calls and lm_head (each timed by a wrapper, so both
 sides pay the wrappers' ~0.3 us a call): the Python around the kernels, far less noisy than the whole step.
-`python benchmarks/bench_decode_glue_ab.py --base ../wt-base [--repeats 3] [--split]`"""
+`--switch VAR`: instead of another checkout, this one with the environment variable VAR=0 (before) and VAR=1
+(after), e.g. KUBEINFER_CPU_FUSED_LAYERS (the decoder layers in one native call, models/native_decode.py).
+`python benchmarks/bench_decode_glue_ab.py --base ../wt-base [--repeats 3] [--split]`
+`python benchmarks/bench_decode_glue_ab.py --switch KUBEINFER_CPU_FUSED_LAYERS [--systems cpu_int4_vnni,...]`"""
 from __future__ import annotations
 
 import argparse
@@ -28,7 +31,7 @@ BATCHES = (1, 16)
 def time_native_calls(spent: list[float]) -> None:
     """Every ctypes call of the native library (products, norms, activation, rotary, attention) adds its wall
     time to spent[0]: the library object and the two layer modules' cached handles wrapped (their private caches)."""
-    from kubeinfer.engine.model_executor.layers import cpu_attention, cpu_fused_ops
+    from kubeinfer.engine.model_executor.layers import cpu_attention, cpu_decoder, cpu_fused_ops
     from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
 
     def timed(fn):
@@ -51,7 +54,8 @@ def time_native_calls(spent: list[float]) -> None:
             return wrapped
     cpu_fused_ops._lib()  # argtypes set on the real functions first
     cpu_attention._kernel()
-    ops._state["lib"] = Timed(ops.library())
+    cpu_decoder._lib()
+    ops._state["lib"] = cpu_decoder._state["lib"] = Timed(ops.library())
     if cpu_fused_ops._state.get("lib") is not None:
         cpu_fused_ops._state["lib"] = ops._state["lib"]
     cpu_attention._state["fn"] = timed(cpu_attention._state["fn"])
@@ -97,10 +101,11 @@ def timed_forward(forward, spent: list[float]):
     return call
 
 
-def run_side(checkout: Path, system: str, tokens: int, split: bool) -> dict[int, float]:
+def run_side(checkout: Path, system: str, tokens: int, split: bool, env: dict | None = None) -> dict[int, float]:
     python = checkout / ".venv" / "bin" / "python"
     command = [str(python), str(HERE / Path(__file__).name), "--worker", system, "--tokens", str(tokens)]
-    done = subprocess.run(command + ["--split"] * split, cwd=checkout, capture_output=True, text=True, check=True)
+    done = subprocess.run(command + ["--split"] * split, cwd=checkout, capture_output=True, text=True, check=True,
+                          env=None if env is None else {**os.environ, **env})
     return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
@@ -110,25 +115,34 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--split", action="store_true", help="ms of a step outside the native calls and lm_head")
+    parser.add_argument("--switch", help="A/B of this environment variable (0 before, 1 after) in this checkout")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of " + ", ".join(SYSTEMS))
     parser.add_argument("--worker", choices=tuple(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.tokens, args.split)
-    if args.base is None:
-        parser.error("--base is required")
-    sides = {"before": args.base.resolve(), "after": HERE.parent}
+    if (args.base is None) == (args.switch is None):
+        parser.error("one of --base and --switch is required")
+    systems = args.systems.split(",")
+    if set(systems) - set(SYSTEMS):
+        parser.error(f"--systems: of {', '.join(SYSTEMS)}")
+    if args.switch:
+        sides, envs = {"before": HERE.parent, "after": HERE.parent}, {"before": {args.switch: "0"},
+                                                                       "after": {args.switch: "1"}}
+    else:
+        sides, envs = {"before": args.base.resolve(), "after": HERE.parent}, {"before": None, "after": None}
     ms: dict[tuple[str, str, int], list[float]] = {}
     loads = [os.getloadavg()[0]]
     for r in range(args.repeats):
-        for system in SYSTEMS:
+        for system in systems:
             for side in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                for batch, value in run_side(sides[side], system, args.tokens, args.split).items():
+                for batch, value in run_side(sides[side], system, args.tokens, args.split, envs[side]).items():
                     ms.setdefault((system, side, batch), []).append(value)
             loads.append(os.getloadavg()[0])
             print(r, system, {f"{k[1]} b{k[2]}": f"{v[-1]:.2f}" for k, v in ms.items() if k[0] == system},
                   f"load {loads[-1]:.1f}", flush=True)
     rows = []
-    for system in SYSTEMS:
+    for system in systems:
         for batch in BATCHES:
             before, after = ms[(system, "before", batch)], ms[(system, "after", batch)]
             rows.append(f"| {system} | {batch} | {min(before):.2f} ({statistics.median(before):.2f}) | "

@@ -12,24 +12,24 @@ import torch
 
 from .quantization.cpu_native import ops
 
-P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+P, INT, LONG, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _state: dict = {}
 
 
 class Proj(ctypes.Structure):
-    _fields_ = [("w", P), ("scale", P), ("bias", P), ("offset", P), ("bits", I), ("groups", I), ("group_size", I),
-                ("N", I), ("K", I)]
+    _fields_ = [("w", P), ("scale", P), ("bias", P), ("offset", P), ("bits", INT), ("groups", INT), ("group_size", INT),
+                ("N", INT), ("K", INT)]
 
 
 class View(ctypes.Structure):
-    _fields_ = [("slots", P), ("tables", P), ("lens", P), ("table_stride", L), ("window", I)]
+    _fields_ = [("slots", P), ("tables", P), ("lens", P), ("table_stride", LONG), ("window", INT)]
 
 
 class Layer(ctypes.Structure):
     _fields_ = [("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj), ("in_norm", P), ("post_norm", P),
                 ("q_norm", P), ("k_norm", P), ("cos", P), ("sin", P), ("in_eps", F), ("post_eps", F), ("q_eps", F),
-                ("k_eps", F), ("scale", F), ("H", I), ("Hkv", I), ("D", I), ("hidden", I), ("inter", I),
-                ("max_positions", I), ("view", I)]
+                ("k_eps", F), ("scale", F), ("H", INT), ("Hkv", INT), ("D", INT), ("hidden", INT), ("inter", INT),
+                ("max_positions", INT), ("view", INT)]
 
 
 def _lib():
@@ -37,8 +37,8 @@ def _lib():
     if lib is None:
         lib = ops.library()
         lib.ki_decoder_scratch_floats.argtypes, lib.ki_decoder_scratch_floats.restype = [P], ctypes.c_size_t
-        lib.ki_decoder_layers.argtypes = [P, I, P, P, I, P, P, P, I, P, P, P]
-        lib.ki_decoder_layers.restype = I
+        lib.ki_decoder_layers.argtypes = [P, INT, P, P, INT, P, P, P, INT, P, P, P]
+        lib.ki_decoder_layers.restype = INT
         _state["lib"] = lib
     return lib
 
@@ -66,20 +66,23 @@ class Layers:
         self.layers = (Layer * self.count)(*descriptors)
         self.windows = views
         self.keep = keep  # the tensors whose pointers the descriptors hold
-        self.hidden = descriptors[0].hidden
+        self.kv_shapes = [(d.Hkv, d.D) for d in descriptors]  # what each layer's caches must hold
         self.row_floats = max(_lib().ki_decoder_scratch_floats(ctypes.byref(d)) for d in descriptors)
         self.scratch = torch.empty(0)
         self._caches_key = None
         self._view_array = (View * len(views))()
 
     def caches(self, kv_caches: list, first: int) -> tuple | None:
-        """(pointer array, block size) of this run's caches, or None where one is not a contiguous float32 cache;
-        rebuilt only when the list or its first tensor changes (the engine keeps one list)."""
+        """(pointer array, block size) of this run's caches, or None where one is not a contiguous float32
+        [blocks, block size, Hkv, D] cache; rebuilt only when the list or its first tensor changes (the engine keeps
+        one list)."""
         key = (id(kv_caches), kv_caches[first][0].data_ptr())
         if key != self._caches_key:
             pairs = kv_caches[first:first + self.count]
             block = pairs[0][0].shape[1]
-            if any(c.dtype != torch.float32 or not c.is_contiguous() or c.shape[1] != block for p in pairs for c in p):
+            if any(c.dtype != torch.float32 or not c.is_contiguous() or c.dim() != 4 or c.shape[1] != block
+                   or tuple(c.shape[2:]) != shape or not c.is_cpu
+                   for p, shape in zip(pairs, self.kv_shapes) for c in p):
                 return None
             self._caches = ((P * (2 * self.count))(*(c.data_ptr() for p in pairs for c in p)), block)
             self._caches_key = key

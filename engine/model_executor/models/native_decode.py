@@ -68,20 +68,23 @@ def qualifies(layer, spec, types: tuple) -> bool:
             and _native(attn.o_proj, attn.o_proj.tp_size == 1) and _native(mlp.down_proj, mlp.down_proj.tp_size == 1))
 
 
+def _weight_ptr(norm) -> int | None:
+    return None if norm is None else norm._parameters["weight"].data_ptr()
+
+
 def describe(layer, windows: list, keep: list) -> cpu_decoder.Layer:
     attn, mlp = layer.self_attn, layer.mlp
     if attn.window not in windows:
         windows.append(attn.window)
     q_norm, k_norm = attn.q_norm, attn.k_norm
-    norm_ptr = (lambda n: None if n is None else n._parameters["weight"].data_ptr())
     tables = attn.rotary._buffers
     keep.extend([tables["cos"], tables["sin"]] + [n._parameters["weight"] for n in
                 (layer.input_layernorm, layer.post_attention_layernorm, q_norm, k_norm) if n is not None])
     proj = cpu_decoder.proj
     return cpu_decoder.Layer(
         proj(attn.qkv_proj, keep), proj(attn.o_proj, keep), proj(mlp.gate_up_proj, keep), proj(mlp.down_proj, keep),
-        norm_ptr(layer.input_layernorm), norm_ptr(layer.post_attention_layernorm), norm_ptr(q_norm),
-        norm_ptr(k_norm), tables["cos"].data_ptr(), tables["sin"].data_ptr(), layer.input_layernorm.eps,
+        _weight_ptr(layer.input_layernorm), _weight_ptr(layer.post_attention_layernorm), _weight_ptr(q_norm),
+        _weight_ptr(k_norm), tables["cos"].data_ptr(), tables["sin"].data_ptr(), layer.input_layernorm.eps,
         layer.post_attention_layernorm.eps, q_norm.eps if q_norm else 0.0, k_norm.eps if k_norm else 0.0,
         attn.scale, attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.input_layernorm.weight.shape[0],
         mlp.intermediate_size, tables["cos"].shape[0], windows.index(attn.window))

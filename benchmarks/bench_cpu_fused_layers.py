@@ -1,0 +1,95 @@
+"""A CPU decode step's decoder layers in one native call each run of layers (models/native_decode.py) against the
+per-module native path (KUBEINFER_CPU_FUSED_LAYERS=0), and against llama.cpp at the same bit width (`--peer
+llama.cpp`: Q4_0 and Q8_0 of the same weights, llama_cpp_peer.py), on the large model of bench_quantized_decode.py
+(222M; its checkpoints under .cache, built on first use): W4A16 through KUBEINFER_QUANT_KERNEL=cpu_int4_vnni and
+W8A16 through cpu_int8_vnni, batch 1 and 16. One engine per kernel; the switch is read at each step, so it flips
+between rounds: fused, per-module and llama.cpp in each round, their order rotated round to round, so all see the
+same load; best and median round, ms per decode step (aggregate tokens/s turned into ms a step).
+
+    python benchmarks/bench_cpu_fused_layers.py [--tokens 32] [--repeats 5] [--peer llama.cpp]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as bench_quantized_decode.py: before numpy loads OpenBLAS
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llama_cpp_peer  # noqa: E402
+from bench_quantized_decode import BATCHES, MODELS, PROMPT_LEN, EngineSystem, LlamaCppSystem, checkpoints  # noqa: E402
+from results import update_results  # noqa: E402
+
+KERNELS = (("cpu_int4_vnni", "w4a16", "Q4_0"), ("cpu_int8_vnni", "w8a16", "Q8_0"))
+
+
+def measure(engine: EngineSystem, peer, batch: int, repeats: int) -> dict[str, list[float]]:
+    """ms per step of fused ("1"), per module ("0") and the peer, `repeats` rounds each, interleaved."""
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(10, MODELS["large"][1]["vocab_size"], (PROMPT_LEN,), generator=gen).tolist()
+               for _ in range(batch)]
+    order = ["1", "0"] + (["peer"] if peer else [])
+    steps: dict[str, list[float]] = {name: [] for name in order}
+    engine.rate(prompts)  # warm-up
+    for r in range(repeats):
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            if name == "peer":
+                steps[name].append(batch / peer.rate(prompts) * 1e3)
+                continue
+            os.environ["KUBEINFER_CPU_FUSED_LAYERS"] = name
+            steps[name].append(batch / engine.rate(prompts) * 1e3)
+    os.environ.pop("KUBEINFER_CPU_FUSED_LAYERS", None)
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds per setting, interleaved")
+    parser.add_argument("--peer", choices=("llama.cpp",), help="also llama.cpp Q4_0 / Q8_0 in each round")
+    parser.add_argument("--llama-cpp-converter", default=llama_cpp_peer.default_converter())
+    args = parser.parse_args()
+    made = checkpoints("large")
+    if args.peer and (why := llama_cpp_peer.missing(args.llama_cpp_converter)):
+        sys.exit(llama_cpp_peer.HOW_TO_INSTALL.format(missing=why))
+    f32 = args.peer and llama_cpp_peer.convert(made["float32"], "f32", args.llama_cpp_converter, Path(".cache"))
+    loads, rows = [os.getloadavg()[0]], []
+    for kernel, scheme, kind in KERNELS:
+        engine = EngineSystem(made[scheme], args.tokens, kernel)
+        peer = LlamaCppSystem(llama_cpp_peer.quantize(f32, kind), args.tokens) if args.peer else None
+        for batch in BATCHES:
+            ms = measure(engine, peer, batch, args.repeats)
+            loads.append(os.getloadavg()[0])
+            best = {k: min(v) for k, v in ms.items()}
+            med = {k: statistics.median(v) for k, v in ms.items()}
+            row = (f"| {kernel} | {batch} | {best['1']:.2f} ({med['1']:.2f}) | {best['0']:.2f} ({med['0']:.2f}) | "
+                   f"{best['0'] / best['1']:.2f}x ({med['0'] / med['1']:.2f}x) |")
+            if peer:
+                row += (f" {kind} {best['peer']:.2f} ({med['peer']:.2f}) | {best['peer'] / best['1']:.2f}x "
+                        f"({med['peer'] / med['1']:.2f}x) |")
+            rows.append(row)
+            print(row, f"load {loads[-1]:.1f}", flush=True)
+        engine.close()
+        if peer:
+            peer.close()
+    peer_head = " llama.cpp, same bits | llama.cpp / fused |" if args.peer else ""
+    body = "\n".join([
+        f"`python benchmarks/bench_cpu_fused_layers.py --tokens {args.tokens} --repeats {args.repeats}"
+        + (f" --peer {args.peer}" if args.peer else "") + f"`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"{platform.machine()}, {os.cpu_count()} cores, 1-minute load {min(loads):.1f}-{max(loads):.1f} (the "
+        "machine shared). Large model (222M), ms per decode step, best round (median); fused: each run of "
+        "decoder layers one native call (models/native_decode.py); per module: KUBEINFER_CPU_FUSED_LAYERS=0.",
+        "", "| kernel | batch | fused ms/step | per module | per module / fused |" + peer_head,
+        "|---|---|---|---|---|" + ("---|---|" if args.peer else ""), *rows])
+    print("\n" + body)
+    update_results("fused-decoder-layer", "Decoder layers of a CPU decode step in one native call", body)
+
+
+if __name__ == "__main__":
+    main()
