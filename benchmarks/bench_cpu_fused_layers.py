@@ -3,8 +3,8 @@ per-module native path (KUBEINFER_CPU_FUSED_LAYERS=0), and against llama.cpp at 
 llama.cpp`: Q4_0 and Q8_0 of the same weights, llama_cpp_peer.py), on the large model of bench_quantized_decode.py
 (222M; its checkpoints under .cache, built on first use): W4A16 through KUBEINFER_QUANT_KERNEL=cpu_int4_vnni and
 W8A16 through cpu_int8_vnni, batch 1 and 16. One engine per kernel; the switch is read at each step, so it flips
-between rounds: fused, per-module and llama.cpp in each round, their order rotated round to round, so all see the
-same load; best and median round, ms per decode step (aggregate tokens/s turned into ms a step).
+between steps: each round has a fused round, llama.cpp's, and one that flips the switch at every step (fused, per
+module, fused...), their order rotated round to round, so all see the same load; best and median round, ms a step.
 
     python benchmarks/bench_cpu_fused_layers.py [--tokens 32] [--repeats 5] [--peer llama.cpp]
 """
@@ -26,24 +26,51 @@ import llama_cpp_peer  # noqa: E402
 from bench_quantized_decode import BATCHES, MODELS, PROMPT_LEN, EngineSystem, LlamaCppSystem, checkpoints  # noqa: E402
 from results import update_results  # noqa: E402
 
+from kubeinfer.engine import SamplingParams  # noqa: E402
+
 KERNELS = (("cpu_int4_vnni", "w4a16", "Q4_0"), ("cpu_int8_vnni", "w8a16", "Q8_0"))
 
 
+def alternating(engine: EngineSystem, prompts: list[list[int]]) -> dict[str, float]:
+    """One round with the switch flipped at every step (fused, per module, fused, ...): median ms of each's steps
+    (engine.step wall time, the prefill and the first two decodes left out). Neighbouring steps see the same load,
+    so this A/B holds on a busy machine where whole rounds drift."""
+    llm, times = engine.llm.engine, {"1": [], "0": []}
+    params = SamplingParams(temperature=0, max_tokens=engine.tokens, ignore_eos=True)
+    engine.rounds += 1
+    for i, prompt in enumerate(prompts):
+        llm.add_request(f"ab{engine.rounds}-{i}", list(prompt), params)
+    step = 0
+    while llm.has_unfinished_requests():
+        switch = "01"[step % 2]
+        os.environ["KUBEINFER_CPU_FUSED_LAYERS"] = switch
+        start = time.perf_counter()
+        llm.step()
+        if step >= 3:
+            times[switch].append((time.perf_counter() - start) * 1e3)
+        step += 1
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def measure(engine: EngineSystem, peer, batch: int, repeats: int) -> dict[str, list[float]]:
-    """ms per step of fused ("1"), per module ("0") and the peer, `repeats` rounds each, interleaved."""
+    """Per round: ms per step of the fused engine and of the peer (aggregate rates), and the step-by-step A/B of
+    fused ("ab1") and per module ("ab0"); the three in an order rotated round to round."""
     gen = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(10, MODELS["large"][1]["vocab_size"], (PROMPT_LEN,), generator=gen).tolist()
                for _ in range(batch)]
-    order = ["1", "0"] + (["peer"] if peer else [])
-    steps: dict[str, list[float]] = {name: [] for name in order}
+    order = ["fused", "ab"] + (["peer"] if peer else [])
+    steps: dict[str, list[float]] = {name: [] for name in ("fused", "ab1", "ab0", "peer")}
     engine.rate(prompts)  # warm-up
     for r in range(repeats):
         for name in order[r % len(order):] + order[:r % len(order)]:
             if name == "peer":
                 steps[name].append(batch / peer.rate(prompts) * 1e3)
-                continue
-            os.environ["KUBEINFER_CPU_FUSED_LAYERS"] = name
-            steps[name].append(batch / engine.rate(prompts) * 1e3)
+            elif name == "fused":
+                os.environ["KUBEINFER_CPU_FUSED_LAYERS"] = "1"
+                steps[name].append(batch / engine.rate(prompts) * 1e3)
+            else:
+                for switch, ms in alternating(engine, prompts).items():
+                    steps["ab" + switch].append(ms)
     os.environ.pop("KUBEINFER_CPU_FUSED_LAYERS", None)
     return steps
 
@@ -68,25 +95,28 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             best = {k: min(v) for k, v in ms.items()}
             med = {k: statistics.median(v) for k, v in ms.items()}
-            row = (f"| {kernel} | {batch} | {best['1']:.2f} ({med['1']:.2f}) | {best['0']:.2f} ({med['0']:.2f}) | "
-                   f"{best['0'] / best['1']:.2f}x ({med['0'] / med['1']:.2f}x) |")
+            row = (f"| {kernel} | {batch} | {best['ab1']:.2f} ({med['ab1']:.2f}) | {best['ab0']:.2f} "
+                   f"({med['ab0']:.2f}) | {best['ab0'] / best['ab1']:.2f}x ({med['ab0'] / med['ab1']:.2f}x) | "
+                   f"{best['fused']:.2f} ({med['fused']:.2f}) |")
             if peer:
-                row += (f" {kind} {best['peer']:.2f} ({med['peer']:.2f}) | {best['peer'] / best['1']:.2f}x "
-                        f"({med['peer'] / med['1']:.2f}x) |")
+                row += (f" {kind} {best['peer']:.2f} ({med['peer']:.2f}) | {best['peer'] / best['fused']:.2f}x "
+                        f"({med['peer'] / med['fused']:.2f}x) |")
             rows.append(row)
             print(row, f"load {loads[-1]:.1f}", flush=True)
         engine.close()
         if peer:
             peer.close()
-    peer_head = " llama.cpp, same bits | llama.cpp / fused |" if args.peer else ""
+    peer_head = " llama.cpp, same bits | llama.cpp / fused (>1: ours faster) |" if args.peer else ""
     body = "\n".join([
         f"`python benchmarks/bench_cpu_fused_layers.py --tokens {args.tokens} --repeats {args.repeats}"
         + (f" --peer {args.peer}" if args.peer else "") + f"`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{platform.machine()}, {os.cpu_count()} cores, 1-minute load {min(loads):.1f}-{max(loads):.1f} (the "
-        "machine shared). Large model (222M), ms per decode step, best round (median); fused: each run of "
-        "decoder layers one native call (models/native_decode.py); per module: KUBEINFER_CPU_FUSED_LAYERS=0.",
-        "", "| kernel | batch | fused ms/step | per module | per module / fused |" + peer_head,
-        "|---|---|---|---|---|" + ("---|---|" if args.peer else ""), *rows])
+        "machine shared). Large model (222M), 32-token prompts, ms per decode step, best round (median of rounds). "
+        "Fused: the decoder layers in one native call (models/native_decode.py); per module: "
+        "KUBEINFER_CPU_FUSED_LAYERS=0. Step A/B: the switch flipped at every step of one round (each side's median "
+        "step wall time); rate: ms a step from the aggregate decode rate of a round, as the peer's is measured.",
+        "", "| kernel | batch | step A/B: fused | per module | per module / fused | fused, rate |" + peer_head,
+        "|---|---|---|---|---|---|" + ("---|---|" if args.peer else ""), *rows])
     print("\n" + body)
     update_results("fused-decoder-layer", "Decoder layers of a CPU decode step in one native call", body)
 

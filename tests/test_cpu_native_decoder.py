@@ -123,6 +123,26 @@ def test_fused_layers_give_the_per_module_paths_bits(engine, monkeypatch):
             assert torch.equal(k, rk) and torch.equal(v, rv)
 
 
+@pytest.mark.parametrize("engine", ["qwen2-w8"], indirect=True)
+@pytest.mark.parametrize("other", [0, 1])
+def test_a_layer_it_does_not_take_runs_its_forward_between(engine, monkeypatch, other):
+    """One layer of two that does not qualify (gelu: not the C code's silu): it runs per module, the other fused."""
+    import torch.nn.functional as F
+
+    model = engine.engine.runner.model
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "1")
+    monkeypatch.setattr(model.model.layers[other].mlp, "activation", F.gelu)
+    monkeypatch.delitem(model.__dict__, native_decode.PLAN, raising=False)
+    try:
+        steps = native_decode.plan(model)
+        assert [run is None for _, run in steps] == [i == other for i in range(2)]
+        got = both_ways(model, monkeypatch, batch=3)
+        assert got["1"][2] == 3 and got["0"][2] == 0
+        assert all(torch.equal(a, b) for a, b in zip(got["1"][0], got["0"][0]))
+    finally:
+        model.__dict__.pop(native_decode.PLAN, None)  # the next test plans again, with silu
+
+
 @pytest.mark.parametrize("engine", ["qwen2-w4"], indirect=True)
 def test_steps_it_does_not_take(engine, monkeypatch):
     model = engine.engine.runner.model
