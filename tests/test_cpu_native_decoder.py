@@ -4,7 +4,8 @@ The reference is the per-module native path (KUBEINFER_CPU_FUSED_LAYERS=0: each 
 attention its own C call): the fused layers make the same calls in the same order, so several decode steps'
 logits and the KV caches they write must be the same bits, at batch 1, 3 and 16, int8 and int4 weights (llama.cpp's
 arithmetic), with and without a qkv bias, sliding windows (every layer's, or one layer's of two), Qwen3's q/k
-norms. Then the steps that must not take it: a prefill row in the step, a LoRA step, the native layers off; and
+norms; a layer that does not qualify between fused ones. Then the steps that must not take it: a prefill row in
+the step, a LoRA step (in the engine too), the native layers off; and
 the engine's greedy tokens are the same either way."""
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def checkpoints(tmp_path_factory):
     for family, extra in FAMILIES.items():
         float_dir = build_random_model(root / family, family, tokenizer=False, seed=5, vocab_size=96,
                                        **SHAPE, **extra)
+        made[f"{family}-float"] = float_dir
         for name, scheme in SCHEMES.items():
             if f"{family}-{name}" in CASES:
                 config = ct_scheme(*scheme)
@@ -48,9 +50,9 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture
 def engine(checkpoints, request, monkeypatch):
-    case = request.param
+    case, lora = request.param.removesuffix("+lora"), request.param.endswith("+lora")
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", KERNEL[case.split("-")[1]])
-    llm = LLM(checkpoints[case], max_model_len=128, num_kv_blocks=32)
+    llm = LLM(checkpoints[case], max_model_len=128, num_kv_blocks=32, enable_lora=lora)
     yield llm
     llm.shutdown()
 
@@ -179,3 +181,24 @@ def test_engine_greedy_tokens_equal_either_way(engine, monkeypatch):
         tokens[switch] = [o.outputs[0].token_ids for o in outs]
         assert (calls[0] > before) == (switch == "1")
     assert tokens["1"] == tokens["0"]
+
+
+@pytest.mark.parametrize("engine", ["qwen2-w4+lora"], indirect=True)
+def test_lora_steps_take_the_per_module_path(engine, checkpoints, monkeypatch, tmp_path):
+    from lora_helpers import ADAPTERS, make_peft_adapter
+
+    from kubeinfer.engine.lora.request import LoRARequest
+
+    make_peft_adapter(checkpoints["qwen2-float"], tmp_path / "adapter", seed=3, **ADAPTERS["all"])
+    adapter = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    tokens, calls = {}, spied(monkeypatch)
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", switch)
+        outs = engine.generate(prompts, params, lora_request=adapter)
+        tokens[switch] = [o.outputs[0].token_ids for o in outs]
+    assert calls[0] == 0 and tokens["1"] == tokens["0"]
+    monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", "1")
+    base = engine.generate(prompts, params)  # the same engine, no adapter in the step: fused
+    assert calls[0] > 0 and [o.outputs[0].token_ids for o in base] != tokens["1"]

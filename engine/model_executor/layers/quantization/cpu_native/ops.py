@@ -68,8 +68,9 @@ def available() -> bool:
 
 def layers_enabled() -> bool:
     """Whether a CPU model's non-matmul ops (decode attention, norms, activation, rotary) run through the native
-    kernels; KUBEINFER_CPU_NATIVE_LAYERS=0 keeps them in torch (default 1, where the library is built). Read at
-    every call, except inside `layers_switch_held` (an engine step): once there."""
+    kernels, and with them whole decoder layers of a decode step (models/native_decode.py);
+    KUBEINFER_CPU_NATIVE_LAYERS=0 keeps them in torch (default 1, where the library is built). Read at every call,
+    except inside `layers_switch_held` (an engine step): once there."""
     held = getattr(_held, "layers", None)
     if held is None:
         return _read_layers_switch()
