@@ -64,8 +64,14 @@ def qualifies(layer, spec, types: tuple) -> bool:
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if attn.q_norm is not None:
         norms += [attn.q_norm, attn.k_norm]
-    return (all(_norm_ok(n) for n in norms) and _native(attn.qkv_proj) and _native(mlp.gate_up_proj)
-            and _native(attn.o_proj, attn.o_proj.tp_size == 1) and _native(mlp.down_proj, mlp.down_proj.tp_size == 1))
+    if not (all(_norm_ok(n) for n in norms) and _native(attn.qkv_proj) and _native(mlp.gate_up_proj)
+            and _native(attn.o_proj, attn.o_proj.tp_size == 1) and _native(mlp.down_proj, mlp.down_proj.tp_size == 1)):
+        return False
+    hidden, inter, heads = layer.input_layernorm.weight.shape[0], mlp.intermediate_size, attn.num_heads * attn.head_dim
+    shapes = [(attn.qkv_proj, hidden, heads + 2 * attn.num_kv_heads * attn.head_dim), (attn.o_proj, heads, hidden),
+              (mlp.gate_up_proj, hidden, 2 * inter), (mlp.down_proj, inter, hidden)]  # what the C code assumes
+    return (all(p.in_features == k and p.quant_method.out_features == n for p, k, n in shapes)
+            and rotary.cos.shape[1] * 2 == attn.head_dim)
 
 
 def _weight_ptr(norm) -> int | None:
