@@ -6,7 +6,7 @@ W8A16 through cpu_int8_vnni, batch 1 and 16. One engine per kernel; the switch i
 between steps: each round has a fused round, llama.cpp's, and one that flips the switch at every step (fused, per
 module, fused...), their order rotated round to round, so all see the same load; best and median round, ms a step.
 
-    python benchmarks/bench_cpu_fused_layers.py [--tokens 32] [--repeats 5] [--peer llama.cpp]
+    python benchmarks/bench_cpu_fused_layers.py [--tokens 32] [--repeats 5] [--peer llama.cpp] [--kernels ...]
 """
 from __future__ import annotations
 
@@ -81,16 +81,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="rounds per setting, interleaved")
     parser.add_argument("--peer", choices=("llama.cpp",), help="also llama.cpp Q4_0 / Q8_0 in each round")
     parser.add_argument("--llama-cpp-converter", default=llama_cpp_peer.default_converter())
+    parser.add_argument("--kernels", default=",".join(k for k, _, _ in KERNELS), help="comma-separated subset")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated, at most 16")
     args = parser.parse_args()
     made = checkpoints("large")
     if args.peer and (why := llama_cpp_peer.missing(args.llama_cpp_converter)):
         sys.exit(llama_cpp_peer.HOW_TO_INSTALL.format(missing=why))
     f32 = args.peer and llama_cpp_peer.convert(made["float32"], "f32", args.llama_cpp_converter, Path(".cache"))
     loads, rows = [os.getloadavg()[0]], []
-    for kernel, scheme, kind in KERNELS:
+    kernels, batches = args.kernels.split(","), [int(b) for b in args.batches.split(",")]
+    if set(kernels) - {k for k, _, _ in KERNELS} or not all(1 <= b <= max(BATCHES) for b in batches):
+        parser.error(f"--kernels: of {', '.join(k for k, _, _ in KERNELS)}; --batches: 1 to {max(BATCHES)}")
+    for kernel, scheme, kind in (k for k in KERNELS if k[0] in kernels):
         engine = EngineSystem(made[scheme], args.tokens, kernel)
         peer = LlamaCppSystem(llama_cpp_peer.quantize(f32, kind), args.tokens) if args.peer else None
-        for batch in BATCHES:
+        for batch in batches:
             ms = measure(engine, peer, batch, args.repeats)
             loads.append(os.getloadavg()[0])
             best = {k: min(v) for k, v in ms.items()}
@@ -108,7 +113,8 @@ def main() -> None:
             peer.close()
     peer_head = " llama.cpp, same bits | llama.cpp / fused (>1: ours faster) |" if args.peer else ""
     body = "\n".join([
-        f"`python benchmarks/bench_cpu_fused_layers.py --tokens {args.tokens} --repeats {args.repeats}"
+        f"`python benchmarks/bench_cpu_fused_layers.py --tokens {args.tokens} --repeats {args.repeats} "
+        f"--kernels {args.kernels} --batches {args.batches}"
         + (f" --peer {args.peer}" if args.peer else "") + f"`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{platform.machine()}, {os.cpu_count()} cores, 1-minute load {min(loads):.1f}-{max(loads):.1f} (the "
         "machine shared). Large model (222M), 32-token prompts, ms per decode step, best round (median of rounds). "
