@@ -170,8 +170,11 @@ def test_steps_it_does_not_take(engine, monkeypatch):
         native_decode.forward_layers(model, x, positions, caches, meta, None)
 
 
-@pytest.mark.parametrize("engine", ["mistral-w4"], indirect=True)
+@pytest.mark.parametrize("engine", ["mistral-w4", "qwen2-w8"], indirect=True)
 def test_engine_greedy_tokens_equal_either_way(engine, monkeypatch):
+    """Through the engine's own metadata (Qwen2's windowed layer: its own block pool, core/window_blocks.py)."""
+    runner = engine.engine.runner
+    assert runner.window_pool == (set(runner.spec.layer_windows) == {None, 6})
     prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(4)]
     tokens, calls = {}, spied(monkeypatch)
     for switch in ("1", "0"):
