@@ -135,8 +135,8 @@ def forward_layers(model, x: torch.Tensor, positions: torch.Tensor, kv_caches: l
     None where this step is not one for the native layers (the caller loops over its layers)."""
     tokens = x.shape[0]
     if (lora is not None or meta.num_decodes != tokens or meta.num_seqs != tokens or not tokens
-            or x.dtype is not torch.float32 or not x.is_cpu or positions.dtype is not torch.int64
-            or not positions.is_contiguous()):
+            or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2 or positions.dtype is not torch.int64
+            or positions.shape != (tokens,) or not positions.is_contiguous()):
         return None
     steps = model.__dict__.get(PLAN, False)
     if steps is False and ops.available():
