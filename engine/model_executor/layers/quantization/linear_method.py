@@ -41,7 +41,7 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   "cpu-native-vnni"): int8 0.45 / 1.39, int4 0.32 / 1.32 against cpu_int8_bf16 0.98 / 3.96 and cpu_int4_bf16
   0.53 / 3.31; whole engine (`bench_quantized_decode.py --model large`, quiet machine, load 1.3-1.7, with the
   native attention and small ops), tok/s at batch 1 / 16: W8A16 129 / 799, W4A16 168 / 850 (llama.cpp Q8_0
-  127 / 411, Q4_0 207 / 887). It
+  127 / 411, Q4_0 207 / 887); a decode step's decoder layers then run in one call (models/native_decode.py). It
   changes a weight-only checkpoint's numerics (its activations are 16-bit), so it is never the default.
 KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, cpu_int8_vnni, cpu_int4_vnni,
 dequantized) overrides the choice where the kernel applies; cpu_int4/cpu_int8 take the activations in the model
