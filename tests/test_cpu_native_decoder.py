@@ -205,3 +205,11 @@ def test_lora_steps_take_the_per_module_path(engine, checkpoints, monkeypatch, t
     monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", "1")
     base = engine.generate(prompts, params)  # the same engine, no adapter in the step: fused
     assert calls[0] > 0 and [o.outputs[0].token_ids for o in base] != tokens["1"]
+
+
+@pytest.mark.parametrize("switch", ["KUBEINFER_CPU_FUSED_LAYERS", "KUBEINFER_CPU_NATIVE_LAYERS"])
+def test_a_misspelt_switch_fails_the_start(checkpoints, monkeypatch, switch):
+    """Not the first step: an engine that starts serves."""
+    monkeypatch.setenv(switch, "yes")
+    with pytest.raises(ValueError, match=switch):
+        LLM(checkpoints["mistral-float"], max_model_len=64, num_kv_blocks=8)

@@ -17,6 +17,7 @@ from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
 from .layers.quantization.cpu_native import ops as native_ops
 from .model_loader import ModelFiles, load_model
+from .models import native_decode
 from .models.registry import ARCHITECTURES
 from .sampler import SampleResult, grammar_bitmask, sample
 from .step_inputs import BlockTableBuffer, StepInputs
@@ -45,6 +46,8 @@ class ModelRunner:
         self.backend = get_attention_backend(attention_backend)
         self.model = load_model(files, self.backend, max_model_len, device, dtype, tp_rank, tp_size)
         self.spec = self.model.spec
+        if device.type == "cpu":  # a misspelt switch fails the start, not the first step
+            native_ops.layers_enabled(), native_decode.switched_on()
         self.sliding_window = self.spec.sliding_window
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
