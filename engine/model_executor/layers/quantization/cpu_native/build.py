@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c")
+SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "f32_linear.c")
 HERE = Path(__file__).parent
 
 
