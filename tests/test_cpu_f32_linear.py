@@ -28,7 +28,8 @@ def within_float32(ours: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None
     exact = x.double() @ w.double().T
     bound = (math.ceil(x.shape[1] / 16) + 4) * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
     excess = (ours.double() - exact).abs() - bound
-    assert excess.max().item() <= 0, f"{excess.max().item():.3g} past the bound at {divmod(excess.argmax().item(), ours.shape[1])}"
+    where = divmod(excess.argmax().item(), ours.shape[1])
+    assert excess.max().item() <= 0, f"{excess.max().item():.3g} past the bound at {where}"
 
 
 @pytest.mark.parametrize("m,n,k", SHAPES)

@@ -33,5 +33,6 @@ def use_native_lm_head(model: nn.Module) -> bool:
         if cpu_blas.in_small_step() and f32_ops.wants(x) and weight.is_contiguous():
             return f32_ops.f32_linear(x, weight)
         return previous(x)
+    forward.previous = previous  # benchmarks put it back for an A/B in one engine
     head.forward = forward
     return True
