@@ -87,9 +87,10 @@ def engine_ab(args) -> None:
     from bench_quantized_decode import PROMPT_LEN, EngineSystem, LlamaCppSystem, checkpoints
 
     made = checkpoints("large")
-    engines = {"float32": EngineSystem(made["float32"], args.tokens),
-               "W8A16 cpu_int8_vnni": EngineSystem(made["w8a16"], args.tokens, "cpu_int8_vnni"),
-               "W4A16 cpu_int4_vnni": EngineSystem(made["w4a16"], args.tokens, "cpu_int4_vnni")}
+    wanted = args.systems.split(",")
+    engines = {label: EngineSystem(made[ckpt], args.tokens, kernel) for key, label, ckpt, kernel in (
+        ("float32", "float32", "float32", None), ("int8", "W8A16 cpu_int8_vnni", "w8a16", "cpu_int8_vnni"),
+        ("int4", "W4A16 cpu_int4_vnni", "w4a16", "cpu_int4_vnni")) if key in wanted}
     peers = {}
     if args.peer:
         f32 = llama_cpp_peer.convert(made["float32"], "f32", llama_cpp_peer.default_converter(), Path(".cache"))
@@ -104,7 +105,7 @@ def engine_ab(args) -> None:
         assert hasattr(head.forward, "previous"), f"{name}: the native lm_head is not installed"
         heads[name] = (head, head.forward, head.forward.previous)
         system.rate(prompts[:1])
-    layers = native_layers(engines["float32"].llm.engine.runner.model) if args.layers else []
+    layers = native_layers(engines["float32"].llm.engine.runner.model) if args.layers and "float32" in engines else []
     rates: dict[tuple[str, int], list[float]] = {}
     loads = [os.getloadavg()[0]]
     for r in range(args.rounds):
@@ -151,6 +152,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--engine", action="store_true", help="whole-engine A/B of the native lm_head instead")
     parser.add_argument("--peer", choices=("llama.cpp",), help="with --engine: llama.cpp in the same rounds")
+    parser.add_argument("--systems", default="float32,int8,int4", help="with --engine: which engines")
     parser.add_argument("--layers", action="store_true", help="with --engine: also float32 with all products native")
     parser.add_argument("--tokens", type=int, default=32, help="with --engine: tokens generated per request")
     args = parser.parse_args()
