@@ -1,7 +1,10 @@
 /* float32 products of small batches, out[M, N] = x[M, K] @ w[N, K]^T, on the pool (included by kernels.c).
  *
- * The weights stay in the checkpoint's row-major [N, K] layout (nothing repacked, so a tied embedding's rows and
- * torch's fallback read the same tensor; f32_ops.py says what a panel layout was measured to gain). A tile is
+ * The weights stay in the checkpoint's row-major [N, K] layout: nothing repacked, so nothing more is held, a tied
+ * embedding's rows and torch's fallback read the same tensor. Read this way (the next rows prefetched into L2:
+ * a row of 1024 inputs is one 4 KiB page, too short a stream for the hardware prefetcher) one thread reached
+ * about OpenBLAS's read rate at one token and the FMA peak (39 GMAC/s, OpenBLAS 25) at 16 tokens on lm_head's
+ * [16384, 1024]: a panel layout was not tried (benchmarks/RESULTS.md native-f32-linear). A tile is
  * RT output rows x TT tokens: each step loads 16 inputs of every row and of every token and makes the RT x TT
  * multiply-adds between them, so each weight vector loaded serves every token of the tile. Work is split over
  * the pool by groups of GROUP rows; one token takes a group's rows in one tile (more independent streams).
