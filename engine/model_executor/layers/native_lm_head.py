@@ -8,7 +8,12 @@ method; per call, a small step (cpu_blas.py: torch on one thread, so no second p
 f32_ops.MAX_TOKENS rows, and KUBEINFER_CPU_NATIVE_LAYERS on (ops.layers_enabled, read once a step; 0: OpenBLAS
 or torch as before). The weight is read where it is (row-major, not repacked): nothing more is held, and a tied
 embedding still looks its rows up. Each logit is summed in one fixed order whatever the batch (f32_linear.c):
-a sequence's logits do not depend on the others in its step. Figures: benchmarks/RESULTS.md native-f32-linear."""
+a sequence's logits do not depend on the others in its step.
+
+Measured (benchmarks/bench_f32_linear.py --engine, 222M model, one engine, native and OpenBLAS lm_head alternating,
+load 2-4): batch 16 1.06-1.10x tok/s in the best rounds (1.65-1.77x in the medians of the quantized models:
+OpenBLAS's two threads stall when other jobs hold a core), batch 1 on a par (0.96-1.04x: both read the 64 MB at
+the memory's rate). benchmarks/RESULTS.md native-f32-linear."""
 from __future__ import annotations
 
 import torch
