@@ -13,7 +13,7 @@ from safetensors import safe_open
 from ..config import FUSED_WEIGHTS, ModelSpec
 from .expert_int_weights import ExpertIntegers
 from .int_weights import rank_int_weight
-from .layers import deferred_weight
+from .layers import deferred_weight, native_lm_head
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
 from .layers.quantization import QuantizationError, fp8, linear_method, w8a8
@@ -63,6 +63,8 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
         model.use_triton_kernels()
     # The CPU's small-step matmuls; not the GPU. Not with tensor parallelism: its ranks share the cores.
     model.openblas_small_steps = tp_size == 1 and use_openblas_for_small_steps(model)
+    if model.openblas_small_steps:  # then the logits product of small steps on the native pool, where it applies
+        native_lm_head.use_native_lm_head(model)
     return model.eval()
 
 

@@ -77,6 +77,11 @@ def _openblas_forward(layer: nn.Linear, torch_forward):
     return forward
 
 
+def in_small_step() -> bool:
+    """Whether this thread is in a small step (torch on one thread: a native kernel's pool may take the cores)."""
+    return getattr(_step, "active", False)
+
+
 @contextmanager
 def small_step(enabled: bool, share_cores: bool = False):
     """Within: projections go to OpenBLAS and torch runs on one thread (see the module docstring); `share_cores`:

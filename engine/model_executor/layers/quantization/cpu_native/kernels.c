@@ -345,4 +345,5 @@ static inline float ki_expf(float xo) {
 #include "kernels_q8_0.c"
 #include "attention.c"
 #include "decode_ops.c"
+#include "f32_linear.c"
 #include "decoder_layer.c"

@@ -1,0 +1,143 @@
+/* float32 products of small batches, out[M, N] = x[M, K] @ w[N, K]^T, on the pool (included by kernels.c).
+ *
+ * The weights stay in the checkpoint's row-major [N, K] layout: nothing repacked, so nothing more is held, a tied
+ * embedding's rows and torch's fallback read the same tensor. Read this way (the next rows prefetched into L2:
+ * a row of 1024 inputs is one 4 KiB page, too short a stream for the hardware prefetcher) one thread reached
+ * about OpenBLAS's read rate at one token and the FMA peak (39 GMAC/s, OpenBLAS 25) at 16 tokens on lm_head's
+ * [16384, 1024]: a panel layout was not tried (benchmarks/RESULTS.md native-f32-linear). A tile is
+ * RT output rows x TT tokens: each step loads 16 inputs of every row and of every token and makes the RT x TT
+ * multiply-adds between them, so each weight vector loaded serves every token of the tile. Work is split over
+ * the pool by groups of GROUP rows; one token takes a group's rows in one tile (more independent streams).
+ *
+ * Summation order, fixed per output element whatever M, the tiling or the thread count (batch invariance): lane
+ * j (0..15) sums w[k] * x[k] for k = j, j + 16, ... with one fused multiply-add each, in order, the inputs past
+ * K read as zeros; then the 16 lanes in a tree: j += j + 8, j += j + 4, j += j + 2, then lane 0 + lane 1. The
+ * portable twin (KI_PORTABLE) does the same operations in the same order: the same bits. */
+
+#define F32_LANES 16
+#define F32_RT 4     /* rows per tile (several tokens) */
+#define F32_TT 4     /* tokens per tile */
+#define F32_GROUP 8  /* rows per work item; a one-token tile takes all of them */
+
+typedef struct {
+    const float *x, *w;
+    float *out;
+    int M, N, K;
+} f32_ctx;
+
+#if KI_VNNI
+/* The lanes' tree sum of f32_linear.c's order: (j, j + 8), (j, j + 4), (j, j + 2), (0, 1). */
+static inline float f32_tree16(__m512 v) {
+    __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
+
+/* Rows n0.. (nr of them) times tokens m0.. (mt); nr and mt are constants where inlined. */
+static inline __attribute__((always_inline)) void f32_tile(const f32_ctx *c, int n0, int m0, const int nr,
+                                                           const int mt, const float *pf) {
+    const int K = c->K;
+#if KI_VNNI
+    __m512 acc[F32_GROUP][F32_TT];
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < mt; t++) acc[r][t] = _mm512_setzero_ps();
+    const float *w = c->w + (size_t)n0 * K, *x = c->x + (size_t)m0 * K;
+    for (int k = 0; k < K; k += F32_LANES) {
+        __mmask16 mask = K - k >= F32_LANES ? 0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+        __m512 wv[F32_GROUP], xv[F32_TT];
+        for (int r = 0; r < nr; r++) wv[r] = _mm512_maskz_loadu_ps(mask, w + (size_t)r * K + k);
+        if (pf) /* the next tile's rows, on their way into the cache while this one computes */
+            for (int r = 0; r < nr; r++) _mm_prefetch((const char *)(pf + (size_t)r * K + k), _MM_HINT_T1);
+        for (int t = 0; t < mt; t++) xv[t] = _mm512_maskz_loadu_ps(mask, x + (size_t)t * K + k);
+        for (int r = 0; r < nr; r++)
+            for (int t = 0; t < mt; t++) acc[r][t] = _mm512_fmadd_ps(wv[r], xv[t], acc[r][t]);
+    }
+    for (int t = 0; t < mt; t++)
+        for (int r = 0; r < nr; r++) c->out[(size_t)(m0 + t) * c->N + n0 + r] = f32_tree16(acc[r][t]);
+#else
+    (void)pf;
+    for (int t = 0; t < mt; t++) {
+        const float *x = c->x + (size_t)(m0 + t) * K;
+        for (int r = 0; r < nr; r++) {
+            const float *w = c->w + (size_t)(n0 + r) * K;
+            float lane[F32_LANES];
+            for (int j = 0; j < F32_LANES; j++) {
+                float a = 0.0f;
+                for (int k = j; k < K + F32_LANES - 1 - (K - 1) % F32_LANES; k += F32_LANES)
+                    a = fmaf(k < K ? w[k] : 0.0f, k < K ? x[k] : 0.0f, a);
+                lane[j] = a;
+            }
+            for (int h = 8; h; h /= 2)
+                for (int j = 0; j < h; j++) lane[j] += lane[j + h];
+            c->out[(size_t)(m0 + t) * c->N + n0 + r] = lane[0];
+        }
+    }
+#endif
+}
+
+/* One token: up to F32_GROUP rows in one tile. */
+static void f32_rows1(const f32_ctx *c, int n0, int nr, const float *pf) {
+    switch (nr) {
+        case 8: f32_tile(c, n0, 0, 8, 1, pf); break;
+        case 7: f32_tile(c, n0, 0, 7, 1, pf); break;
+        case 6: f32_tile(c, n0, 0, 6, 1, pf); break;
+        case 5: f32_tile(c, n0, 0, 5, 1, pf); break;
+        case 4: f32_tile(c, n0, 0, 4, 1, pf); break;
+        case 3: f32_tile(c, n0, 0, 3, 1, pf); break;
+        case 2: f32_tile(c, n0, 0, 2, 1, pf); break;
+        default: f32_tile(c, n0, 0, 1, 1, pf); break;
+    }
+}
+
+#define F32_TOKENS(c, n0, m0, nr, mt, pf)                                                                           \
+    switch (mt) {                                                                                              \
+        case 4: f32_tile(c, n0, m0, nr, 4, pf); break;                                                             \
+        case 3: f32_tile(c, n0, m0, nr, 3, pf); break;                                                             \
+        case 2: f32_tile(c, n0, m0, nr, 2, pf); break;                                                             \
+        default: f32_tile(c, n0, m0, nr, 1, pf); break;                                                            \
+    }
+
+/* Several tokens: F32_RT rows (fewer at the end) times F32_TT tokens a tile. */
+static void f32_rows(const f32_ctx *c, int n0, int m0, int nr, int mt, const float *pf) {
+    switch (nr) {
+        case 4: F32_TOKENS(c, n0, m0, 4, mt, pf); break;
+        case 3: F32_TOKENS(c, n0, m0, 3, mt, pf); break;
+        case 2: F32_TOKENS(c, n0, m0, 2, mt, pf); break;
+        default: F32_TOKENS(c, n0, m0, 1, mt, pf); break;
+    }
+}
+
+static void f32_task(const void *ctx, int start, int end) {
+    const f32_ctx *c = ctx;
+    for (int u = start; u < end; u++) {
+        int g0 = u * F32_GROUP, gn = c->N - g0 < F32_GROUP ? c->N - g0 : F32_GROUP;
+        if (c->M == 1) {
+            /* the next group's rows prefetched: each row is one 4 KiB page at K = 1024, too short a stream for
+             * the hardware's prefetcher alone */
+            f32_rows1(c, g0, gn, g0 + 2 * F32_GROUP <= c->N ? c->w + (size_t)(g0 + F32_GROUP) * c->K : NULL);
+            continue;
+        }
+        for (int n0 = g0; n0 < g0 + gn; n0 += F32_RT) { /* a tile's rows stay in cache for all the tokens */
+            /* the first token tile prefetches the next F32_RT rows (in this item or the next one) */
+            const float *pf = n0 + 2 * F32_RT <= c->N ? c->w + (size_t)(n0 + F32_RT) * c->K : NULL;
+            for (int m0 = 0; m0 < c->M; m0 += F32_TT)
+                f32_rows(c, n0, m0, g0 + gn - n0 < F32_RT ? g0 + gn - n0 : F32_RT,
+                         c->M - m0 < F32_TT ? c->M - m0 : F32_TT, m0 == 0 ? pf : NULL);
+        }
+    }
+}
+
+/* x [M, K], w [N, K] (row-major, contiguous) -> out [M, N], float32; `threads` 0: the pool's, 1: this thread. */
+void ki_f32_linear(const float *x, int M, int K, const float *w, int N, float *out, int threads) {
+    f32_ctx c = {x, w, out, M, N, K};
+    int items = (N + F32_GROUP - 1) / F32_GROUP;
+    if (threads == 1 || pool_active == 1) {
+        f32_task(&c, 0, items);
+        return;
+    }
+    pthread_mutex_lock(&call_mu);
+    parallel(f32_task, &c, items);
+    pthread_mutex_unlock(&call_mu);
+}

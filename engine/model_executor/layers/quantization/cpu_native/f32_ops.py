@@ -1,0 +1,56 @@
+"""The torch-facing side of f32_linear.c: float32 `out = x @ w.T` for small batches on the native pool (both
+cores), the weights read in their own row-major layout. Each output element is summed in one fixed order
+(f32_linear.c), so a token's logits do not depend on the batch size or the thread count, and the portable twin
+gives the same bits.
+
+Used for the lm_head (layers/native_lm_head.py). Tried for a float32 model's projections as well (every one of
+them native: 1.51x tok/s at batch 16 but 0.89x at batch 1, where OpenBLAS's one-token products are faster): not
+used there. Figures: benchmarks/RESULTS.md "native-f32-linear"."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from . import ops
+
+MAX_TOKENS = 64  # larger products (prefill) keep torch's / OpenBLAS's blocked GEMM
+
+
+def _kernel():
+    """ki_f32_linear, looked up once per loaded library (ops._state: cleared with it), None where none is built."""
+    fn = ops._state.get("f32_linear")
+    if fn is None:
+        lib = ops.library()
+        if lib is None:
+            return None
+        fn = ops._state["f32_linear"] = lib.ki_f32_linear
+        p, i = ctypes.c_void_p, ctypes.c_int
+        fn.argtypes, fn.restype = [p, i, i, p, i, p, i], None
+    return fn
+
+
+def supports(weight: torch.Tensor) -> bool:
+    """A weight this product takes: float32 on the CPU, contiguous rows, and the library built."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and _kernel() is not None)
+
+
+def f32_linear(x: torch.Tensor, weight: torch.Tensor, threads: int = 0) -> torch.Tensor:
+    """x [..., K] float32 @ weight [N, K]^T -> [..., N] float32; `threads` 1: on the calling thread alone."""
+    k = x.shape[-1]
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(-1, k)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    n = weight.shape[0]
+    out = rows.new_empty(rows.shape[0], n)
+    if rows.shape[0] and n:
+        _kernel()(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n, out.data_ptr(), threads)
+    return out if flat else out.view(*x.shape[:-1], n)
+
+
+def wants(x: torch.Tensor) -> bool:
+    """Whether this call goes native: the layers switch on (ops.layers_enabled) and a small float32 batch."""
+    return (x.dtype is torch.float32 and x.numel() <= MAX_TOKENS * x.shape[-1] and not x.requires_grad
+            and ops.layers_enabled())
