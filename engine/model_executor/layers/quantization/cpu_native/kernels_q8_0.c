@@ -86,6 +86,25 @@ typedef struct {
     int M, N, K, bits, groups, blocks_per_group;
 } q8_ctx;
 
+#if KI_VNNI
+/* Step j (8 inputs) of a block's weights for one row group: w0 the inputs 8j..8j+3 of the 16 rows, w1 the next
+ * four (int4: the high nibbles as 16 * nibble); `fetch`: ask for the weights Q8_PREFETCH bytes ahead. */
+static inline __attribute__((always_inline)) void q8_weights(const q8_ctx *c, const uint8_t *wb, int j, int fetch,
+                                                             __m512i *w0, __m512i *w1) {
+    if (c->bits == 8) {
+        if (fetch) {
+            _mm_prefetch((const char *)wb + 128 * j + Q8_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)wb + 128 * j + 64 + Q8_PREFETCH, _MM_HINT_T0);
+        }
+        *w0 = _mm512_loadu_si512(wb + 128 * j), *w1 = _mm512_loadu_si512(wb + 128 * j + 64);
+    } else {
+        if (fetch) _mm_prefetch((const char *)wb + 64 * j + Q8_PREFETCH, _MM_HINT_T0);
+        __m512i v = _mm512_loadu_si512(wb + 64 * j);
+        *w0 = _mm512_and_si512(v, _mm512_set1_epi8(0x0F)), *w1 = _mm512_and_si512(v, _mm512_set1_epi8((char)0xF0));
+    }
+}
+#endif
+
 /* Row group g (16 output rows) times the tokens m0 .. m0 + mt - 1; mt a constant where inlined, so the loops
  * unroll and the sums stay in registers. Each token's block sum runs in two chains (even and odd steps of 4
  * inputs; int4: the low nibbles, and the high ones as 16 * nibble, no shift, that chain shifted after). */
@@ -99,29 +118,33 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
 #if KI_VNNI
     __m512 acc[Q8_TILE];
     for (int t = 0; t < mt; t++) acc[t] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     const int fetch = m0 == 0; /* later tiles of the group find its weights in cache */
     for (int b = 0; b < blocks; b++) {
         const uint8_t *wb = wg + b * block_bytes;
         __m512i even[Q8_TILE], odd[Q8_TILE];
         for (int t = 0; t < mt; t++) even[t] = odd[t] = _mm512_setzero_si512();
-        for (int j = 0; j < BLOCK / 8; j++) { /* 8 inputs a step */
-            __m512i w0, w1;
-            if (c->bits == 8) {
-                if (fetch) {
-                    _mm_prefetch((const char *)wb + 128 * j + Q8_PREFETCH, _MM_HINT_T0);
-                    _mm_prefetch((const char *)wb + 128 * j + 64 + Q8_PREFETCH, _MM_HINT_T0);
+        if (mt > 4) { /* compute-bound: 16 inputs a step, each token's 16 bytes one broadcast, then shuffled */
+            for (int j = 0; j < BLOCK / 8; j += 2) {
+                __m512i w0, w1, w2, w3;
+                q8_weights(c, wb, j, fetch, &w0, &w1), q8_weights(c, wb, j + 1, fetch, &w2, &w3);
+                for (int t = 0; t < mt; t++) {
+                    const int8_t *q = c->q + (size_t)(m0 + t) * c->K + b * BLOCK + 8 * j;
+                    __m512i a = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
+                    even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_shuffle_epi32(a, 0x00));
+                    odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_shuffle_epi32(a, 0x55));
+                    even[t] = _mm512_dpbusd_epi32(even[t], w2, _mm512_shuffle_epi32(a, 0xAA));
+                    odd[t] = _mm512_dpbusd_epi32(odd[t], w3, _mm512_shuffle_epi32(a, 0xFF));
                 }
-                w0 = _mm512_loadu_si512(wb + 128 * j), w1 = _mm512_loadu_si512(wb + 128 * j + 64);
-            } else {
-                if (fetch) _mm_prefetch((const char *)wb + 64 * j + Q8_PREFETCH, _MM_HINT_T0);
-                __m512i v = _mm512_loadu_si512(wb + 64 * j);
-                w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(v, high);
             }
-            for (int t = 0; t < mt; t++) {
-                const int8_t *q = c->q + (size_t)(m0 + t) * c->K + b * BLOCK + 8 * j;
-                even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_set1_epi32(*(const int32_t *)q));
-                odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+        } else { /* bound by reading the weights: 8 inputs a step, the activations broadcast from memory */
+            for (int j = 0; j < BLOCK / 8; j++) {
+                __m512i w0, w1;
+                q8_weights(c, wb, j, fetch, &w0, &w1);
+                for (int t = 0; t < mt; t++) {
+                    const int8_t *q = c->q + (size_t)(m0 + t) * c->K + b * BLOCK + 8 * j;
+                    even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_set1_epi32(*(const int32_t *)q));
+                    odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+                }
             }
         }
         int gi = b / c->blocks_per_group;
