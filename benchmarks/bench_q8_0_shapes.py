@@ -9,7 +9,8 @@ decode step (the model's ~100 MB of int4 layer weights exceed the 32 MB L3).
 For each (kind, shape, tokens): the fastest call of --calls, in us, and what it reached: GB/s of weights +
 scales + offsets read, GMAC/s. `--rev REV` compiles kernels.c of git revision REV too (bench_cpu_native_ab.py)
 and interleaves the two libraries call by call. `--pool`: the pool's fixed cost per call (a 16-row product).
-`python benchmarks/bench_q8_0_shapes.py [--rev main] [--threads 2] [--tokens 1,4,16]`"""
+`--step`: a decode step's 48 products (12 layers), each library a step in turn.
+`python benchmarks/bench_q8_0_shapes.py [--rev main] [--threads 2] [--tokens 1,4,16] [--step]`"""
 from __future__ import annotations
 
 import argparse
@@ -92,6 +93,31 @@ def shapes(libs: dict, kinds: list[str], tokens: list[int], calls: int, hot: boo
     print(f"load {os.getloadavg()[0]:.1f}")
 
 
+def steps(libs: dict, kinds: list[str], tokens: list[int], calls: int) -> None:
+    """A decode step's products: the four shapes of 12 layers in turn (the model's weights, more than the L3),
+    each library a whole step in turn; the fastest and the median step of `calls`, in ms."""
+    gen = torch.Generator().manual_seed(2)
+    for kind in kinds:
+        layers = [[(weights(kind, n, k, gen)[0], n, k) for n, k in SHAPES.values()] for _ in range(12)]
+        for m in tokens:
+            xs = {k: torch.randn(m, k, generator=gen) for k in (1024, 4096)}
+            outs = {n: torch.empty(m, n) for n, _ in SHAPES.values()}
+            times = {t: [] for t in libs}
+            for _ in range(calls):
+                for tag, lib in libs.items():
+                    start = time.perf_counter()
+                    for layer in layers:
+                        for w, n, k in layer:
+                            call(lib, xs[k], w, n, outs[n])
+                    times[tag].append(time.perf_counter() - start)
+            cells = []
+            for tag in libs:
+                ts = sorted(times[tag])
+                cells.append(f"{tag} {ts[0] * 1e3:.2f} / {ts[len(ts) // 2] * 1e3:.2f} ms")
+            print(f"step products, {kind}, {m} tokens (fastest / median): " + ", ".join(cells)
+                  + f", load {os.getloadavg()[0]:.1f}", flush=True)
+
+
 def pool(libs: dict, threads: int, calls: int) -> None:
     """A 16-row x 32-input product: one work item, so the pool is not used, against 2 row groups' worth on
     `threads` (the pool woken), median of `calls`."""
@@ -119,6 +145,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=5, help="passes over the copies of each shape")
     parser.add_argument("--pool", action="store_true", help="the pool's fixed cost per call instead")
     parser.add_argument("--hot", action="store_true", help="one copy of each shape: weights in cache")
+    parser.add_argument("--step", action="store_true", help="a decode step's 48 products instead")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="-D sets (NAME=VALUE,...) of the working tree's kernels.c, each compiled and compared")
     args = parser.parse_args()
@@ -137,6 +164,8 @@ def main() -> None:
         print(f"threads {args.threads}, load {os.getloadavg()[0]:.1f}")
         if args.pool:
             pool(libs, args.threads, 3000)
+        elif args.step:
+            steps(libs, args.kinds.split(","), [int(t) for t in args.tokens.split(",")], args.calls)
         else:
             shapes(libs, args.kinds.split(","), [int(t) for t in args.tokens.split(",")], args.calls, args.hot, args.threads)
 
