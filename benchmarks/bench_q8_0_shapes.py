@@ -164,10 +164,12 @@ def main() -> None:
         print(f"threads {args.threads}, load {os.getloadavg()[0]:.1f}")
         if args.pool:
             pool(libs, args.threads, 3000)
-        elif args.step:
-            steps(libs, args.kinds.split(","), [int(t) for t in args.tokens.split(",")], args.calls)
         else:
-            shapes(libs, args.kinds.split(","), [int(t) for t in args.tokens.split(",")], args.calls, args.hot, args.threads)
+            kinds, tokens = args.kinds.split(","), [int(t) for t in args.tokens.split(",")]
+            if args.step:
+                steps(libs, kinds, tokens, args.calls)
+            else:
+                shapes(libs, kinds, tokens, args.calls, args.hot, args.threads)
 
 
 if __name__ == "__main__":
