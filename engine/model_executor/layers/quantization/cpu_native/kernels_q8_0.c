@@ -108,7 +108,8 @@ static inline __attribute__((always_inline)) void q8_weights(const q8_ctx *c, co
 /* Row group g (16 output rows) times the tokens m0 .. m0 + mt - 1; mt a constant where inlined, so the loops
  * unroll and the sums stay in registers. Each token's block sum runs in two chains (even and odd steps of 4
  * inputs; int4: the low nibbles, and the high ones as 16 * nibble, no shift, that chain shifted after). */
-static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g, int m0, const int mt) {
+static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g, int m0, const int mt,
+                                                          const uint8_t *stop) {
     int blocks = c->K / BLOCK;
     size_t block_bytes = (size_t)BLOCK * ROWS * c->bits / 8;
     const uint8_t *wg = c->w + (size_t)g * blocks * block_bytes;
@@ -118,9 +119,10 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
 #if KI_VNNI
     __m512 acc[Q8_TILE];
     for (int t = 0; t < mt; t++) acc[t] = _mm512_setzero_ps();
-    const int fetch = m0 == 0; /* later tiles of the group find its weights in cache */
     for (int b = 0; b < blocks; b++) {
         const uint8_t *wb = wg + b * block_bytes;
+        /* the first tile only (later ones find the weights in cache), and not past the task's own weights */
+        const int fetch = m0 == 0 && wb + block_bytes + Q8_PREFETCH <= stop;
         __m512i even[Q8_TILE], odd[Q8_TILE];
         for (int t = 0; t < mt; t++) even[t] = odd[t] = _mm512_setzero_si512();
         if (mt > 4) { /* compute-bound: 16 inputs a step, each token's 16 bytes one broadcast, then shuffled */
@@ -183,16 +185,17 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
 #endif
 }
 
-#define Q8_CASE(n) case n: q8_tile(c, g, m0, n); break;
+#define Q8_CASE(n) case n: q8_tile(c, g, m0, n, stop); break;
 
 /* Work item u: row groups 2u and 2u + 1, each alone (one stream of weights) in tiles of Q8_TILE tokens. */
 static void q8_task(const void *ctx, int start, int end) {
     const q8_ctx *c = ctx;
-    int groups = (c->N + ROWS - 1) / ROWS;
+    int groups = (c->N + ROWS - 1) / ROWS, last = 2 * end < groups ? 2 * end : groups;
+    const uint8_t *stop = c->w + (size_t)last * (c->K / BLOCK) * BLOCK * ROWS * c->bits / 8;
     for (int g = 2 * start; g < 2 * end && g < groups; g++)
         for (int m0 = 0; m0 < c->M; m0 += Q8_TILE) switch (c->M - m0 < Q8_TILE ? c->M - m0 : Q8_TILE) {
             Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7)
-            default: q8_tile(c, g, m0, Q8_TILE);
+            default: q8_tile(c, g, m0, Q8_TILE, stop);
         }
 }
 
