@@ -5,17 +5,18 @@
  * from zero, d kept as float16. Each block's int32 sum with the weights becomes float and is accumulated as
  * sum += isum * (d * weight scale), the weight's zero point z subtracted as z * sum(q) of the block.
  *
- * Speed (benchmarks/RESULTS.md "cpu-native-vnni"): at 16 tokens a tile runs at vpdpbusd's throughput (about
- * 2 ns per 16 rows x 32 inputs x token on one core, weights in cache: eight vpdpbusd, one a cycle), so the
- * per-block scaling (one vpdpwssd, a convert, a multiply, an FMA) rides along; at one token a product is bound
- * by reading the weights. Tried, and not faster here: all of a tile's tokens on weights held in registers (each
- * token's chain in turn: 0.6-0.9x), two row groups a tile at one token, two blocks interleaved, prefetching. */
+ * Speed (benchmarks/RESULTS.md "cpu-native-vnni", "q8-0-kernels-tuned"): a decode step streams the model's
+ * weights from memory (~100 MB int4, more than the L3), so a tile is one row group's weights, one stream,
+ * prefetched 8 KB ahead, times up to 8 tokens: one token and four are bound by reading the weights (~44 GB/s on
+ * this machine's two cores), sixteen by vpdpbusd and the broadcasts of the activations (~290 GMAC/s a core).
+ * Two row groups times four tokens a tile (before) is 1.2x faster with the weights in cache, but 1.1-2x
+ * slower from memory (two streams, each tile reading them again). */
 
 #ifndef Q8_TILE /* (-D: benchmarks/bench_q8_0_shapes.py --variants) */
 #define Q8_TILE 8        /* tokens per tile: each weight vector feeds 8 of them */
 #endif
 #ifndef Q8_PREFETCH
-#define Q8_PREFETCH 8192 /* bytes: how far ahead in its stream of weights a tile asks for them */
+#define Q8_PREFETCH 8192 /* bytes: how far ahead in its stream of weights a tile asks for them (0: never) */
 #endif
 
 /* float -> float16 -> float, round to nearest even (numpy's astype(np.float16), F16C's vcvtps2ph). */
@@ -122,7 +123,7 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g
     for (int b = 0; b < blocks; b++) {
         const uint8_t *wb = wg + b * block_bytes;
         /* the first tile only (later ones find the weights in cache), and not past the task's own weights */
-        const int fetch = m0 == 0 && wb + block_bytes + Q8_PREFETCH <= stop;
+        const int fetch = Q8_PREFETCH && m0 == 0 && wb + block_bytes + Q8_PREFETCH <= stop;
         __m512i even[Q8_TILE], odd[Q8_TILE];
         for (int t = 0; t < mt; t++) even[t] = odd[t] = _mm512_setzero_si512();
         if (mt > 4) { /* compute-bound: 16 inputs a step, each token's 16 bytes one broadcast, then shuffled */
