@@ -6,11 +6,12 @@
  * sum += isum * (d * weight scale), the weight's zero point z subtracted as z * sum(q) of the block.
  *
  * Speed (benchmarks/RESULTS.md "cpu-native-vnni", "q8-0-kernels-tuned"): a decode step streams the model's
- * weights from memory (~100 MB int4, more than the L3), so a tile is one row group's weights, one stream,
- * prefetched 8 KB ahead, times up to 8 tokens: one token and four are bound by reading the weights (~44 GB/s on
- * this machine's two cores), sixteen by vpdpbusd and the broadcasts of the activations (~290 GMAC/s a core).
- * Two row groups times four tokens a tile (before) is 1.2x faster with the weights in cache, but 1.1-2x
- * slower from memory (two streams, each tile reading them again). */
+ * weights from memory (the large benchmark model: 106 MB int4, more than the L3), so a tile is one row group's
+ * weights, one stream, prefetched 8 KB ahead, times up to 8 tokens: one token and four are bound by reading the
+ * weights (~45-51 GB/s on this machine's two cores), sixteen by vpdpbusd and the broadcasts of the activations
+ * (~290 GMAC/s a core). Two row groups times four tokens a tile (before) is 1.1-1.2x faster with the weights in
+ * cache (and the prefetch costs ~10% there at one token), but 1.1-2x slower from memory (two streams, each tile
+ * reading them again). */
 
 #ifndef Q8_TILE /* (-D: benchmarks/bench_q8_0_shapes.py --variants) */
 #define Q8_TILE 8        /* tokens per tile: each weight vector feeds 8 of them */
