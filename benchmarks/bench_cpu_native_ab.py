@@ -92,6 +92,7 @@ def engines(libs: dict, rounds: int) -> None:
             for name, system in systems.items():
                 for tag, lib in libs.items():
                     ops._state["lib"] = lib
+                    ops._state.pop("q8_0", None)  # ops.q8_0_linear's cached ki_q8_0_linear: the swapped library's
                     key = (name, batch, tag)
                     best[key] = max(best.get(key, 0.0), system.rate(prompts))
         print(f"load {os.getloadavg()[0]:.1f}", flush=True)
