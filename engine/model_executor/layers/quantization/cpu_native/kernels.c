@@ -29,9 +29,6 @@
 #define ROWS 16  /* output rows per group: one int32 lane each */
 #define BLOCK 32 /* inputs per block of the llama.cpp arithmetic (its QK8_0) */
 #define TILE 4   /* tokens per tile: each weight vector loaded once per tile */
-#ifndef KI_CHUNKS
-#define KI_CHUNKS 8
-#endif
 
 int ki_has_vnni(void) { return KI_VNNI; }
 
@@ -134,7 +131,7 @@ int ki_init(int threads, long spin_us) {
 
 /* fn over [0, items), split into chunks of whole items across the pool; call_mu held by the caller. */
 static void parallel(task_fn fn, const void *ctx, int items) {
-    int chunks = pool_active == 1 ? 1 : pool_active * KI_CHUNKS;
+    int chunks = pool_active == 1 ? 1 : pool_active * 8;
     if (chunks > items) chunks = items;
     if (chunks <= 1) {
         fn(ctx, 0, items);
