@@ -36,7 +36,11 @@ def compile_library(rev: str | None, where: Path) -> ctypes.CDLL:
         src = where / "kernels.c"
     out = where / "lib.so"
     subprocess.run([build.compiler(), *build.flags(False), "-o", str(out), str(src), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
+    return load_library(out)
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.ki_init.argtypes, lib.ki_init.restype = [i, ctypes.c_long], i
     lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = [p, i, i, p, i, p, p, i, i, i, p], i
@@ -88,6 +92,7 @@ def engines(libs: dict, rounds: int) -> None:
             for name, system in systems.items():
                 for tag, lib in libs.items():
                     ops._state["lib"] = lib
+                    ops._state.pop("q8_0", None)  # ops.q8_0_linear's cached ki_q8_0_linear: the swapped library's
                     key = (name, batch, tag)
                     best[key] = max(best.get(key, 0.0), system.rate(prompts))
         print(f"load {os.getloadavg()[0]:.1f}", flush=True)

@@ -5,11 +5,20 @@
  * from zero, d kept as float16. Each block's int32 sum with the weights becomes float and is accumulated as
  * sum += isum * (d * weight scale), the weight's zero point z subtracted as z * sum(q) of the block.
  *
- * Speed (benchmarks/RESULTS.md "cpu-native-vnni"): at 16 tokens a tile runs at vpdpbusd's throughput (about
- * 2 ns per 16 rows x 32 inputs x token on one core, weights in cache: eight vpdpbusd, one a cycle), so the
- * per-block scaling (one vpdpwssd, a convert, a multiply, an FMA) rides along; at one token a product is bound
- * by reading the weights. Tried, and not faster here: all of a tile's tokens on weights held in registers (each
- * token's chain in turn: 0.6-0.9x), two row groups a tile at one token, two blocks interleaved, prefetching. */
+ * Speed (benchmarks/RESULTS.md "cpu-native-vnni", "q8-0-kernels-tuned"): a decode step streams the model's
+ * weights from memory (the large benchmark model: 106 MB int4, more than the L3), so a tile is one row group's
+ * weights, one stream, prefetched 8 KB ahead, times up to 8 tokens: one token and four are bound by reading the
+ * weights (~45-51 GB/s on this machine's two cores), sixteen by vpdpbusd and the broadcasts of the activations
+ * (~290 GMAC/s a core). Two row groups times four tokens a tile (before) is 1.1-1.2x faster with the weights in
+ * cache (and the prefetch costs ~10% there at one token), but 1.1-2x slower from memory (two streams, each tile
+ * reading them again). */
+
+#ifndef Q8_TILE /* (-D: benchmarks/bench_q8_0_shapes.py --variants) */
+#define Q8_TILE 8        /* tokens per tile: each weight vector feeds 8 of them */
+#endif
+#ifndef Q8_PREFETCH
+#define Q8_PREFETCH 8192 /* bytes: how far ahead in its stream of weights a tile asks for them (0: never) */
+#endif
 
 /* float -> float16 -> float, round to nearest even (numpy's astype(np.float16), F16C's vcvtps2ph). */
 static float half_round(float f) {
@@ -79,103 +88,117 @@ typedef struct {
     int M, N, K, bits, groups, blocks_per_group;
 } q8_ctx;
 
-static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g, int m0, const int ng,
-                                                          const int mt) {
+#if KI_VNNI
+/* Step j (8 inputs) of a block's weights for one row group: w0 the inputs 8j..8j+3 of the 16 rows, w1 the next
+ * four (int4: the high nibbles as 16 * nibble); `fetch`: ask for the weights Q8_PREFETCH bytes ahead. */
+static inline __attribute__((always_inline)) void q8_weights(const q8_ctx *c, const uint8_t *wb, int j, int fetch,
+                                                             __m512i *w0, __m512i *w1) {
+    if (c->bits == 8) {
+        if (fetch) {
+            _mm_prefetch((const char *)wb + 128 * j + Q8_PREFETCH, _MM_HINT_T0);
+            _mm_prefetch((const char *)wb + 128 * j + 64 + Q8_PREFETCH, _MM_HINT_T0);
+        }
+        *w0 = _mm512_loadu_si512(wb + 128 * j), *w1 = _mm512_loadu_si512(wb + 128 * j + 64);
+    } else {
+        if (fetch) _mm_prefetch((const char *)wb + 64 * j + Q8_PREFETCH, _MM_HINT_T0);
+        __m512i v = _mm512_loadu_si512(wb + 64 * j);
+        *w0 = _mm512_and_si512(v, _mm512_set1_epi8(0x0F)), *w1 = _mm512_and_si512(v, _mm512_set1_epi8((char)0xF0));
+    }
+}
+#endif
+
+/* Row group g (16 output rows) times the tokens m0 .. m0 + mt - 1; mt a constant where inlined, so the loops
+ * unroll and the sums stay in registers. Each token's block sum runs in two chains (even and odd steps of 4
+ * inputs; int4: the low nibbles, and the high ones as 16 * nibble, no shift, that chain shifted after). */
+static inline __attribute__((always_inline)) void q8_tile(const q8_ctx *c, int g, int m0, const int mt,
+                                                          const uint8_t *stop) {
     int blocks = c->K / BLOCK;
     size_t block_bytes = (size_t)BLOCK * ROWS * c->bits / 8;
-#if KI_VNNI
     const uint8_t *wg = c->w + (size_t)g * blocks * block_bytes;
-    const size_t stride = (size_t)blocks * block_bytes, pstride = (size_t)c->groups * ROWS;
-    const float *scales = c->scale + (size_t)g * pstride;
-    const int32_t *offsets = c->offset + (size_t)g * pstride;
-    __m512 acc[2][TILE];
-    for (int i = 0; i < 2; i++)
-        for (int t = 0; t < TILE; t++) acc[i][t] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
+    const float *scales = c->scale + (size_t)g * c->groups * ROWS;
+    const int32_t *offsets = c->offset + (size_t)g * c->groups * ROWS;
+    int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+#if KI_VNNI
+    __m512 acc[Q8_TILE];
+    for (int t = 0; t < mt; t++) acc[t] = _mm512_setzero_ps();
     for (int b = 0; b < blocks; b++) {
+        const uint8_t *wb = wg + b * block_bytes;
+        /* the first tile only (later ones find the weights in cache), and not past the task's own weights */
+        const int fetch = Q8_PREFETCH && m0 == 0 && wb + block_bytes + Q8_PREFETCH <= stop;
+        __m512i even[Q8_TILE], odd[Q8_TILE];
+        for (int t = 0; t < mt; t++) even[t] = odd[t] = _mm512_setzero_si512();
+        if (mt > 4) { /* compute-bound: 16 inputs a step, each token's 16 bytes one broadcast, then shuffled */
+            for (int j = 0; j < BLOCK / 8; j += 2) {
+                __m512i w0, w1, w2, w3;
+                q8_weights(c, wb, j, fetch, &w0, &w1), q8_weights(c, wb, j + 1, fetch, &w2, &w3);
+                for (int t = 0; t < mt; t++) {
+                    const int8_t *q = c->q + (size_t)(m0 + t) * c->K + b * BLOCK + 8 * j;
+                    __m512i a = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
+                    even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_shuffle_epi32(a, 0x00));
+                    odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_shuffle_epi32(a, 0x55));
+                    even[t] = _mm512_dpbusd_epi32(even[t], w2, _mm512_shuffle_epi32(a, 0xAA));
+                    odd[t] = _mm512_dpbusd_epi32(odd[t], w3, _mm512_shuffle_epi32(a, 0xFF));
+                }
+            }
+        } else { /* bound by reading the weights: 8 inputs a step, the activations broadcast from memory */
+            for (int j = 0; j < BLOCK / 8; j++) {
+                __m512i w0, w1;
+                q8_weights(c, wb, j, fetch, &w0, &w1);
+                for (int t = 0; t < mt; t++) {
+                    const int8_t *q = c->q + (size_t)(m0 + t) * c->K + b * BLOCK + 8 * j;
+                    even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_set1_epi32(*(const int32_t *)q));
+                    odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+                }
+            }
+        }
         int gi = b / c->blocks_per_group;
-        __m512i isum[2][TILE];
-        for (int i = 0; i < 2; i++)
-            for (int t = 0; t < TILE; t++) isum[i][t] = _mm512_setzero_si512();
-        for (int j = 0; j < BLOCK / 8; j++) { /* 8 inputs a step: two vectors a row group */
-            __m512i w0[2], w1[2];
-            for (int i = 0; i < ng; i++) {
-                const uint8_t *wb = wg + i * stride + b * block_bytes;
-                if (c->bits == 8) {
-                    w0[i] = _mm512_loadu_si512(wb + 128 * j), w1[i] = _mm512_loadu_si512(wb + 128 * j + 64);
-                } else if (ng == 1) { /* high nibbles as 16 * nibble (no shift): its own chain, shifted after */
-                    __m512i v = _mm512_loadu_si512(wb + 64 * j);
-                    w0[i] = _mm512_and_si512(v, low), w1[i] = _mm512_and_si512(v, high);
-                } else {
-                    __m512i v = _mm512_loadu_si512(wb + 64 * j);
-                    w0[i] = _mm512_and_si512(v, low), w1[i] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                }
-            }
-            for (int t = 0; t < mt; t++) {
-                const int8_t *q = c->q + (size_t)(m0 + t) * c->K + b * BLOCK + 8 * j;
-                __m512i a0 = _mm512_set1_epi32(*(const int32_t *)q), a1 = _mm512_set1_epi32(*(const int32_t *)(q + 4));
-                if (ng == 1) { /* one row group: two chains, summed after */
-                    isum[0][t] = _mm512_dpbusd_epi32(isum[0][t], w0[0], a0);
-                    isum[1][t] = _mm512_dpbusd_epi32(isum[1][t], w1[0], a1);
-                } else {
-                    for (int i = 0; i < ng; i++)
-                        isum[i][t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[i][t], w0[i], a0), w1[i], a1);
-                }
-            }
-        }
-        if (ng == 1)
-            for (int t = 0; t < mt; t++)
-                isum[0][t] = _mm512_add_epi32(isum[0][t], c->bits == 8 ? isum[1][t] : _mm512_srai_epi32(isum[1][t], 4));
-        for (int i = 0; i < ng; i++) {
-            __m512 sw = _mm512_loadu_ps(scales + i * pstride + gi * ROWS);
-            __m512i off = _mm512_loadu_si512(offsets + i * pstride + gi * ROWS);
-            for (int t = 0; t < mt; t++) {
-                long idx = (long)(m0 + t) * blocks + b;
-                __m512i sum = _mm512_dpwssd_epi32(isum[i][t], off, _mm512_set1_epi32(c->s[idx])); /* -off * sum(q) */
-                acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(c->d[idx]), sw),
-                                            acc[i][t]);
-            }
-        }
-    }
-    for (int i = 0; i < ng; i++) {
-        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
-        __mmask16 mask = (__mmask16)((1u << nn) - 1);
-        for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, acc[i][t]);
-    }
-#else
-    for (int i = 0; i < ng; i++) {
-        const uint8_t *wg = c->w + (size_t)(g + i) * blocks * block_bytes;
-        const float *scales = c->scale + (size_t)(g + i) * c->groups * ROWS;
-        const int32_t *offsets = c->offset + (size_t)(g + i) * c->groups * ROWS;
-        int n0 = (g + i) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        __m512 sw = _mm512_loadu_ps(scales + gi * ROWS);
+        __m512i off = _mm512_loadu_si512(offsets + gi * ROWS);
         for (int t = 0; t < mt; t++) {
-            int m = m0 + t;
-            for (int r = 0; r < nn; r++) {
-                float acc = 0.0f;
-                for (int b = 0; b < blocks; b++) {
-                    const uint8_t *wb = wg + b * block_bytes;
-                    int gi = b / c->blocks_per_group;
-                    int32_t sum = 0;
-                    for (int k = 0; k < BLOCK; k++) {
-                        int u = c->bits == 8 ? wb[(k / 4) * 64 + r * 4 + k % 4]
-                                             : (wb[(k / 8) * 64 + r * 4 + k % 4] >> (k % 8 / 4 * 4)) & 0x0F;
-                        sum += u * c->q[(size_t)m * c->K + b * BLOCK + k];
-                    }
-                    long idx = (long)m * blocks + b;
-                    sum += offsets[gi * ROWS + r] * (int16_t)c->s[idx]; /* s: -sum(q) in 16 bits */
-                    acc = fmaf((float)sum, c->d[idx] * scales[gi * ROWS + r], acc);
+            long idx = (long)(m0 + t) * blocks + b;
+            __m512i sum = _mm512_add_epi32(even[t], c->bits == 8 ? odd[t] : _mm512_srai_epi32(odd[t], 4));
+            sum = _mm512_dpwssd_epi32(sum, off, _mm512_set1_epi32(c->s[idx])); /* -off * sum(q) */
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(_mm512_set1_ps(c->d[idx]), sw), acc[t]);
+        }
+    }
+    __mmask16 mask = (__mmask16)((1u << nn) - 1);
+    for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, acc[t]);
+#else
+    for (int t = 0; t < mt; t++) {
+        int m = m0 + t;
+        for (int r = 0; r < nn; r++) {
+            float acc = 0.0f;
+            for (int b = 0; b < blocks; b++) {
+                const uint8_t *wb = wg + b * block_bytes;
+                int gi = b / c->blocks_per_group;
+                int32_t sum = 0;
+                for (int k = 0; k < BLOCK; k++) {
+                    int u = c->bits == 8 ? wb[(k / 4) * 64 + r * 4 + k % 4]
+                                         : (wb[(k / 8) * 64 + r * 4 + k % 4] >> (k % 8 / 4 * 4)) & 0x0F;
+                    sum += u * c->q[(size_t)m * c->K + b * BLOCK + k];
                 }
-                c->out[(size_t)m * c->N + n0 + r] = acc;
+                long idx = (long)m * blocks + b;
+                sum += offsets[gi * ROWS + r] * (int16_t)c->s[idx]; /* s: -sum(q) in 16 bits */
+                acc = fmaf((float)sum, c->d[idx] * scales[gi * ROWS + r], acc);
             }
+            c->out[(size_t)m * c->N + n0 + r] = acc;
         }
     }
 #endif
 }
 
+#define Q8_CASE(n) case n: q8_tile(c, g, m0, n, stop); break;
+
+/* Work item u: row groups 2u and 2u + 1, each alone (one stream of weights) in tiles of Q8_TILE tokens. */
 static void q8_task(const void *ctx, int start, int end) {
     const q8_ctx *c = ctx;
-    int groups = (c->N + ROWS - 1) / ROWS;
-    for (int u = start; u < end; u++) TILES(q8_tile, c, groups, u);
+    int groups = (c->N + ROWS - 1) / ROWS, last = 2 * end < groups ? 2 * end : groups;
+    const uint8_t *stop = c->w + (size_t)last * (c->K / BLOCK) * BLOCK * ROWS * c->bits / 8;
+    for (int g = 2 * start; g < 2 * end && g < groups; g++)
+        for (int m0 = 0; m0 < c->M; m0 += Q8_TILE) switch (c->M - m0 < Q8_TILE ? c->M - m0 : Q8_TILE) {
+            Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4) Q8_CASE(5) Q8_CASE(6) Q8_CASE(7)
+            default: q8_tile(c, g, m0, Q8_TILE, stop);
+        }
 }
 
 /* x [M, K] float32 (K a multiple of 32) times packed weights [ceil(N / 16) groups] -> out [M, N] float32. */
