@@ -13,7 +13,7 @@ from torch import nn
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.model_executor.layers import cpu_blas
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.model_executor.layers.quantization.cpu_native import f32_ops, ops
 
 
 def test_products_equal_torch_linear_with_and_without_bias_and_for_strided_inputs():
@@ -70,15 +70,20 @@ def test_a_small_step_on_one_thread_leaves_another_threads_torch_alone():
 
 
 def test_the_engine_decodes_through_openblas_and_prefills_through_torch(llama_dir, monkeypatch):
-    """Small steps (here at most 4 tokens) go through OpenBLAS; the prompts' prefill step through torch."""
-    seen = []
-    real = np.matmul
+    """Small steps (here at most 4 tokens) go through OpenBLAS, those of 2-16 tokens through the native float32
+    product where it builds; the prompts' prefill step through torch."""
+    seen, native = [], []
+    real, real_native = np.matmul, f32_ops.f32_linear
     monkeypatch.setattr(cpu_blas.np, "matmul", lambda a, b: seen.append(a.shape[0]) or real(a, b))
+    monkeypatch.setattr(f32_ops, "f32_linear", lambda x, w, *a: native.append(x.shape[0]) or real_native(x, w, *a))
     monkeypatch.setattr(cpu_blas, "MAX_STEP_TOKENS", 4)
     llm = LLM(llama_dir, block_size=4)
     assert llm.engine.runner.model.openblas_small_steps
-    llm.generate([{"prompt_token_ids": list(range(10, 30))}] * 2, SamplingParams(temperature=0, max_tokens=4))
-    assert seen and set(seen) <= {1, 2}  # decode rows only: the 40 prompt tokens went through torch
+    prompt = {"prompt_token_ids": list(range(10, 30))}
+    llm.generate([prompt] * 2, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 2)])
+    assert seen and set(seen + native) <= {1, 2}  # decode rows only: the 40 prompt tokens went through torch
+    if ops.layers_enabled():  # the one-row steps' projections through OpenBLAS, the two-row steps' native
+        assert set(seen) == {1} and 2 in native
 
 
 def test_steps_over_a_long_context_keep_torch(llama_dir, monkeypatch):

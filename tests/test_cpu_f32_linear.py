@@ -104,5 +104,6 @@ def test_engine_greedy_tokens_equal_transformers_with_the_native_lm_head(tied, t
             assert model.lm_head.weight is model.model.embed_tokens.weight
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
         assert [o.outputs[0].token_ids for o in outs] == expected, f"KUBEINFER_CPU_NATIVE_LAYERS={switch}"
-        assert bool(calls) == (switch == "1") and all(s[0] == 203 for s in calls), calls
+        # the lm_head (203 rows) at every step; the projections of the 2-16-token steps too (cpu_blas.py)
+        assert any(s[0] == 203 for s in calls) == (switch == "1") and bool(calls) == (switch == "1"), calls
         monkeypatch.undo()

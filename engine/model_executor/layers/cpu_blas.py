@@ -23,6 +23,13 @@ threads for a W8A16 model's whole step instead (lm_head through torch, KUBEINFER
 (batch 1) and 1.5x (16) faster than one thread at load ~1, but 20-30x slower in rounds where other jobs held
 a core (a barrier waits for a descheduled worker); with OpenBLAS on both cores for lm_head as well (two
 pools), 1.35-1.55x slower than one thread.
+Steps of 2-16 tokens (and any KUBEINFER_CPU_NATIVE_LAYERS step's lm_head, native_lm_head.py) take the native
+float32 product instead, on the native kernels' pool (quantization/cpu_native/f32_linear.c), where the library
+builds and KUBEINFER_CPU_NATIVE_LAYERS is on: per call at 2 / 4 / 16 tokens it was 4.6 / 3.2 / 1.9x faster than
+OpenBLAS on the qkv product of the 222M benchmark model and 3.5 / 3.3 / 0.95x on gate_up, while one token (a
+read of the weights, 49 against OpenBLAS's 56 GB/s) and 32+ tokens (OpenBLAS's blocked gemm, 1.3-2x) stay on
+OpenBLAS; whole engine, float32, batch 16 1.47x tok/s, batch 1 unchanged (benchmarks/bench_f32_linear.py
+--engine --layers, load 1.4-1.8; RESULTS "native-f32-linear").
 `KUBEINFER_CPU_OPENBLAS=0` turns the OpenBLAS path off; `KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT` moves the bound;
 `KUBEINFER_CPU_SHARE_CORES` (auto, 1, 0): two_cores.py.
 """
@@ -37,12 +44,15 @@ import torch
 from torch import nn
 
 from . import two_cores
+from .quantization.cpu_native import f32_ops
 
 # Per thread, as torch's thread count is (OpenMP keeps it per thread): engines stepping on two threads
 # of one process do not change each other's.
 _step = threading.local()  # .active: this thread is in a small step
 MAX_CONTEXT_TOKENS = int(os.environ.get("KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT", "4096"))
 MAX_STEP_TOKENS = 256  # tokens computed in the step (decodes, drafts, a short chunk): OpenBLAS wins to 64 and past
+# ... except at 2-16 tokens, where the native float32 product (f32_linear.c, both cores) beats OpenBLAS's gemm
+NATIVE_MAX_TOKENS = 16
 
 
 def use_openblas_for_small_steps(model: nn.Module) -> bool:
@@ -71,7 +81,11 @@ def _openblas_forward(layer: nn.Linear, torch_forward):
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not getattr(_step, "active", False) or x.dtype != torch.float32 or x.requires_grad:
             return torch_forward(x)
-        out = torch.from_numpy(np.matmul(x.numpy(), weight_t()))
+        weight = params["weight"]
+        if 2 * x.shape[-1] <= x.numel() <= NATIVE_MAX_TOKENS * x.shape[-1] and f32_ops.wants(x) and f32_ops.supports(weight):
+            out = f32_ops.f32_linear(x, weight)  # 2-16 tokens: OpenBLAS's small gemm is 1.3-9x slower here
+        else:
+            out = torch.from_numpy(np.matmul(x.numpy(), weight_t()))
         bias = params["bias"]
         return out if bias is None else out.add_(bias)
     return forward

@@ -3,9 +3,10 @@ cores), the weights read in their own row-major layout. Each output element is s
 (f32_linear.c), so a token's logits do not depend on the batch size or the thread count, and the portable twin
 gives the same bits.
 
-Used for the lm_head (layers/native_lm_head.py). Tried for a float32 model's projections as well (every one of
-them native: 1.51x tok/s at batch 16 but 0.89x at batch 1, where OpenBLAS's one-token products are faster): not
-used there. Figures: benchmarks/RESULTS.md "native-f32-linear"."""
+Used for the lm_head (layers/native_lm_head.py) and for a float32 model's projections in steps of 2-16 tokens
+(layers/cpu_blas.py): every projection native was 1.47-1.51x tok/s at batch 16 but 0.89-0.98x at batch 1, where
+OpenBLAS reads one token's weights faster, and OpenBLAS's blocked gemm wins from 32 tokens. Figures:
+benchmarks/RESULTS.md "native-f32-linear"."""
 from __future__ import annotations
 
 import ctypes
