@@ -242,6 +242,9 @@ def test_a_subscriber_that_starts_late_replays_the_engines_buffer(llama_dir, fol
     f = followed(llama_dir, start_subscriber=False, num_kv_blocks=64)
     f.llm.generate([list(range(30, 47))], _params())
     f.llm.generate([list(range(60, 77))], _params())  # served before the gateway subscribed
+    publisher, deadline = f.llm.engine.kv_events.publisher, time.time() + WAIT_S
+    while publisher._next_seq < publisher.enqueued and time.time() < deadline:  # sent, not only queued: a fast
+        time.sleep(0.01)  # engine's publisher thread could still be sending them live when the gateway subscribes
     # Subscribed now: each new request publishes a batch; the first to arrive (ZMQ drops those sent before
     # the connection is up) is numbered after the earlier ones, which come from the replay socket.
     deadline, i = time.time() + WAIT_S, 0
