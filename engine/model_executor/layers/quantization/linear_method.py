@@ -59,11 +59,12 @@ from torch import nn
 from .. import two_cores
 from ..deferred_weight import allocated, device_of, stand_in
 
-KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "cpu_int8_vnni", "cpu_int4_vnni",
-           "dequantized")
-# opt-in, CPU only: llama.cpp's arithmetic through the native kernels (cpu_native/method.py); without a C compiler
-# torch's bf16-activation product of the same width (a warning once, from cpu_native/ops.py)
-NATIVE = {"cpu_int8_vnni": "cpu_int8_bf16", "cpu_int4_vnni": "cpu_int4_bf16"}
+KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "cpu_int4_a16", "cpu_int8_a16",
+           "cpu_int8_vnni", "cpu_int4_vnni", "dequantized")
+# CPU only, the native kernels: the exact A16 product (cpu_native/a16_method.py) and, opt-in, llama.cpp's arithmetic
+# (cpu_native/method.py); without a C compiler torch's bf16-activation product of the same width (a warning once)
+NATIVE = {"cpu_int4_a16": "cpu_int4_bf16", "cpu_int8_a16": "cpu_int8_bf16", "cpu_int8_vnni": "cpu_int8_bf16",
+          "cpu_int4_vnni": "cpu_int4_bf16"}
 # torch's CPU weight-only products with the activations rounded to bf16 (the format's "A16") in a float32 model
 BF16_ACTIVATIONS = {"cpu_int4_bf16": "cpu_int4", "cpu_int8_bf16": "cpu_int8"}
 
@@ -154,7 +155,10 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
     if weight.fp8:
         return "dequantized"
     if dtype == torch.float32 and not w8a8:
-        return next((k for k in ("cpu_int4_bf16", "cpu_int8_bf16") if applies(k, weight)), "dequantized")
+        from .cpu_native import ops
+
+        native = ("cpu_int4_a16", "cpu_int8_a16") if ops.available() else ()
+        return next((k for k in (*native, "cpu_int4_bf16", "cpu_int8_bf16") if applies(k, weight)), "dequantized")
     if dtype in (torch.bfloat16, torch.float16) and applies("cpu_int4", weight):
         return "cpu_int4"
     return "dequantized"
@@ -164,9 +168,10 @@ def applies(kernel: str, w: IntWeight) -> bool:
     kernel = BF16_ACTIVATIONS.get(kernel, kernel)
     out, cols = w.values.shape
     if kernel in NATIVE:
-        from .cpu_native.method import applies as native_applies
+        from .cpu_native import a16_method, method
 
-        return native_applies(kernel, w.values, w.scale, w.group_size, w.bits, w.fp8)
+        native = a16_method if kernel in a16_method.KERNELS else method
+        return native.applies(kernel, w.values, w.scale, w.group_size, w.bits, w.fp8)
     if w.fp8 and kernel != "triton":
         return kernel == "dequantized"
     if kernel == "cpu_int4":
@@ -281,10 +286,11 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
             with torch.no_grad():
                 allocated(layer).copy_(weight.dequantize())
         elif kernel in NATIVE:
+            from .cpu_native.a16_method import KERNELS as A16, A16Method
             from .cpu_native.method import NativeIntMethod
 
             stand_in(layer)  # a deferred float weight: its device and shape, no memory (deferred_weight.py)
-            attach(layer, NativeIntMethod(layer, weight, kernel, dtype))
+            attach(layer, (A16Method if kernel in A16 else NativeIntMethod)(layer, weight, kernel, dtype))
         else:
             stand_in(layer)
             attach(layer, WeightOnlyIntMethod(layer, weight, kernel, dtype))
