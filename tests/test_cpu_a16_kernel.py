@@ -31,7 +31,7 @@ def case(m: int, bits: int, group: int | None, asym: bool, seed: int = 0, k: int
     dense = (w.double() - spread(zero)) * spread(scale)
     xb = x.to(torch.bfloat16).double()  # torch's rounding of the activations: the only one in the definition
     args = (a16_method.pack(w, bits), bits, ops.pack_groups(scale, torch.float32),
-            ops.pack_groups(zero, torch.float32), group, n)
+            a16_method.pack_zero(zero, bits), group, n)
     return x, args, xb @ dense.T, xb.abs() @ dense.abs().T, dense
 
 

@@ -21,6 +21,7 @@ from quant_checkpoints import (
 )
 
 from kubeinfer.engine import LLM, SamplingParams
+from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method
 from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops as native_ops
 
 
@@ -74,7 +75,7 @@ def test_default_choice_on_the_cpu(dirs, monkeypatch):
     """float32: int4 and int8 kept, bf16 activations (the native exact A16 product where the library builds, else
     torch's); bf16: int4 kept, int8 dequantized (measured)."""
     monkeypatch.delenv("KUBEINFER_QUANT_KERNEL", raising=False)
-    a16 = "a16" if native_ops.available() else "bf16"
+    a16 = "a16" if a16_method.fast() else "bf16"
     for name, kernel in (("w4", f"cpu_int4_{a16}"), ("w8", f"cpu_int8_{a16}"), ("awq", f"cpu_int4_{a16}")):
         float32 = LLM(dirs[name], max_model_len=64, num_kv_blocks=16).engine.runner.model
         assert set(float32.quant_kernels.values()) == {kernel}

@@ -149,9 +149,9 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
     if weight.fp8:
         return "dequantized"
     if dtype == torch.float32 and not w8a8:
-        from .cpu_native import ops
+        from .cpu_native import a16_method
 
-        native = ("cpu_int4_a16", "cpu_int8_a16") if ops.available() else ()
+        native = ("cpu_int4_a16", "cpu_int8_a16") if a16_method.fast() else ()
         return next((k for k in (*native, "cpu_int4_bf16", "cpu_int8_bf16") if applies(k, weight)), "dequantized")
     if dtype in (torch.bfloat16, torch.float16) and applies("cpu_int4", weight):
         return "cpu_int4"

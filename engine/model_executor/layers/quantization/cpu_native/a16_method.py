@@ -29,12 +29,32 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     n, k = values.shape
     v = torch.nn.functional.pad(values, (0, 0, 0, -n % ops.ROWS))
     groups = v.shape[0] // ops.ROWS
-    if bits == 8:  # [row groups][K / 8][8 inputs][16 rows]
-        return v.view(groups, ops.ROWS, k // STEP, STEP).permute(0, 2, 3, 1).contiguous().view(torch.uint8).flatten()
+    if bits == 8:  # [row groups][K / 8][pair 4][rows 0-7, 8-15][8 rows][even, odd]
+        v = v.view(groups, 2, 8, k // STEP, 4, 2).permute(0, 3, 4, 1, 2, 5)
+        return v.contiguous().view(torch.uint8).flatten()
     u = (v.to(torch.int64) + 8).view(groups, ops.ROWS, k // STEP, STEP)  # [row groups][K / 8][16 rows] words
-    word = sum(u[..., i] << (4 * i) for i in range(STEP)).permute(0, 2, 1)
+    shift = [16 * (i % 2) + 4 * (i // 2) for i in range(STEP)]  # even inputs in the low half, odd in the high
+    word = sum(u[..., i] << shift[i] for i in range(STEP)).permute(0, 2, 1)
     word = torch.where(word >= 2**31, word - 2**32, word)  # the same 32 bits as int32
     return word.to(torch.int32).contiguous().view(torch.uint8).flatten()
+
+
+def pack_zero(zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Zero points [N, groups] -> a16_linear.c's [row groups][groups][32]: int4 7 - zero as int16, int8 the zero as
+    int32, each row twice (int8: rows 0-7, then 8-15, as the packed weight's pairs)."""
+    lo, hi = (-8, 7) if bits == 4 else (-128, 127)
+    if zero.numel() and (int(zero.min()) < lo or int(zero.max()) > hi):
+        raise ValueError(f"int{bits} zero points must lie in [{lo}, {hi}]")
+    z = ops.pack_groups(zero.to(torch.int32), torch.int32)  # [row groups][groups][16]
+    z = z.repeat_interleave(2, dim=-1)
+    return (7 - z).to(torch.int16).contiguous() if bits == 4 else z.contiguous()
+
+
+def fast() -> bool:
+    """Whether the library builds with its AVX-512 BF16 path (vdpbf16ps): where it does not, the portable C twin
+    would run, correct but slower than torch's products, so the default keeps torch's there."""
+    lib = ops.library()
+    return bool(lib is not None and lib.ki_has_a16_bf16())
 
 
 def _kernel():
@@ -51,7 +71,8 @@ def _kernel():
 
 def a16_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor,
                group_size: int, out_features: int) -> torch.Tensor:
-    """x [..., K] times the packed weights; `scale`, `zero` from ops.pack_groups (float32); float32 [..., N]."""
+    """x [..., K] times the packed weights; `scale` from ops.pack_groups (float32), `zero` from pack_zero; float32
+    [..., N]."""
     k = x.shape[-1]
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, k)
@@ -75,10 +96,10 @@ class A16Method:
         self.kernel, self.bits = kernel, weight.bits
         self.out_features, cols = weight.values.shape
         self.group_size = cols if weight.scale.shape[1] == 1 else weight.group_size
-        zero = weight.zero if weight.zero is not None else torch.zeros_like(weight.scale)
+        zero = weight.zero if weight.zero is not None else torch.zeros_like(weight.scale, dtype=torch.int8)
         keep = {"qweight": pack(weight.values, self.bits),
                 "weight_scale": ops.pack_groups(weight.scale, torch.float32),
-                "weight_zero": ops.pack_groups(zero, torch.float32)}
+                "weight_zero": pack_zero(zero, self.bits)}
         device = layer.weight.device
         for name, tensor in keep.items():
             layer.register_parameter(name, nn.Parameter(tensor.to(device), requires_grad=False))
