@@ -5,7 +5,8 @@ layer, a fifth of a 5.5 ms step. The same C kernels in the same order as the per
 Which layers: decided once, at the first step that asks: llama.py's DecoderLayer itself (not another family's),
 RMSNorm norms (float32), the rotate-half rotary on the CPU, the torch attention backend without a score cap,
 silu, every projection through A16Method (the float32 default, cpu_int8_a16 / cpu_int4_a16) or NativeIntMethod
-(KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni), tensor parallel size 1; Qwen3's q/k norms included. Consecutive such layers are one call; the others run their forward.
+(KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni), tensor parallel size 1; Qwen3's q/k norms included.
+Consecutive such layers are one call; the others run their forward.
 Which steps, checked each step: decodes only (one token a sequence), no LoRA adapter in it, float32 activations
 and KV caches, the native layers on (`ops.layers_enabled()`: KUBEINFER_CPU_NATIVE_LAYERS) and
 KUBEINFER_CPU_FUSED_LAYERS not 0 (default 1; 0 keeps the per-module path, for A/B measurements). Anything else

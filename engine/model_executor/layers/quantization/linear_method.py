@@ -280,11 +280,11 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
             with torch.no_grad():
                 allocated(layer).copy_(weight.dequantize())
         elif kernel in NATIVE:
-            from .cpu_native.a16_method import KERNELS as A16, A16Method
-            from .cpu_native.method import NativeIntMethod
+            from .cpu_native import a16_method, method
 
             stand_in(layer)  # a deferred float weight: its device and shape, no memory (deferred_weight.py)
-            attach(layer, (A16Method if kernel in A16 else NativeIntMethod)(layer, weight, kernel, dtype))
+            native = a16_method.A16Method if kernel in a16_method.KERNELS else method.NativeIntMethod
+            attach(layer, native(layer, weight, kernel, dtype))
         else:
             stand_in(layer)
             attach(layer, WeightOnlyIntMethod(layer, weight, kernel, dtype))

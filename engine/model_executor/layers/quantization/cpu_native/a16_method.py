@@ -1,8 +1,15 @@
 """The exact A16 product of weight-only int4 / int8 checkpoints in a float32 model (a16_linear.c): the activations
 rounded to bf16 as torch rounds them, nothing else rounded but float32 sums in a fixed order (a token's output
 does not depend on the batch or the thread count; the portable twin gives the same bits). Kernels `cpu_int4_a16`
-and `cpu_int8_a16` (linear_method.KERNELS). The weight is packed at load (a16_linear.c's layout: half a byte or
-one byte a weight), its scales and zero points float32 per output row and group; the float weight goes (meta)."""
+and `cpu_int8_a16` (linear_method.KERNELS), the float32 default where the library builds with AVX-512 BF16. The
+weight is packed at load (a16_linear.c's layout: half a byte or one byte a weight), its scales float32 and zero
+points per output row and group; the float weight goes (meta).
+
+Speed, one product on one thread (benchmarks/RESULTS.md "cpu-a16-native", 2026-11-27, load ~2), ms at 1 / 16
+tokens, [tokens, 1024] x [8192, 1024]: int4 0.118 / 0.83 against torch's cpu_int4_bf16 0.221 / 1.55, int8
+0.173 / 1.06 against cpu_int8_bf16 0.202 / 1.65; [tokens, 4096] x [1024, 4096]: int4 0.054 / 0.40 (torch 0.110
+/ 0.77), int8 0.087 / 0.52 (0.101 / 0.74). vdpbf16ps (two bf16 products a lane) was 1.6-1.7x float32 FMAs over
+weights widened through a vpermps table (int4) and 1.0-1.25x (int8, widened by sign extension)."""
 from __future__ import annotations
 
 import ctypes
@@ -32,11 +39,10 @@ def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:  # [row groups][K / 8][pair 4][rows 0-7, 8-15][8 rows][even, odd]
         v = v.view(groups, 2, 8, k // STEP, 4, 2).permute(0, 3, 4, 1, 2, 5)
         return v.contiguous().view(torch.uint8).flatten()
-    u = (v.to(torch.int64) + 8).view(groups, ops.ROWS, k // STEP, STEP)  # [row groups][K / 8][16 rows] words
-    shift = [16 * (i % 2) + 4 * (i // 2) for i in range(STEP)]  # even inputs in the low half, odd in the high
-    word = sum(u[..., i] << shift[i] for i in range(STEP)).permute(0, 2, 1)
-    word = torch.where(word >= 2**31, word - 2**32, word)  # the same 32 bits as int32
-    return word.to(torch.int32).contiguous().view(torch.uint8).flatten()
+    u = (v.to(torch.int16) + 8).to(torch.uint8).view(groups, ops.ROWS, k // STEP, STEP)
+    # each row's 32-bit word, little-endian: bytes (inputs 0, 2), (4, 6), (1, 3), (5, 7), the first of each low
+    word = [u[..., a] | (u[..., b] << 4) for a, b in ((0, 2), (4, 6), (1, 3), (5, 7))]
+    return torch.stack(word, dim=-1).permute(0, 2, 1, 3).contiguous().flatten()  # [row groups][K / 8][16][4]
 
 
 def pack_zero(zero: torch.Tensor, bits: int) -> torch.Tensor:
