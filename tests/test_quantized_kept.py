@@ -87,6 +87,14 @@ def test_default_choice_on_the_cpu(dirs, monkeypatch):
     assert w8.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
+def test_without_the_native_library_the_default_is_torchs(dirs, monkeypatch):
+    monkeypatch.delenv("KUBEINFER_QUANT_KERNEL", raising=False)
+    monkeypatch.setitem(native_ops._state, "lib", None)  # as where no C compiler builds it
+    for name, kernel in (("w4", "cpu_int4_bf16"), ("w8", "cpu_int8_bf16")):
+        model = LLM(dirs[name], max_model_len=64, num_kv_blocks=16).engine.runner.model
+        assert set(model.quant_kernels.values()) == {kernel}
+
+
 @pytest.mark.parametrize("family", ["default", "bf16"])
 @pytest.mark.parametrize("name, reference", [("w4", "w4"), ("w8", "w8"), ("awq", "awq_as_ct")])
 def test_float32_default_stays_close_to_the_reference(dirs, monkeypatch, name, reference, family):
