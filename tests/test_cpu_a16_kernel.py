@@ -77,6 +77,14 @@ def test_a_token_gets_the_same_bits_in_any_batch_and_thread_count(bits, group, a
 
 def test_portable_build_equals_the_avx512_build(monkeypatch):
     cases = [case(m, *layout, seed=m) for m in (1, 5) for layout in LAYOUTS]
+    # activations near float32's smallest normals: sums that reach subnormals, which vdpbf16ps flushes to zero
+    cases += [(x * 2.0 ** e, args) for e in (-124, -127) for x, args, *_ in cases[:4]]
+    # each pair's two products cancel into a subnormal: flushed to zero by the instruction, so by the twin
+    w = torch.tensor([-1, 1] * 16, dtype=torch.int8).repeat(16, 1)
+    x = torch.tensor([2.0 ** -126, 1.0078125 * 2.0 ** -126] * 16).unsqueeze(0)
+    ones = torch.ones(16, 1)
+    cases.append((x, (a16_method.pack(w, 8), 8, ops.pack_groups(ones, torch.float32),
+                      a16_method.pack_zero(torch.zeros(16, 1, dtype=torch.int8), 8), 32, 16)))
     outs = {}
     for portable in ("0", "1"):
         monkeypatch.setenv("KUBEINFER_CPU_NATIVE_PORTABLE", portable)
