@@ -134,6 +134,9 @@ def run_model(name: str, args) -> str:
     systems = {"engine float32 checkpoint (float32)": EngineSystem(made["float32"], args.tokens),
                "engine W8A16 (float32 model)": EngineSystem(made["w8a16"], args.tokens),
                "engine W4A16 (float32 model)": EngineSystem(made["w4a16"], args.tokens),
+               # the previous default: torch's weight-only products, activations and dequantized weights bf16
+               "engine W8A16, torch bf16 product": EngineSystem(made["w8a16"], args.tokens, "cpu_int8_bf16"),
+               "engine W4A16, torch bf16 product": EngineSystem(made["w4a16"], args.tokens, "cpu_int4_bf16"),
                # opt-in: llama.cpp's arithmetic (Q8_0 activations) through the native VNNI kernels (cpu_native/)
                "engine W8A16, llama.cpp arithmetic": EngineSystem(made["w8a16"], args.tokens, "cpu_int8_vnni"),
                "engine W4A16, llama.cpp arithmetic": EngineSystem(made["w4a16"], args.tokens, "cpu_int4_vnni")}

@@ -23,11 +23,13 @@ pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the 
 SCHEMES = {"w4": ("pack-quantized", 4, "int", "group", False, 32), "w4_sym": ("pack-quantized", 4, "int", "group",
                                                                            True, 64),
            "w8": ("pack-quantized", 8, "int", "channel", True, None)}
-KERNEL = {"w4": "cpu_int4_vnni", "w4_sym": "cpu_int4_vnni", "w8": "cpu_int8_vnni"}
+SCHEMES.update(w4a16=SCHEMES["w4"], w8a16=SCHEMES["w8"])  # the same checkpoints, through the exact A16 product
+KERNEL = {"w4": "cpu_int4_vnni", "w4_sym": "cpu_int4_vnni", "w8": "cpu_int8_vnni", "w4a16": "cpu_int4_a16",
+          "w8a16": "cpu_int8_a16"}
 FAMILIES = {"qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1,
                           layer_types=["full_attention", "sliding_attention"]),  # qkv bias; one layer windowed
             "mistral": dict(sliding_window=9), "qwen3": {}}  # no bias, every layer windowed; q/k norms
-CASES = ["qwen2-w8", "qwen2-w4", "mistral-w8", "mistral-w4", "qwen3-w4_sym"]
+CASES = ["qwen2-w8", "qwen2-w4", "mistral-w8", "mistral-w4", "qwen3-w4_sym", "qwen2-w8a16", "qwen3-w4a16"]
 BLOCK = 16
 
 

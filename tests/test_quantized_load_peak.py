@@ -13,6 +13,7 @@ from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_check
 from test_quantized_fp8 import fp8_config, fp8_quantize
 
 from kubeinfer.engine import LLM
+from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method
 
 # four layers whose projections (4 bytes a weight, 15.7 MB) dwarf the embeddings (0.5 MB) and one layer's transit
 SHAPE = dict(hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2, num_layers=4, vocab_size=256)
@@ -48,7 +49,8 @@ def projection_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("name, kernel, kwargs", [
-    ("w4a16", "cpu_int4_bf16", {}), ("w8a16", "cpu_int8_bf16", {}),
+    ("w4a16", "cpu_int4_a16" if a16_method.fast() else "cpu_int4_bf16", {}),
+    ("w8a16", "cpu_int8_a16" if a16_method.fast() else "cpu_int8_bf16", {}),
     ("fp8", "triton_fp8", {}),  # kept on CUDA; here through the forced kernel (nothing is multiplied at load)
     ("float", "triton_fp8", {"quantization": "fp8"}),  # --quantization fp8: one float weight read at a time
 ])

@@ -18,7 +18,7 @@ _state: dict = {}
 
 class Proj(ctypes.Structure):
     _fields_ = [("w", P), ("scale", P), ("bias", P), ("offset", P), ("bits", INT), ("groups", INT), ("group_size", INT),
-                ("N", INT), ("K", INT)]
+                ("N", INT), ("K", INT), ("a16", INT)]
 
 
 class View(ctypes.Structure):
@@ -48,13 +48,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def proj(linear: torch.nn.Linear, keep: list) -> Proj:
-    """A projection multiplied by NativeIntMethod (its packed weight, scales, offsets and bias), as its apply."""
+    """A projection multiplied by NativeIntMethod (its packed weight, scales, offsets and bias) or A16Method (zeros
+    in place of the offsets), as its apply."""
     method, params = linear.quant_method, linear._parameters
-    tensors = [params["qweight"], params["weight_scale"], params["weight_offset"], params.get("bias")]
+    a16 = "weight_zero" in params
+    tensors = [params["qweight"], params["weight_scale"], params["weight_zero" if a16 else "weight_offset"],
+               params.get("bias")]
     keep.extend(tensors)
     groups = tensors[1].shape[1]
     return Proj(_ptr(tensors[0]), _ptr(tensors[1]), _ptr(tensors[3]), _ptr(tensors[2]), method.bits, groups,
-                method.group_size, method.out_features, linear.in_features)
+                method.group_size, method.out_features, linear.in_features, int(a16))
 
 
 class Layers:

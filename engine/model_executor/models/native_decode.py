@@ -4,8 +4,9 @@ layer, a fifth of a 5.5 ms step. The same C kernels in the same order as the per
 
 Which layers: decided once, at the first step that asks: llama.py's DecoderLayer itself (not another family's),
 RMSNorm norms (float32), the rotate-half rotary on the CPU, the torch attention backend without a score cap,
-silu, every projection through NativeIntMethod (KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni), tensor
-parallel size 1; Qwen3's q/k norms included. Consecutive such layers are one call; the others run their forward.
+silu, every projection through A16Method (the float32 default, cpu_int8_a16 / cpu_int4_a16) or NativeIntMethod
+(KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni), tensor parallel size 1; Qwen3's q/k norms included.
+Consecutive such layers are one call; the others run their forward.
 Which steps, checked each step: decodes only (one token a sequence), no LoRA adapter in it, float32 activations
 and KV caches, the native layers on (`ops.layers_enabled()`: KUBEINFER_CPU_NATIVE_LAYERS) and
 KUBEINFER_CPU_FUSED_LAYERS not 0 (default 1; 0 keeps the per-module path, for A/B measurements). Anything else
@@ -21,6 +22,7 @@ from ..layers import cpu_decoder
 from ..layers.attention import TorchAttentionBackend
 from ..layers.layernorm import RMSNorm
 from ..layers.quantization.cpu_native import ops
+from ..layers.quantization.cpu_native.a16_method import A16Method
 from ..layers.quantization.cpu_native.method import NativeIntMethod
 from ..layers.rotary_embedding import RotaryEmbedding
 
@@ -43,7 +45,7 @@ def _norm_ok(norm) -> bool:
 def _native(linear, tp_ok: bool = True) -> bool:
     method = getattr(linear, "quant_method", None)
     bias = linear._parameters.get("bias")
-    return (type(method) is NativeIntMethod and tp_ok
+    return (type(method) in (NativeIntMethod, A16Method) and tp_ok
             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantization.linear_method import BF16_ACTIVATIONS, IntWeight, choose_kernel, pack
+from ..quantization.linear_method import BF16_ACTIVATIONS, NATIVE, IntWeight, applies, choose_kernel, pack
 
 PROJECTIONS = ("gate_up", "down")
 
@@ -42,6 +42,8 @@ PROJECTIONS = ("gate_up", "down")
 def choose_expert_kernel(sample: IntWeight, device: torch.device, dtype: torch.dtype, w8a8: bool) -> str:
     """The dense layers' measured choice for one expert's weight; "dequantized" where no kept kernel serves it."""
     kernel = choose_kernel(sample, device, dtype, w8a8)
+    if kernel in NATIVE:  # the native products serve dense layers only: torch's of the same width, where it applies
+        kernel = NATIVE[kernel] if applies(NATIVE[kernel], sample) else "dequantized"
     if kernel == "triton" and sample.values.shape[1] % 2 and sample.bits == 4:
         return "dequantized"  # int4 is packed two columns a byte
     return kernel

@@ -13,39 +13,33 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   spread to one per output row and group of `weight_block_size[1]` columns) are kept on CUDA only.
 - CPU, fp8: dequantized to the model dtype at load (no fp8 matmul on a CPU; KUBEINFER_QUANT_KERNEL=triton keeps
   them through the kernel under TRITON_INTERPRET=1, for tests).
-- CPU, float32 model (the CPU default): int4 (groups of 32-256) and int8 (per channel, symmetric) kept, through
-  torch's weight-only products with the activations rounded to bf16 and the bf16 output widened back
-  (`cpu_int4_bf16`, `cpu_int8_bf16`): the formats' "A16", and the only way torch's products are fast here. One
-  [tokens, 2048] x [8192, 2048] product on one torch thread (what a decode step runs, layers/cpu_blas.py;
-  `bench_quantized_kernels.py`), ms at 1 / 16 tokens: int4 bf16 0.58 / 3.4, int8 bf16 1.07 / 4.5,
-  float32 through OpenBLAS 4.7 / 59 and `F.linear` 3.0 / 34, dequantized bf16 `F.linear` 2.2 / 3.0; with float32
-  activations torch's int8 and int4 products take 34 / 333 and 53 / 645 (not vectorized). Whole engine, 222M
-  Llama (`bench_quantized_decode.py --model large`, 2026-11-27, quiet machine, load 1.1-1.5, cores shared as
-  below), tok/s at batch 1 / 16, best of 3 rounds: float32 55.9 / 198, W8A16 68.2 / 344, W4A16 92.5 / 375.
-  Numerics: log-probabilities within 0.25 of transformers' float32 on the decompressed checkpoint
-  (tests/test_quantized_kept.py; measured 0.07-0.13 on a tiny random model). Other int layouts (asymmetric or
-  grouped int8), and the weights of checkpoints that quantize activations (W8A8: w8a8.py quantizes them exactly,
-  which a bf16 rounding would undo), are dequantized to float32. Decode steps keep torch on one thread
-  (with two, KUBEINFER_CPU_OPENBLAS=0, the engine ran 1.25-1.5x faster at load ~1 but 3-30x slower under load 4-6)
-  and, with KUBEINFER_CPU_SHARE_CORES, run products of 2M+ weights in two halves of their output rows on both
-  cores (layers/two_cores.py: the same bits, and when it pays; benchmarks/RESULTS.md "cpu-decode-step").
-  `torch._int_mm` with int8 activations per token (llama.cpp's Q8_0 arithmetic) was the fastest at 16 tokens
-  (2.85 ms) but slower at one (2.1 ms), and changes a weight-only checkpoint's numerics: not used.
+- CPU, float32 model (the CPU default): int4 (groups of a multiple of 32, or per channel) and int8 (per channel
+  or grouped, symmetric or not) kept, through the native exact A16 product (`cpu_int4_a16`, `cpu_int8_a16`;
+  cpu_native/a16_method.py, a16_linear.c): the activations rounded to bf16 as torch rounds them, nothing else
+  rounded, float32 sums in one fixed order (batch-invariant); 2.2-2.3x torch's products at batch 1 and 1.3-1.8x
+  at 16 in the whole engine, whose decode then runs whole decoder layers natively (models/native_decode.py).
+  Where the library does not build with AVX-512 BF16 (no compiler, another CPU): torch's weight-only products with the activations, the
+  dequantized weights and the output rounded to bf16 (`cpu_int4_bf16`, `cpu_int8_bf16`; int4 groups of 32-256,
+  int8 per channel symmetric), the only way torch's products are fast here (float32 activations: 30-190x
+  slower). Figures: a16_method.py and benchmarks/RESULTS.md "cpu-a16-native". Numerics: log-probabilities
+  within 0.25 of transformers' float32 on the decompressed checkpoint (tests/test_quantized_kept.py; measured
+  on a tiny random model 0.04-0.06 A16, 0.07-0.13 torch's bf16), and the A16 product's greedy tokens are
+  transformers' with bf16-rounded inputs to the quantized layers. Other int layouts, and the weights of
+  checkpoints that quantize activations (W8A8: w8a8.py quantizes them exactly, which a bf16 rounding would
+  undo), are dequantized to float32. torch's products run on one torch thread in decode steps and, with
+  KUBEINFER_CPU_SHARE_CORES, in two halves on both cores (layers/two_cores.py; benchmarks/RESULTS.md
+  "cpu-decode-step"); the native ones on the native pool (cpu_native/ops.py).
 - CPU, bf16/fp16 model: int4 through `_weight_int4pack_mm_for_cpu` (0.76x-1.44x bf16 F.linear's time at one
   token, on a par at 16, a quarter of the memory); int8 dequantized to bf16 (`_weight_int8pack_mm` was
   0.29-1.0x at one token but 1.6-1.9x at 16).
 - CPU, opt-in (KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni): llama.cpp's arithmetic through the native
   AVX-512 VNNI kernels (cpu_native/): activations quantized per block of 32 as its Q8_0, integer block sums;
-  int8 or int4 weights by channel or groups of a multiple of 32, symmetric or not. One [tokens, 2048] x
-  [8192, 2048] product on one thread, ms at 1 / 16 tokens, same run (load 2.0, benchmarks/RESULTS.md
-  "cpu-native-vnni"): int8 0.45 / 1.39, int4 0.32 / 1.32 against cpu_int8_bf16 0.98 / 3.96 and cpu_int4_bf16
-  0.53 / 3.31; whole engine (`bench_quantized_decode.py --model large`, quiet machine, load 1.3-1.7, with the
-  native attention and small ops), tok/s at batch 1 / 16: W8A16 129 / 799, W4A16 168 / 850 (llama.cpp Q8_0
-  127 / 411, Q4_0 207 / 887); a decode step's decoder layers then run in one call (models/native_decode.py). It
-  changes a weight-only checkpoint's numerics (its activations are 16-bit), so it is never the default.
-KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, cpu_int8_vnni, cpu_int4_vnni,
-dequantized) overrides the choice where the kernel applies; cpu_int4/cpu_int8 take the activations in the model
-dtype (float32 included)."""
+  int8 or int4 weights by channel or groups of a multiple of 32, symmetric or not; whole decoder layers natively
+  in decode steps. Faster still (benchmarks/RESULTS.md "cpu-native-vnni", "cpu-a16-native"), but it changes a
+  weight-only checkpoint's numerics (its activations are 16-bit), so it is never the default.
+KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, cpu_int4_a16, cpu_int8_a16,
+cpu_int8_vnni, cpu_int4_vnni, dequantized) overrides the choice where the kernel applies; cpu_int4/cpu_int8 take
+the activations in the model dtype (float32 included)."""
 from __future__ import annotations
 
 import math
@@ -59,11 +53,12 @@ from torch import nn
 from .. import two_cores
 from ..deferred_weight import allocated, device_of, stand_in
 
-KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "cpu_int8_vnni", "cpu_int4_vnni",
-           "dequantized")
-# opt-in, CPU only: llama.cpp's arithmetic through the native kernels (cpu_native/method.py); without a C compiler
-# torch's bf16-activation product of the same width (a warning once, from cpu_native/ops.py)
-NATIVE = {"cpu_int8_vnni": "cpu_int8_bf16", "cpu_int4_vnni": "cpu_int4_bf16"}
+KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "cpu_int4_a16", "cpu_int8_a16",
+           "cpu_int8_vnni", "cpu_int4_vnni", "dequantized")
+# CPU only, the native kernels: the exact A16 product (cpu_native/a16_method.py) and, opt-in, llama.cpp's arithmetic
+# (cpu_native/method.py); without a C compiler torch's bf16-activation product of the same width (a warning once)
+NATIVE = {"cpu_int4_a16": "cpu_int4_bf16", "cpu_int8_a16": "cpu_int8_bf16", "cpu_int8_vnni": "cpu_int8_bf16",
+          "cpu_int4_vnni": "cpu_int4_bf16"}
 # torch's CPU weight-only products with the activations rounded to bf16 (the format's "A16") in a float32 model
 BF16_ACTIVATIONS = {"cpu_int4_bf16": "cpu_int4", "cpu_int8_bf16": "cpu_int8"}
 
@@ -154,7 +149,10 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
     if weight.fp8:
         return "dequantized"
     if dtype == torch.float32 and not w8a8:
-        return next((k for k in ("cpu_int4_bf16", "cpu_int8_bf16") if applies(k, weight)), "dequantized")
+        from .cpu_native import a16_method
+
+        native = ("cpu_int4_a16", "cpu_int8_a16") if a16_method.fast() else ()
+        return next((k for k in (*native, "cpu_int4_bf16", "cpu_int8_bf16") if applies(k, weight)), "dequantized")
     if dtype in (torch.bfloat16, torch.float16) and applies("cpu_int4", weight):
         return "cpu_int4"
     return "dequantized"
@@ -164,9 +162,10 @@ def applies(kernel: str, w: IntWeight) -> bool:
     kernel = BF16_ACTIVATIONS.get(kernel, kernel)
     out, cols = w.values.shape
     if kernel in NATIVE:
-        from .cpu_native.method import applies as native_applies
+        from .cpu_native import a16_method, method
 
-        return native_applies(kernel, w.values, w.scale, w.group_size, w.bits, w.fp8)
+        native = a16_method if kernel in a16_method.KERNELS else method
+        return native.applies(kernel, w.values, w.scale, w.group_size, w.bits, w.fp8)
     if w.fp8 and kernel != "triton":
         return kernel == "dequantized"
     if kernel == "cpu_int4":
@@ -281,10 +280,11 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
             with torch.no_grad():
                 allocated(layer).copy_(weight.dequantize())
         elif kernel in NATIVE:
-            from .cpu_native.method import NativeIntMethod
+            from .cpu_native import a16_method, method
 
             stand_in(layer)  # a deferred float weight: its device and shape, no memory (deferred_weight.py)
-            attach(layer, NativeIntMethod(layer, weight, kernel, dtype))
+            native = a16_method.A16Method if kernel in a16_method.KERNELS else method.NativeIntMethod
+            attach(layer, native(layer, weight, kernel, dtype))
         else:
             stand_in(layer)
             attach(layer, WeightOnlyIntMethod(layer, weight, kernel, dtype))

@@ -11,8 +11,8 @@
 typedef struct {
     const uint8_t *w;
     const float *scale, *bias; /* bias: NULL for none */
-    const int32_t *offset;
-    int bits, groups, group_size, N, K;
+    const void *offset;        /* int32 offsets (llama.cpp's arithmetic), or float zeros (a16: the exact A16 product) */
+    int bits, groups, group_size, N, K, a16;
 } ki_proj;
 
 typedef struct {                      /* the step's attention metadata for one window */
@@ -29,10 +29,14 @@ typedef struct {
     int H, Hkv, D, hidden, inter, max_positions, view;
 } ki_layer;
 
-/* One product as NativeIntMethod.apply: out [T, N] = x [T, K] times the packed weight, then + bias. */
+/* One product as NativeIntMethod.apply (a16: A16Method.apply): out [T, N] = x [T, K] times the packed weight,
+ * then + bias. */
 static int kd_project(const ki_proj *p, const float *x, int T, float *out) {
-    int status = ki_q8_0_linear(x, T, p->K, p->w, p->bits, p->scale, p->offset, p->groups,
-                                p->groups == 1 ? p->K : p->group_size, p->N, out);
+    int group_size = p->groups == 1 ? p->K : p->group_size;
+    int status = p->a16 ? ki_a16_linear(x, T, p->K, p->w, p->bits, p->scale, p->offset, p->groups, group_size, p->N,
+                                        out)
+                        : ki_q8_0_linear(x, T, p->K, p->w, p->bits, p->scale, p->offset, p->groups, group_size, p->N,
+                                         out);
     if (status == 0 && p->bias)
         for (long t = 0; t < T; t++)
             for (int n = 0; n < p->N; n++) out[t * p->N + n] += p->bias[n];

@@ -346,4 +346,5 @@ static inline float ki_expf(float xo) {
 #include "attention.c"
 #include "decode_ops.c"
 #include "f32_linear.c"
+#include "a16_linear.c"
 #include "decoder_layer.c"

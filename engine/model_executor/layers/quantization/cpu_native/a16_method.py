@@ -1,0 +1,122 @@
+"""The exact A16 product of weight-only int4 / int8 checkpoints in a float32 model (a16_linear.c): the activations
+rounded to bf16 as torch rounds them, nothing else rounded but float32 sums in a fixed order (a token's output
+does not depend on the batch or the thread count; the portable twin gives the same bits). Kernels `cpu_int4_a16`
+and `cpu_int8_a16` (linear_method.KERNELS), the float32 default where the library builds with AVX-512 BF16. The
+weight is packed at load (a16_linear.c's layout: half a byte or one byte a weight), its scales float32 and zero
+points per output row and group; the float weight goes (meta).
+
+Speed, one product on one thread (benchmarks/RESULTS.md "cpu-a16-native", 2026-11-27, load ~2), ms at 1 / 16
+tokens, [tokens, 1024] x [8192, 1024]: int4 0.118 / 0.83 against torch's cpu_int4_bf16 0.221 / 1.55, int8
+0.173 / 1.06 against cpu_int8_bf16 0.202 / 1.65; [tokens, 4096] x [1024, 4096]: int4 0.054 / 0.40 (torch 0.110
+/ 0.77), int8 0.087 / 0.52 (0.101 / 0.74). vdpbf16ps (two bf16 products a lane) was 1.6-1.7x float32 FMAs over
+weights widened through a vpermps table (int4) and 1.0-1.25x (int8, widened by sign extension)."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from . import ops
+
+KERNELS = {"cpu_int8_a16": 8, "cpu_int4_a16": 4}
+STEP = 8  # inputs per step of the kernel
+
+
+def applies(kernel: str, values: torch.Tensor, scale: torch.Tensor, group_size: int, bits: int, fp8: bool) -> bool:
+    """int4 or int8 (as the kernel's name), inputs a multiple of 32, one scale per row or groups of a multiple of 32
+    that divide the inputs."""
+    cols, groups = values.shape[1], scale.shape[1]
+    grouped_ok = groups == 1 or (group_size % 32 == 0 and cols % group_size == 0 and cols // group_size == groups)
+    return not fp8 and bits == KERNELS[kernel] and cols % 32 == 0 and grouped_ok
+
+
+def pack(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """int values (int8 storage) [N, K] -> a16_linear.c's layout, rows padded to a multiple of 16 (with zeros)."""
+    n, k = values.shape
+    v = torch.nn.functional.pad(values, (0, 0, 0, -n % ops.ROWS))
+    groups = v.shape[0] // ops.ROWS
+    if bits == 8:  # [row groups][K / 8][pair 4][rows 0-7, 8-15][8 rows][even, odd]
+        v = v.view(groups, 2, 8, k // STEP, 4, 2).permute(0, 3, 4, 1, 2, 5)
+        return v.contiguous().view(torch.uint8).flatten()
+    u = (v.to(torch.int16) + 8).to(torch.uint8).view(groups, ops.ROWS, k // STEP, STEP)
+    # each row's 32-bit word, little-endian: bytes (inputs 0, 2), (4, 6), (1, 3), (5, 7), the first of each low
+    word = [u[..., a] | (u[..., b] << 4) for a, b in ((0, 2), (4, 6), (1, 3), (5, 7))]
+    return torch.stack(word, dim=-1).permute(0, 2, 1, 3).contiguous().flatten()  # [row groups][K / 8][16][4]
+
+
+def pack_zero(zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Zero points [N, groups] -> a16_linear.c's [row groups][groups][32]: int4 7 - zero as int16, int8 the zero as
+    int32, each row twice (int8: rows 0-7, then 8-15, as the packed weight's pairs)."""
+    lo, hi = (-8, 7) if bits == 4 else (-128, 127)
+    if zero.numel() and (int(zero.min()) < lo or int(zero.max()) > hi):
+        raise ValueError(f"int{bits} zero points must lie in [{lo}, {hi}]")
+    z = ops.pack_groups(zero.to(torch.int32), torch.int32)  # [row groups][groups][16]
+    z = z.repeat_interleave(2, dim=-1)
+    return (7 - z).to(torch.int16).contiguous() if bits == 4 else z.contiguous()
+
+
+def fast() -> bool:
+    """Whether the library builds with its AVX-512 BF16 path (vdpbf16ps): where it does not, the portable C twin
+    would run, correct but slower than torch's products, so the default keeps torch's there."""
+    lib = ops.library()
+    return bool(lib is not None and lib.ki_has_a16_bf16())
+
+
+def _kernel():
+    fn = ops._state.get("a16")
+    if fn is None:
+        lib = ops.library()
+        if lib is None:
+            return None
+        fn = ops._state["a16"] = lib.ki_a16_linear
+        p, i = ctypes.c_void_p, ctypes.c_int
+        fn.argtypes, fn.restype = [p, i, i, p, i, p, p, i, i, i, p], i
+    return fn
+
+
+def a16_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor,
+               group_size: int, out_features: int) -> torch.Tensor:
+    """x [..., K] times the packed weights; `scale` from ops.pack_groups (float32), `zero` from pack_zero; float32
+    [..., N]."""
+    k = x.shape[-1]
+    flat = x.dim() == 2
+    rows = x if flat else x.reshape(-1, k)
+    if rows.dtype is not torch.float32 or not rows.is_contiguous():
+        rows = rows.to(torch.float32).contiguous()
+    m = rows.shape[0]
+    out = rows.new_empty(m, out_features)
+    if m:
+        groups = scale.shape[1]
+        status = _kernel()(rows.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(), zero.data_ptr(),
+                           groups, k if groups == 1 else group_size, out_features, out.data_ptr())
+        if status != 0:
+            raise MemoryError("native A16 kernel: out of memory")
+    return out if flat else out.view(*x.shape[:-1], out_features)
+
+
+class A16Method:
+    """A layer's packed weight as parameters (memory accounting and .to() see them), multiplied by a16_linear."""
+
+    def __init__(self, layer: nn.Linear, weight, kernel: str, dtype: torch.dtype) -> None:
+        self.kernel, self.bits = kernel, weight.bits
+        self.out_features, cols = weight.values.shape
+        self.group_size = cols if weight.scale.shape[1] == 1 else weight.group_size
+        zero = weight.zero if weight.zero is not None else torch.zeros_like(weight.scale, dtype=torch.int8)
+        keep = {"qweight": pack(weight.values, self.bits),
+                "weight_scale": ops.pack_groups(weight.scale, torch.float32),
+                "weight_zero": pack_zero(zero, self.bits)}
+        device = layer.weight.device
+        for name, tensor in keep.items():
+            layer.register_parameter(name, nn.Parameter(tensor.to(device), requires_grad=False))
+        layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
+
+    def apply(self, layer: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """`bias=False`: the product alone (a row-parallel layer's partial sum), as linear_method's."""
+        params = layer._parameters
+        out = a16_linear(x, params["qweight"], self.bits, params["weight_scale"], params["weight_zero"],
+                         self.group_size, self.out_features)
+        if x.dtype is not torch.float32:
+            out = out.to(x.dtype)
+        added = params["bias"] if bias else None
+        return out if added is None else out + added
