@@ -82,7 +82,8 @@ def _openblas_forward(layer: nn.Linear, torch_forward):
         if not getattr(_step, "active", False) or x.dtype != torch.float32 or x.requires_grad:
             return torch_forward(x)
         weight = params["weight"]
-        if 2 * x.shape[-1] <= x.numel() <= NATIVE_MAX_TOKENS * x.shape[-1] and f32_ops.wants(x) and f32_ops.supports(weight):
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if 2 <= rows <= NATIVE_MAX_TOKENS and f32_ops.wants(x) and f32_ops.supports(weight):
             out = f32_ops.f32_linear(x, weight)  # 2-16 tokens: OpenBLAS's small gemm is 1.3-9x slower here
         else:
             out = torch.from_numpy(np.matmul(x.numpy(), weight_t()))
