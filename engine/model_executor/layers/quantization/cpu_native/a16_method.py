@@ -15,9 +15,9 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from torch import nn
 
 from . import ops
+from .method import PackedIntMethod
 
 KERNELS = {"cpu_int8_a16": 8, "cpu_int4_a16": 4}
 STEP = 8  # inputs per step of the kernel
@@ -63,60 +63,27 @@ def fast() -> bool:
     return bool(lib is not None and lib.ki_has_a16_bf16())
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int
+SIGNATURE = ([_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P], _I)  # ki_a16_linear's: ki_q8_0_linear's
+
+
 def _kernel():
-    fn = ops._state.get("a16")
-    if fn is None:
-        lib = ops.library()
-        if lib is None:
-            return None
-        fn = ops._state["a16"] = lib.ki_a16_linear
-        p, i = ctypes.c_void_p, ctypes.c_int
-        fn.argtypes, fn.restype = [p, i, i, p, i, p, p, i, i, i, p], i
-    return fn
+    return ops.kernel("ki_a16_linear", *SIGNATURE)
 
 
 def a16_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor,
                group_size: int, out_features: int) -> torch.Tensor:
     """x [..., K] times the packed weights; `scale` from ops.pack_groups (float32), `zero` from pack_zero; float32
     [..., N]."""
-    k = x.shape[-1]
-    flat = x.dim() == 2
-    rows = x if flat else x.reshape(-1, k)
-    if rows.dtype is not torch.float32 or not rows.is_contiguous():
-        rows = rows.to(torch.float32).contiguous()
-    m = rows.shape[0]
-    out = rows.new_empty(m, out_features)
-    if m:
-        groups = scale.shape[1]
-        status = _kernel()(rows.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(), zero.data_ptr(),
-                           groups, k if groups == 1 else group_size, out_features, out.data_ptr())
-        if status != 0:
-            raise MemoryError("native A16 kernel: out of memory")
-    return out if flat else out.view(*x.shape[:-1], out_features)
+    return ops.packed_linear(_kernel(), "A16", x, packed, bits, scale, zero, group_size, out_features)
 
 
-class A16Method:
+class A16Method(PackedIntMethod):
     """A layer's packed weight as parameters (memory accounting and .to() see them), multiplied by a16_linear."""
+    zero_name = "weight_zero"
 
-    def __init__(self, layer: nn.Linear, weight, kernel: str, dtype: torch.dtype) -> None:
-        self.kernel, self.bits = kernel, weight.bits
-        self.out_features, cols = weight.values.shape
-        self.group_size = cols if weight.scale.shape[1] == 1 else weight.group_size
-        zero = weight.zero if weight.zero is not None else torch.zeros_like(weight.scale, dtype=torch.int8)
-        keep = {"qweight": pack(weight.values, self.bits),
-                "weight_scale": ops.pack_groups(weight.scale, torch.float32),
-                "weight_zero": pack_zero(zero, self.bits)}
-        device = layer.weight.device
-        for name, tensor in keep.items():
-            layer.register_parameter(name, nn.Parameter(tensor.to(device), requires_grad=False))
-        layer.weight = nn.Parameter(torch.empty(layer.weight.shape, dtype=dtype, device="meta"), requires_grad=False)
+    def pack(self, values: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return pack(values, self.bits), pack_zero(zero, self.bits)
 
-    def apply(self, layer: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-        """`bias=False`: the product alone (a row-parallel layer's partial sum), as linear_method's."""
-        params = layer._parameters
-        out = a16_linear(x, params["qweight"], self.bits, params["weight_scale"], params["weight_zero"],
-                         self.group_size, self.out_features)
-        if x.dtype is not torch.float32:
-            out = out.to(x.dtype)
-        added = params["bias"] if bias else None
-        return out if added is None else out + added
+    def product(self, *args) -> torch.Tensor:
+        return a16_linear(*args)

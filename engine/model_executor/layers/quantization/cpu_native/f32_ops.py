@@ -18,17 +18,13 @@ from . import ops
 MAX_TOKENS = 64  # larger products (prefill) keep torch's / OpenBLAS's blocked GEMM
 
 
+_P, _I = ctypes.c_void_p, ctypes.c_int
+SIGNATURE = ([_P, _I, _I, _P, _I, _P, _I], None)
+
+
 def _kernel():
-    """ki_f32_linear, looked up once per loaded library (ops._state: cleared with it), None where none is built."""
-    fn = ops._state.get("f32_linear")
-    if fn is None:
-        lib = ops.library()
-        if lib is None:
-            return None
-        fn = ops._state["f32_linear"] = lib.ki_f32_linear
-        p, i = ctypes.c_void_p, ctypes.c_int
-        fn.argtypes, fn.restype = [p, i, i, p, i, p, i], None
-    return fn
+    """ki_f32_linear (ops.kernel: looked up once per loaded library), None where none is built."""
+    return ops.kernel("ki_f32_linear", *SIGNATURE)
 
 
 def supports(weight: torch.Tensor) -> bool:

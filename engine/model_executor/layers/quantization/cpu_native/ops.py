@@ -176,7 +176,15 @@ def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.T
     k = x.shape[-1]
     if k % BLOCK:
         raise ValueError(f"llama.cpp's arithmetic needs inputs in blocks of {BLOCK}; got {k}")
-    # a decode step makes ~50 of these calls: no copy, view or check that is not needed (microseconds each)
+    return packed_linear(_q8_0_kernel(), "Q8_0", x, packed, bits, scale, offset, group_size, out_features)
+
+
+def packed_linear(kernel, name: str, x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor,
+                  zeros: torch.Tensor, group_size: int, out_features: int) -> torch.Tensor:
+    """x [..., K] through a packed-int kernel of ki_q8_0_linear's arguments (ki_q8_0_linear, ki_a16_linear):
+    float32 [..., N]. A decode step makes ~50 of these calls: no copy, view or check that is not needed
+    (microseconds each)."""
+    k = x.shape[-1]
     flat = x.dim() == 2
     rows = x if flat else x.reshape(-1, k)
     if rows.dtype is not torch.float32 or not rows.is_contiguous():
@@ -185,11 +193,25 @@ def q8_0_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.T
     out = rows.new_empty(m, out_features)  # float32 CPU as rows: half torch.empty(..., dtype=)'s cost
     if m:
         groups = scale.shape[1]
-        status = _q8_0_kernel()(rows.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(), offset.data_ptr(),
-                                groups, k if groups == 1 else group_size, out_features, out.data_ptr())
+        status = kernel(rows.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(), zeros.data_ptr(),
+                        groups, k if groups == 1 else group_size, out_features, out.data_ptr())
         if status != 0:
-            raise MemoryError("native Q8_0 kernel: out of memory")
+            raise MemoryError(f"native {name} kernel: out of memory")
     return out if flat else out.view(*x.shape[:-1], out_features)
+
+
+def kernel(name: str, argtypes: list, restype):
+    """The library's function `name` with its ctypes signature set, looked up once per loaded library (_state:
+    cleared with it); None where no library is built."""
+    fn = _state.get(name)
+    if fn is None:
+        lib = library()
+        if lib is None:
+            return None
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+        _state[name] = fn
+    return fn
 
 
 def _q8_0_kernel():
