@@ -11,6 +11,7 @@ import ctypes
 import torch
 
 from .quantization.cpu_native import ops
+from .quantization.cpu_native.a16_method import A16Method
 
 P, INT, LONG, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _state: dict = {}
@@ -51,9 +52,8 @@ def proj(linear: torch.nn.Linear, keep: list) -> Proj:
     """A projection multiplied by NativeIntMethod (its packed weight, scales, offsets and bias) or A16Method (zeros
     in place of the offsets), as its apply."""
     method, params = linear.quant_method, linear._parameters
-    a16 = "weight_zero" in params
-    tensors = [params["qweight"], params["weight_scale"], params["weight_zero" if a16 else "weight_offset"],
-               params.get("bias")]
+    a16 = type(method) is A16Method
+    tensors = [params["qweight"], params["weight_scale"], params[method.zero_name], params.get("bias")]
     keep.extend(tensors)
     groups = tensors[1].shape[1]
     return Proj(_ptr(tensors[0]), _ptr(tensors[1]), _ptr(tensors[3]), _ptr(tensors[2]), method.bits, groups,
