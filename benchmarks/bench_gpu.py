@@ -206,11 +206,13 @@ def main() -> None:
     llm = engine()
     backend = llm.engine.runner.backend.name
     graphs = llm.engine.runner.graphs
+    graph_sizes = graphs.sizes if graphs else None
+    del graphs  # it holds the captured pools and the KV cache: the next engine below needs that memory back
     decode = engine_decode_rate(llm, prompt, args.decode_len)
     roofline = bandwidth / decode_bytes_per_token(model_dir, dtype, args.prompt_len + args.decode_len // 2)
     print(f"batch-1 decode: {decode:.1f} tok/s = {decode / roofline:.0%} of the {roofline:.0f} tok/s roofline "
           f"({bandwidth / 1e12:.2f} TB/s copy bandwidth); backend {backend}, "
-          f"CUDA graphs {'for batch sizes ' + str(graphs.sizes) if graphs else 'off'}")
+          f"CUDA graphs {'for batch sizes ' + str(graph_sizes) if graph_sizes else 'off'}")
     throughput = {b: engine_throughput(llm, random_prompts(b, args.prompt_len, vocab, seed=b), args.output_len)
                   for b in batch_sizes}
     for b, rate in throughput.items():
