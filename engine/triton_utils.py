@@ -28,3 +28,21 @@ def check_device(device: torch.device) -> None:
         raise ValueError("the triton attention backend needs a CUDA device; on the CPU use attention_backend="
                          "'torch' (--attention-backend torch), or set TRITON_INTERPRET=1 before starting to run the "
                          "kernels in Triton's interpreter (slow: for tests)")
+
+
+def group_tile(group_size: int, k: int, widest: int = 64) -> tuple[int, bool]:
+    """(BLOCK_K, whether every K tile lies inside one quantization group) for a kernel that dequantizes weights
+    held by groups of `group_size` input columns (all K: per channel). Inside one group the kernel multiplies
+    the exact integers (q - zero; e4m3 values) and scales the tile's fp32 sums: a bf16 / fp16 dot never sees a
+    scaled weight rounded to 8 / 11 bits. The tile: the widest power of two up to `widest` dividing the group
+    (any, for a single group); below MIN_DOT, tiles span groups and the weight is scaled before the dot."""
+    if group_size >= k:
+        return max(MIN_DOT, min(widest, _next_power_of_2(k))), True
+    divides = min(widest, group_size & -group_size)  # the lowest set bit: the largest power of two dividing it
+    if divides >= MIN_DOT:
+        return divides, True
+    return max(MIN_DOT, min(widest, _next_power_of_2(group_size))), False
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

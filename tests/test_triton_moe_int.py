@@ -56,9 +56,16 @@ def test_fused_kernel_dequantizes_kept_experts_like_torch(device, kind, num_toke
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_kernel_on_kept_int8_experts_quantizes_their_inputs(device):
+def test_fused_kernel_on_kept_int8_experts_quantizes_their_inputs(device, monkeypatch):
     """W8A8 experts on the GPU path: the inputs quantized per token as before (input_quant.py), the kept int8
-    weights dequantized in the kernel: the grouped path's result on the dequantized weights, same input_quant."""
+    weights dequantized in the kernel: the grouped path's result on the dequantized weights, same input_quant.
+
+    Checked in two halves, each against the definition: the fp32 intermediate (silu(gate) * up) that the
+    definition quantizes has last bits that depend on the order its sums are added in (the interpreter's numpy,
+    the GPU's FMA chain, a dot on the integers then scaled), and one element on the other side of a rounding
+    step moves its token's outputs by up to ~1.5 here (one int8 step of a row scaled ~1, times a down weight):
+    so the first GEMM is compared before the rounding, and the rest of the definition is run on the kernel's own
+    intermediate."""
     from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant
     from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
 
@@ -69,12 +76,30 @@ def test_fused_kernel_on_kept_int8_experts_quantizes_their_inputs(device):
     quant = ExpertInputQuant(token, token, {})
     x = torch.randn(6, H, generator=g)
     weights, ids = uneven_routing(6, seed=2)
-    expected = grouped_experts(x, gate_up.dequantize(), down.dequantize(), weights, ids, silu_and_mul,
-                               input_quant=quant)
-    unquantized = grouped_experts(x, gate_up.dequantize(), down.dequantize(), weights, ids, silu_and_mul)
-    assert not torch.allclose(expected, unquantized, rtol=1e-4, atol=1e-4)  # the input quantization shows
+    gate_up_f, down_f = gate_up.dequantize(), down.dequantize()
     moe = FusedMoE(E, H, I).to(device)
     moe.input_quant = quant.to(device)
     moe.int_method = ExpertsIntMethod(moe, {"gate_up": gate_up, "down": down}, "triton", torch.float32)
+    kernel_rows = []  # what the fused path quantizes before the down GEMM: [pairs, I], pairs in token order
+    quantize_rows = quant.intermediate
+    monkeypatch.setattr(quant, "intermediate", lambda rows, experts: kernel_rows.append(rows.cpu())
+                        or quantize_rows(rows, experts))
     got = moe(x.to(device), weights.to(device), ids.to(device)).cpu()
+    monkeypatch.undo()
+    sorted_rows = kernel_rows[0][torch.argsort(ids.reshape(-1), stable=True)]  # the grouped path's row order
+    h_of = {}
+
+    def kernel_activation(h, key):  # records the definition's h; gives the kernel's intermediate
+        h_of[key] = h
+        return sorted_rows
+
+    expected = grouped_experts(x, gate_up_f, down_f, weights, ids, lambda h: kernel_activation(h, "quantized"),
+                               input_quant=quant)
+    grouped_experts(x, gate_up_f, down_f, weights, ids, lambda h: kernel_activation(h, "float"))
+    # the first GEMM read the quantized hidden states (the float ones give another intermediate)
+    torch.testing.assert_close(sorted_rows, silu_and_mul(h_of["quantized"]), rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(sorted_rows, silu_and_mul(h_of["float"]), rtol=1e-4, atol=1e-3)
+    # the intermediate quantized as the definition quantizes it, then the down GEMM, weights and sum
+    unquantized = grouped_experts(x, gate_up_f, down_f, weights, ids, lambda h: sorted_rows)
+    assert not torch.allclose(expected, unquantized, rtol=1e-4, atol=1e-4)  # the input quantization shows
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -26,6 +26,7 @@ def variants():
     from kubeinfer.engine.model_executor.layers import triton_norm as tn
     from kubeinfer.engine.model_executor.layers.fused_moe import triton_moe as tm
     from kubeinfer.engine.model_executor.layers.quantization import triton_int_matmul as qm
+    from kubeinfer.engine.triton_utils import group_tile
 
     attn = dict(GROUP=4, GROUP_PAD=4, BLOCK_N=64, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, UPCAST=False,
                 SOFTCAP=False, SINKS=False)
@@ -54,11 +55,14 @@ def variants():
                                      (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=4)))],
         # kept-quantized int8 / int4 weights (layers/quantization/triton_int_matmul.py)
         # kept-quantized int8 / int4 / fp8 (e4m3 bits as bytes) weights (layers/quantization/triton_int_matmul.py)
+        # (ONE_GROUP: the tile inside one group, the exact integers multiplied and the sums scaled; groups of 8 span
+        # tiles: the weight scaled before the dot)
         *[(qm._int_matmul_kernel, dict(GROUP=group, INT4=int4, FP8=fp8, HAS_ZERO=zero, HAS_BIAS=False, UPCAST=False,
-                                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=64),
+                                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=group_tile(group, 4096)[0],
+                                       ONE_GROUP=group_tile(group, 4096)[1]),  # K = 4096
            {"q_ptr": "*u8" if int4 or fp8 else "*i8", "scale_ptr": "*fp32", "zero_ptr": "*i8"})
           for int4, fp8, group, zero in ((False, False, 4096, False), (True, False, 128, True),
-                                         (True, False, 64, False), (False, True, 128, False))],
+                                         (True, False, 64, False), (False, True, 128, False), (False, False, 8, True))],
         (qm._decode_e4m3_kernel, dict(BLOCK=256), {"bits_ptr": "*u8", "out_ptr": "*fp32"}),
         # the fused MoE GEMMs (fused_moe/triton_moe.py): the first reads each token top_k times, the second weighs
         # each pair; float stacks (gpt-oss: with biases) and kept int8 / int4 / fp8 experts
@@ -66,15 +70,24 @@ def variants():
            {**MOE_POINTERS, **({"b_ptr": "*u8" if quant["INT4"] or quant["FP8"] else "*i8", "scale_ptr": "*bf16",
                                 "zero_ptr": "*bf16"} if quant["QUANT"] else {})})
           for rows in (8, 1) for bias, quant in (
-              (False, dict(QUANT=False, INT4=False, FP8=False, HAS_ZERO=False, GROUP=1)),
-              (True, dict(QUANT=False, INT4=False, FP8=False, HAS_ZERO=False, GROUP=1)),
-              (False, dict(QUANT=True, INT4=False, FP8=False, HAS_ZERO=False, GROUP=2048)),
-              (False, dict(QUANT=True, INT4=True, FP8=False, HAS_ZERO=True, GROUP=128)),
-              (False, dict(QUANT=True, INT4=False, FP8=True, HAS_ZERO=False, GROUP=128)))],
+              (False, dict(QUANT=False, INT4=False, FP8=False, HAS_ZERO=False, GROUP=1, ONE_GROUP=False)),
+              (True, dict(QUANT=False, INT4=False, FP8=False, HAS_ZERO=False, GROUP=1, ONE_GROUP=False)),
+              (False, moe_quant(INT4=False, FP8=False, HAS_ZERO=False, GROUP=2048)),
+              (False, moe_quant(INT4=True, FP8=False, HAS_ZERO=True, GROUP=128)),
+              (False, moe_quant(INT4=False, FP8=True, HAS_ZERO=False, GROUP=128)),
+              (False, moe_quant(INT4=False, FP8=False, HAS_ZERO=True, GROUP=8)))],
     ]
 
 
 MOE = dict(UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64)
+
+
+def moe_quant(GROUP: int, **flags) -> dict:  # noqa: N803 (the kernel's constexpr names)
+    """Kept experts' constexprs, the K tile as triton_moe._gemm picks it for K = 2048."""
+    from kubeinfer.engine.triton_utils import group_tile
+
+    block_k, one_group = group_tile(GROUP, 2048)
+    return dict(QUANT=True, GROUP=GROUP, BLOCK_K=block_k, ONE_GROUP=one_group, **flags)
 MOE_POINTERS = {"sorted_ids_ptr": "*i32", "expert_ids_ptr": "*i32", "num_padded_ptr": "*i32", "weights_ptr": "*fp32"}
 
 

@@ -9,7 +9,9 @@ Maths is fp32 with ieee dots in the interpreter and for fp32 weights; half preci
 
 Kept-quantized experts (`quantized`, int_experts.py): B is read as int8, as e4m3 bits (fp8) or as two int4 per
 byte, and each tile is widened, offset by its group's zero and scaled in the kernel (per expert, output row
-and group of K), as triton_int_matmul.py does for a dense layer; the float stacks are then shapes only.
+and group of K), as triton_int_matmul.py does for a dense layer; the float stacks are then shapes only. A K tile
+inside one group (triton_utils.group_tile) multiplies the exact q - zero and scales the dot's fp32 sums, so a
+bf16 dot never rounds a scaled weight.
 
 `input_quant` (W8A8 experts, input_quant.py) quantizes in torch what the kernels read: the hidden states once
 (or, with a static scale per expert, one row per pair, read with A_ROWS_PER_TOKEN 1), and the materialized
@@ -23,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ....triton_utils import MIN_DOT, must_upcast
+from ....triton_utils import MIN_DOT, group_tile, must_upcast
 from ..quantization.triton_int_matmul import _e4m3_to_float
 from .activation import clamped_swiglu, silu_and_mul
 
@@ -46,7 +48,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, weights_ptr, sorted_ids_
                          A_ROWS_PER_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                          UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          QUANT: tl.constexpr = False, INT4: tl.constexpr = False, FP8: tl.constexpr = False,
-                         HAS_ZERO: tl.constexpr = False, GROUP: tl.constexpr = 1):
+                         HAS_ZERO: tl.constexpr = False, GROUP: tl.constexpr = 1, ONE_GROUP: tl.constexpr = False):
     """C[pair] = A[row of pair] @ B[expert].T (+ bias[expert]) (* weight[pair]) for each tile of sorted pairs.
     A's row is the token (pair // top_k) when A_ROWS_PER_TOKEN is top_k (the first GEMM reads the hidden
     states), the pair itself when it is 1 (the second reads the first's output)."""
@@ -80,9 +82,12 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, weights_ptr, sorted_ids_
             else:
                 q = tl.load(b_base + cols[None, :] * stride_bn + kk[:, None], mask=b_mask, other=0).to(tl.float32)
             s_off = expert * stride_se + cols[None, :] * stride_sn + (kk // GROUP)[:, None]
-            if HAS_ZERO:
+            if HAS_ZERO:  # small integers: exact
                 q -= tl.load(zero_ptr + s_off, mask=b_mask, other=0).to(tl.float32)
-            b = q * tl.load(scale_ptr + s_off, mask=b_mask, other=0.0)
+            if ONE_GROUP:  # the tile inside one group: the dot on q - zero, exact in a.dtype; its sums scaled
+                b = q
+            else:
+                b = q * tl.load(scale_ptr + s_off, mask=b_mask, other=0.0)
             if not UPCAST:
                 b = b.to(a.dtype)
         else:
@@ -90,7 +95,11 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, weights_ptr, sorted_ids_
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc += tl.dot(a, b, input_precision="ieee")
+        if QUANT and ONE_GROUP:
+            scale = tl.load(scale_ptr + expert * stride_se + cols * stride_sn + k0 // GROUP, mask=col_ok, other=0.0)
+            acc += tl.dot(a, b, input_precision="ieee") * scale.to(tl.float32)[None, :]
+        else:
+            acc += tl.dot(a, b, input_precision="ieee")
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
@@ -124,10 +133,12 @@ def _gemm(a, b, out, bias, weights, sorted_ids, expert_ids, num_padded, rows_per
     """b: the float stack [E, N, K] (its shape only when `quant` holds the kept weights)."""
     n, k = b.shape[1], b.shape[2]
     block_n = min(64, max(MIN_DOT, triton.next_power_of_2(n)))
-    block_k = min(64, max(MIN_DOT, triton.next_power_of_2(k)))
+    block_k, one_group = min(64, max(MIN_DOT, triton.next_power_of_2(k))), False
+    if quant is not None:
+        block_k, one_group = group_tile(quant.group_size, k)
     grid = (expert_ids.shape[0] * triton.cdiv(n, block_n),)
     q = {} if quant is None else dict(QUANT=True, INT4=quant.int4, FP8=quant.fp8, HAS_ZERO=quant.zero is not None,
-                                      GROUP=quant.group_size)
+                                      GROUP=quant.group_size, ONE_GROUP=one_group)
     values = b if quant is None else quant.qweight
     scale = values if quant is None else quant.scale
     zero = scale if quant is None or quant.zero is None else quant.zero

@@ -75,7 +75,8 @@ class ActivationScheme:
 def q_range(scheme: ActivationScheme) -> tuple[float, float]:
     """[q_min, q_max]. Python numbers, not the reference's 0-dim float32 tensors: no host-to-device copy in a
     captured CUDA graph, and the same results (these are exact in every float dtype, and a 0-dim tensor does
-    not change the result dtype either; the bfloat16 layer test checks it)."""
+    not change the result dtype either; the bfloat16 layer test checks it). As a divisor they become a tensor
+    on the device first (dynamic_qparams): torch on CUDA multiplies by a host number's reciprocal."""
     return (-128.0, 127.0) if scheme.type == "int" else (-FP8_MAX, FP8_MAX)
 
 
@@ -92,12 +93,15 @@ def dynamic_qparams(x: torch.Tensor, scheme: ActivationScheme, reduce_range=None
     if reduce_range is not None:
         lo, hi = reduce_range(lo, hi)
     q_min, q_max = q_range(scheme)
+    # Divided by a tensor on x's device, as the reference divides by its range tensor: a host number torch on
+    # CUDA turns into a multiply by its float32 reciprocal (BinaryDivTrueKernel.cu), a scale 1 ulp off in some
+    # rows, which moved W8A8 outputs on the first GPU run; the CPU divides either way. Exact in every dtype.
     span = q_max - q_min
     if scheme.symmetric:
-        scale = torch.max(lo.abs(), hi.abs()) / (span / 2)
+        scale = torch.max(lo.abs(), hi.abs()) / lo.new_full((), span / 2)
         zero = torch.zeros(scale.shape, device=x.device, dtype=lo.dtype)
     else:
-        scale = (hi - lo) / span
+        scale = (hi - lo) / lo.new_full((), span)
         zero = torch.clamp(q_min - lo / scale, q_min, q_max)
     scale = torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
     zero = _zero_point_dtype(zero, scheme)
