@@ -109,6 +109,7 @@ def make_batch(shape, dtype, device, seed=0):
 def reference_attention(q, k_cache, v_cache, tables, starts, window, scale):
     """Each sequence alone: gather its context contiguously, attend with an explicit causal (+window) mask."""
     out = torch.empty(q.shape, dtype=torch.float64)
+    tables = tables.to(k_cache.device)  # the caches may be CPU copies of CUDA ones (the fp8 step's reference)
     for i, (ctx, new) in enumerate(SEQUENCES):
         keys = k_cache[tables[i]].flatten(0, 1)[:ctx].transpose(0, 1).cpu().double()  # [Hkv, ctx, D]
         values = v_cache[tables[i]].flatten(0, 1)[:ctx].transpose(0, 1).cpu().double()
