@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 from quant_checkpoints import SHAPE
 from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata, TorchAttentionBackend
