@@ -22,12 +22,13 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def check_device(device: torch.device) -> None:
-    """Triton kernels run on CUDA tensors, or on CPU tensors only under the interpreter."""
+def check_device(device: torch.device, what: str = "the triton attention backend",
+                 instead: str = "attention_backend='torch' (--attention-backend torch)") -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors only under the interpreter (compiled, they fail at
+    the first launch: "Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")."""
     if device.type == "cpu" and not INTERPRETED:
-        raise ValueError("the triton attention backend needs a CUDA device; on the CPU use attention_backend="
-                         "'torch' (--attention-backend torch), or set TRITON_INTERPRET=1 before starting to run the "
-                         "kernels in Triton's interpreter (slow: for tests)")
+        raise ValueError(f"{what} needs a CUDA device; on the CPU use {instead}, or set TRITON_INTERPRET=1 before "
+                         "starting to run the kernels in Triton's interpreter (slow: for tests)")
 
 
 def group_tile(group_size: int, k: int, widest: int = 64) -> tuple[int, bool]:

@@ -5,14 +5,20 @@ published layouts (neither package installs without CUDA)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from kubeinfer.engine import LLM, SamplingParams
 
+# A CPU engine with KUBEINFER_QUANT_KERNEL=triton runs the kernels in Triton's interpreter only (the engine refuses
+# it otherwise): tests/conftest.py turns the interpreter on where there is no GPU, so on a GPU machine they skip.
+triton_on_cpu = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true", "on", "yes"),
+                                   reason="forces the Triton kernels on a CPU engine: Triton's interpreter only")
 PROMPTS = [[11, 12, 13, 14, 15, 16, 17], [40, 41, 42], list(range(60, 100)), [7]]
 MAX_TOKENS = [12, 16, 9, 20]
 # 128 input columns everywhere but down_proj's 256: AWQ's and GPTQ's usual group of 128 fits.

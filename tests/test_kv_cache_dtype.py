@@ -11,6 +11,7 @@ import pytest
 import torch
 from quant_checkpoints import SHAPE
 from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata, TorchAttentionBackend
@@ -87,10 +88,45 @@ def test_checkpoint_kv_scales_are_applied(float_dir, tmp_path):
     assert not isinstance(plain.model.layers[0].self_attn.backend, ScaledKVBackend)
 
 
+class OverflowingE4m3Cast(TorchFunctionMode):
+    """torch's float -> float8_e4m3fn cast as torch 2.11 does it (the GPU machines' image, CPU and CUDA alike:
+    c10's conversion before it saturated, NaN from 480 and for what rounds to 480, i.e. past 464), where 2.13's
+    saturates to 448. In force, a cache write that leaves the saturation to torch's cast stores NaN, as there."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        if func is torch.Tensor.to and isinstance(out, torch.Tensor) and out.dtype == torch.float8_e4m3fn \
+                and isinstance(source, torch.Tensor) and source.is_floating_point() and source.dtype != out.dtype:
+            out = torch.where(source.abs() > 464, torch.nan, out.float()).to(torch.float8_e4m3fn)
+        return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_scaled_fp8_attention_equals_attention_on_the_rounded_kv(dtype):
+def test_the_torch_backend_saturates_whatever_torchs_cast_does(dtype):
+    """The cache write clamps before it casts: bytes 0x7E / 0xFE (e4m3's +-448) for K beyond the range, under
+    torch 2.11's overflowing cast too (before the clamp covered e4m3, the cache held NaN there)."""
+    from kubeinfer.engine.model_executor.layers.attention import write_kv_cache
+
+    k, v = torch.tensor([[[1e5, -1e5, 1.0, 500.0]]]), torch.tensor([[[-1e6, 2.0, 470.0, -470.0]]])
+    caches = [torch.zeros(1, 4, 1, 4, dtype=dtype) for _ in range(2)]
+    with OverflowingE4m3Cast():
+        write_kv_cache(k, v, *caches, torch.tensor([2]))
+    limit = torch.finfo(dtype).max
+    for x, cache in zip((k, v), caches):
+        assert torch.equal(cache[0, 2].view(torch.uint8), x.clamp(-limit, limit).to(dtype).view(torch.uint8)[0])
+    assert torch.isfinite(caches[0].float()).all() and torch.isfinite(caches[1].float()).all()
+
+
+@pytest.mark.parametrize("legacy_cast", [False, True], ids=["torch-cast", "overflowing-cast"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_scaled_fp8_attention_equals_attention_on_the_rounded_kv(dtype, legacy_cast):
     """Stored k / k_scale in 8 bits (saturating), read back times k_scale: the backend's output equals SDPA on
-    exactly those rounded keys and values."""
+    exactly those rounded keys and values; under torch 2.11's overflowing e4m3 cast as well (it was all NaN
+    there: the saturation had been left to torch's cast)."""
+    if legacy_cast:
+        with OverflowingE4m3Cast():
+            return test_scaled_fp8_attention_equals_attention_on_the_rounded_kv(dtype, False)
     torch.manual_seed(0)
     heads, kv_heads, dim, length, k_scale, v_scale = 4, 2, 16, 11, 0.004, 0.5
     q, k, v = torch.randn(length, heads, dim), torch.randn(length, kv_heads, dim), torch.randn(length, kv_heads, dim)

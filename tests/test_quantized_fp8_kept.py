@@ -9,7 +9,12 @@ import logging
 
 import pytest
 import torch
-from quant_checkpoints import assert_greedy_equal_but_near_ties, engine_greedy, hf_greedy  # engines shut down
+from quant_checkpoints import (  # engines shut down
+    assert_greedy_equal_but_near_ties,
+    engine_greedy,
+    hf_greedy,
+    triton_on_cpu,
+)
 from safetensors.torch import load_file
 from test_quantized_fp8 import (
     SHAPE,
@@ -49,6 +54,7 @@ def kept_model(model_dir, **kwargs):
     return LLM(model_dir, max_model_len=64, num_kv_blocks=16, **kwargs).engine.runner.model
 
 
+@triton_on_cpu
 @pytest.mark.parametrize("name", ["block", pytest.param("tensor", marks=pytest.mark.slow)])
 def test_kept_fp8_greedy_equals_transformers_dequantized(dirs, monkeypatch, name):
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
@@ -78,6 +84,7 @@ def test_fp8_stays_dequantized_on_the_cpu_and_is_kept_on_cuda(dirs, monkeypatch)
     assert linear_method.choose_kernel(weight, cpu, torch.float32) == "dequantized"
 
 
+@triton_on_cpu
 def test_start_up_log_counts_the_fp8_bytes(dirs, monkeypatch, caplog):
     def logged_weights(kernel) -> float:
         monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", kernel)
@@ -96,18 +103,36 @@ def test_start_up_log_counts_the_fp8_bytes(dirs, monkeypatch, caplog):
     assert dequantized - kept == pytest.approx(linear * (4 - 1 - 4 / 64), rel=0.01)
 
 
-def test_quantization_fp8_at_load_keeps_per_channel_e4m3(dirs, monkeypatch):
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=triton_on_cpu), pytest.param(
+    "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))])
+def test_quantization_fp8_at_load_keeps_per_channel_e4m3(dirs, monkeypatch, device):
     """--quantization fp8 on a float checkpoint: the projections held as e4m3 with per-row scales, the
-    embeddings and lm_head float; tokens equal the dequantized (round-tripped) path's."""
+    embeddings and lm_head float; tokens equal the dequantized (round-tripped) path's. On CUDA the kernel is
+    the default and compiled; on the CPU forced, in Triton's interpreter."""
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
-    model = kept_model(dirs["float"], quantization="fp8")
+    model = kept_model(dirs["float"], quantization="fp8", device=device, dtype="float32")
     assert set(model.quant_kernels.values()) == {"triton_fp8"} and len(model.quant_kernels) == LINEAR_LAYERS
     layer = model.model.layers[0].self_attn.qkv_proj
     assert layer.qweight.dtype == torch.uint8 and tuple(layer.weight_scale.shape) == (layer.qweight.shape[0], 1)
     assert model.lm_head.weight.dtype == torch.float32 and not hasattr(model.lm_head, "qweight")
-    kept = engine_greedy(dirs["float"], quantization="fp8")
+    held = [t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"]
+    assert {t.device.type for t in held} == {device}
+    kept = engine_greedy(dirs["float"], quantization="fp8", device=device, dtype="float32")
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "dequantized")
-    assert kept == engine_greedy(dirs["float"], quantization="fp8")
+    assert kept == engine_greedy(dirs["float"], quantization="fp8", device=device, dtype="float32")
+
+
+def test_forced_triton_on_a_cpu_engine_needs_the_interpreter(dirs, monkeypatch):
+    """Compiled, the Triton kernels take no CPU tensors: on the GPU machine this file's CPU engines (the
+    kernel forced, no interpreter there) failed at their first step, "Pointer argument (at 0) cannot be
+    accessed from Triton (cpu tensor?)"; now the engine refuses at start-up, naming the ways out."""
+    from kubeinfer.engine import triton_utils
+
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
+    monkeypatch.setattr(triton_utils, "INTERPRETED", False)  # as where a GPU is: conftest sets it without one
+    with pytest.raises(ValueError, match="KUBEINFER_QUANT_KERNEL=triton needs a CUDA device; on the CPU use the "
+                                         "CPU's kernels .unset KUBEINFER_QUANT_KERNEL., or set TRITON_INTERPRET=1"):
+        kept_model(dirs["float"], quantization="fp8")
 
 
 def test_two_ranks_keep_their_e4m3_slices(dirs, monkeypatch):
@@ -142,6 +167,7 @@ def test_two_ranks_keep_their_e4m3_slices(dirs, monkeypatch):
             assert torch.equal(mine, cut(bits)) and torch.equal(mine_dense, cut(dense)), (name, rank)
 
 
+@triton_on_cpu
 @pytest.mark.slow
 def test_two_ranks_greedy_equals_transformers_dequantized(dirs, monkeypatch):
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
@@ -150,6 +176,7 @@ def test_two_ranks_greedy_equals_transformers_dequantized(dirs, monkeypatch):
                                       reference)
 
 
+@triton_on_cpu
 @pytest.mark.parametrize("name", ["fp8_static", pytest.param("fp8_group", marks=pytest.mark.slow)])
 def test_compressed_tensors_float_quantized_kept(dirs, monkeypatch, name):
     """compressed-tensors `float-quantized` (FP8 W8A8, per-channel e4m3 weights) kept through the kernel: greedy

@@ -9,7 +9,7 @@ the kernel choice does not keep gets its float weight on its first float write, 
 import pytest
 import torch
 from load_peak import LiveBytes, held_bytes
-from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_checkpoint
+from quant_checkpoints import ct_compress, ct_scheme, float_weights, triton_on_cpu, write_checkpoint
 from test_quantized_fp8 import fp8_config, fp8_quantize
 
 from kubeinfer.engine import LLM
@@ -51,8 +51,9 @@ def projection_bytes(model) -> int:
 @pytest.mark.parametrize("name, kernel, kwargs", [
     ("w4a16", "cpu_int4_a16" if a16_method.fast() else "cpu_int4_bf16", {}),
     ("w8a16", "cpu_int8_a16" if a16_method.fast() else "cpu_int8_bf16", {}),
-    ("fp8", "triton_fp8", {}),  # kept on CUDA; here through the forced kernel (nothing is multiplied at load)
-    ("float", "triton_fp8", {"quantization": "fp8"}),  # --quantization fp8: one float weight read at a time
+    # fp8: kept on CUDA; here through the forced kernel (nothing is multiplied at load)
+    pytest.param("fp8", "triton_fp8", {}, marks=triton_on_cpu),
+    pytest.param("float", "triton_fp8", {"quantization": "fp8"}, marks=triton_on_cpu),  # one float weight at a time
 ])
 def test_the_load_peak_is_the_kept_bytes_not_the_float_bytes(dirs, monkeypatch, name, kernel, kwargs):
     if kernel == "triton_fp8":

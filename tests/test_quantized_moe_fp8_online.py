@@ -20,7 +20,7 @@ import pytest
 import test_quantized_moe
 import torch
 from load_peak import LiveBytes, held_bytes
-from quant_checkpoints import MAX_TOKENS, PROMPTS, float_weights
+from quant_checkpoints import MAX_TOKENS, PROMPTS, float_weights, triton_on_cpu
 
 from kubeinfer.engine import LLM, SamplingParams
 
@@ -67,6 +67,7 @@ def engines(float_dir, monkeypatch, caplog) -> tuple[LLM, LLM]:
     return reference, load(float_dir, "triton", monkeypatch)
 
 
+@triton_on_cpu
 @pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_kept_fp8_experts_are_the_round_trips_quantization(float_dirs, monkeypatch, caplog, family):
     float_dir = str(float_dirs(family))
@@ -101,6 +102,7 @@ def test_kept_fp8_experts_are_the_round_trips_quantization(float_dirs, monkeypat
         assert (out - expected).abs().max() <= OUTPUT_RTOL * expected.abs().max()
 
 
+@triton_on_cpu
 @pytest.mark.slow  # the whole engine under Triton's interpreter: 15-30 s
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_kept_fp8_experts_keep_the_round_trips_greedy_tokens(float_dirs, monkeypatch, caplog, family):
@@ -140,6 +142,7 @@ MEMORY_SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_siz
                     num_heads=4, num_kv_heads=2, num_layers=2, vocab_size=256)
 
 
+@triton_on_cpu
 def test_kept_bytes_are_a_quarter_of_the_float_stacks_and_never_float_at_load(tmp_path, monkeypatch):
     """The experts hold one byte a weight and one float32 scale a row (0.257x the float32 stacks here), and the
     load never allocates their float stacks: its peak over the held bytes (tests/load_peak.py) is one layer's
@@ -193,6 +196,7 @@ def test_qwen2_moe_shared_expert_is_kept_like_a_dense_projection(float_dirs, mon
             assert router.weight.dtype == torch.float32 and not hasattr(router, "qweight")
 
 
+@triton_on_cpu
 @pytest.mark.slow  # two ranks, each under Triton's interpreter
 def test_two_ranks_of_kept_fp8_experts_give_one_ranks_tokens(float_dirs, monkeypatch):
     """Each rank multiplies its slice of the kept e4m3 experts (the down input's per-token scale over the whole

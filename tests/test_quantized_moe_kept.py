@@ -22,6 +22,7 @@ from quant_checkpoints import (
     gptq_pack,
     hf_compressed_tensors,
     hf_greedy,
+    triton_on_cpu,
     write_checkpoint,
 )
 from test_quantized_moe import ct_checkpoint, eager, hf_float, package_decompressed
@@ -166,6 +167,7 @@ def test_kept_int8_experts_of_a_w8a8_checkpoint_quantize_their_inputs(float_dirs
     assert_greedy_equal_but_near_ties(greedy(llm), hf_greedy(reference), reference)
 
 
+@triton_on_cpu
 @slow
 def test_kept_fp8_block_experts_through_the_fused_kernel(float_dirs, tmp_path, monkeypatch):
     """Qwen3-30B-A3B-FP8's format (block-wise e4m3 weights, dynamic activations): on CUDA the experts stay e4m3

@@ -109,6 +109,7 @@ def make_batch(shape, dtype, device, seed=0):
 def reference_attention(q, k_cache, v_cache, tables, starts, window, scale):
     """Each sequence alone: gather its context contiguously, attend with an explicit causal (+window) mask."""
     out = torch.empty(q.shape, dtype=torch.float64)
+    tables = tables.to(k_cache.device)  # the caches may be CPU copies of CUDA ones (the fp8 step's reference)
     for i, (ctx, new) in enumerate(SEQUENCES):
         keys = k_cache[tables[i]].flatten(0, 1)[:ctx].transpose(0, 1).cpu().double()  # [Hkv, ctx, D]
         values = v_cache[tables[i]].flatten(0, 1)[:ctx].transpose(0, 1).cpu().double()
@@ -189,9 +190,6 @@ def test_fp8_cache_step_matches_the_torch_backend(device, q_dtype, cache_dtype):
     gen = torch.Generator().manual_seed(4)
     k = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device).to(q_dtype)
     v = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device).to(q_dtype)
-    if device == "cpu":  # the interpreter's fp32 -> fp8 emulation misrounds where the mantissa carries into the
-        # exponent (1.97 -> 1.0); GPUs round in hardware. Values already on the fp8 grid check the rest exactly.
-        k, v = k.to(cache_dtype).to(q_dtype), v.to(cache_dtype).to(q_dtype)
     k[0, 0, 0], v[1, 1, 1] = 1e5, -1e5  # past e4m3's 448 and e5m2's 57344: saturated, not inf or nan
     meta = AttentionMetadata.build(slots, b["starts"], [ctx for ctx, _ in SEQUENCES], b["tables"], NUM_DECODES, None,
                                    device)
@@ -205,6 +203,29 @@ def test_fp8_cache_step_matches_the_torch_backend(device, q_dtype, cache_dtype):
     want = reference_attention(q.float(), want_k.float(), want_v.float(), b["tables"], b["starts"], None,
                                head_dim ** -0.5)
     torch.testing.assert_close(out.cpu().double(), want, **tolerance(q_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_write_rounds_every_magnitude_as_torch(device, dtype, cache_dtype):
+    """The write kernel's bytes are torch's (clamped) cast's over the 8-bit types' whole range: subnormals, ties,
+    carries into the exponent (1.97 -> 2.0), signed zeros, saturation. Triton's own downcast rounds float32
+    twice on sm_80 / sm_89 (through float16, truncated), and misrounds carries in the interpreter."""
+    from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import to_cache_dtype
+    from kubeinfer.engine.model_executor.layers.triton_attention import write_kv_cache
+
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads, dim = 256, 2, 64
+    top = 3.0 if cache_dtype == torch.float8_e4m3fn else 6.0
+    k = torch.randn(tokens, heads, dim, generator=gen) * torch.logspace(-12, top, tokens)[:, None, None]
+    k[0, 0, :8] = torch.tensor([1e5, -1e5, 448.0, 464.0, 465.0, -0.0, 1.97, 2.0 ** -10])
+    k = k.to(dtype)
+    caches = [torch.zeros(tokens // 16, 16, heads, dim, dtype=cache_dtype, device=device) for _ in range(2)]
+    write_kv_cache(k.to(device), (-k).to(device), *caches, torch.arange(tokens, device=device))
+    for cache, x in zip(caches, (k, -k)):
+        assert torch.equal(cache.cpu().view(tokens, heads, dim).view(torch.uint8), to_cache_dtype(x, cache_dtype).view(
+            torch.uint8))
 
 
 # -- batched LoRA shrink / expand ---------------------------------------------------------------------

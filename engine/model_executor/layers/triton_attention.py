@@ -29,6 +29,25 @@ NO_WINDOW = 1 << 30  # a sliding window wider than any context: full attention w
 
 
 @triton.jit
+def _fp8_bits(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """float32 x within the 8-bit type's range to its bits, rounded to nearest even as torch's cast rounds, by
+    integer ops and one float add: exact on every GPU and in the interpreter. Triton's own downcast goes
+    through float16 truncated (`cvt.rz.f16.f32`) on sm_80 and, in Triton 3.6, on sm_89: rounded twice, 0.4% of
+    float32 inputs one step off (16-bit inputs are exact in float16); the interpreter misrounds carries."""
+    bits = x.to(tl.int32, bitcast=True)
+    magnitude = bits & 0x7FFFFFFF
+    DROP: tl.constexpr = 23 - MANTISSA  # float32's mantissa bits that go
+    normal = (magnitude + ((BIAS - 127) << 23) + ((1 << (DROP - 1)) - 1) + ((magnitude >> DROP) & 1)) >> DROP
+    # below the smallest normal (2^(1 - BIAS)): added to 2^(24 - BIAS - MANTISSA), whose float32 step is the
+    # subnormal step, the sum's low bits are the subnormal, rounded to nearest even by the float add itself
+    MAGIC: tl.constexpr = (151 - BIAS - MANTISSA) << 23
+    magic = tl.full(x.shape, MAGIC, tl.int32).to(tl.float32, bitcast=True)
+    subnormal = (magnitude.to(tl.float32, bitcast=True) + magic).to(tl.int32, bitcast=True) - MAGIC
+    fp8 = tl.where(magnitude < ((128 - BIAS) << 23), subnormal, normal)
+    return (fp8 | ((bits >> 24) & 128)).to(tl.uint8)
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
@@ -45,9 +64,14 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
     if FP8_MAX > 0:  # an 8-bit cache saturates, as vLLM's (a bare cast overflows e5m2 to inf), and rounds to
-        # nearest even, as torch's cast does (Triton's default fp8 downcast may truncate)
-        k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX).to(k_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX).to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        # nearest even, as torch's cast does: e4m3 (largest 448) 3 mantissa bits, bias 7; e5m2 2 and 15
+        k, v = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX), tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX)
+        if FP8_MAX == 448.0:
+            k, v = _fp8_bits(k, 3, 7), _fp8_bits(v, 3, 7)
+        else:
+            k, v = _fp8_bits(k, 2, 15), _fp8_bits(v, 2, 15)
+        k = k.to(k_cache_ptr.dtype.element_ty, bitcast=True)
+        v = v.to(v_cache_ptr.dtype.element_ty, bitcast=True)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

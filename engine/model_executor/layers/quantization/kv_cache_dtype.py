@@ -26,9 +26,10 @@ def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """K or V in the cache's type; an fp8 cache saturates at its largest finite value, as vLLM's does (torch's
-    cast already saturates e4m3, but overflows e5m2 to inf)."""
-    if dtype == torch.float8_e5m2:
+    """K or V in the cache's type; an fp8 cache saturates at its largest finite value, as vLLM's does and the
+    Triton write kernel does. Clamped here for both 8-bit types: torch's own cast overflows e5m2 to inf, and
+    e4m3 to NaN past 464 in older torch (2.11, on the GPU machines' image; 2.13 saturates), on CPU and CUDA."""
+    if dtype.itemsize == 1:
         limit = torch.finfo(dtype).max
         x = x.clamp(-limit, limit)
     return x.to(dtype)

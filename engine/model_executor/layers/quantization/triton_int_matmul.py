@@ -25,13 +25,16 @@ from ....triton_utils import MIN_DOT, group_tile, must_upcast, unit_last_stride
 @triton.jit
 def _e4m3_to_float(bits):
     """e4m3fn bits (any integer type, 0..255) to float32: normal 2^(e-7) * (1 + m/8) built as float32's own
-    fields (exponent e - 7 + 127, mantissa m << 20); subnormal (e == 0) m * 2^-9; 0x7F and 0xFF NaN."""
+    fields (exponent e - 7 + 127, mantissa m << 20); subnormal (e == 0) m * 2^-9; 0x7F and 0xFF NaN. The sign
+    is float32's sign bit, set with integer ops: a float negation is `0.0 - x` in Triton before 3.7 (-0.0 came
+    out +0.0 on the GPU), and integer ops and bitcasts are exact in every compiler and the interpreter."""
     b = bits.to(tl.int32) & 255
     exponent, mantissa = (b >> 3) & 15, b & 7
     fields = ((exponent + 120) << 23) | (mantissa << 20)
     fields = tl.where((b & 127) == 127, 0x7FC00000, fields)  # float32's quiet NaN
-    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, fields.to(tl.float32, bitcast=True))
-    return tl.where(b >= 128, -magnitude, magnitude)
+    subnormal = (mantissa.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)  # exact, >= +0.0
+    fields = tl.where(exponent == 0, subnormal, fields)
+    return (fields | ((b >> 7) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
