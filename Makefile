@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all bench bench-gpu test-gpu run proto clean clients-venv images push container-engine
+.PHONY: setup test test-all bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
 
 setup: $(STAMP)
 
@@ -53,17 +53,28 @@ bench: setup
 # On a GPU machine, whose own python has CUDA torch and no registry access: install kubeinfer into it
 # first with `python3 -m pip install --no-deps --no-build-isolation -e .`
 GPU_PYTHON ?= python3
+BENCH_GPU_ARGS ?=
 bench-gpu:
-	$(GPU_PYTHON) benchmarks/bench_gpu.py
+	$(GPU_PYTHON) benchmarks/bench_gpu.py $(BENCH_GPU_ARGS)
 	@gpus=$$($(GPU_PYTHON) -c 'import torch; print(torch.cuda.device_count())'); \
 	if [ "$$gpus" -ge 2 ]; then $(GPU_PYTHON) benchmarks/bench_tensor_parallel.py --device cuda --tp $$gpus; \
 	else echo "bench-gpu: one GPU, tensor parallelism not measured (benchmarks/bench_tensor_parallel.py)"; fi
 
 # The GPU path's tests, compiled kernels and captured graphs included (their CUDA cases skip without a GPU).
 GPU_TESTS := tests/test_triton_kernels.py tests/test_triton_fused.py tests/test_cuda_graphs.py tests/test_kv_cache_sizing.py \
-             tests/test_engine_deferred_text.py tests/test_sampler.py
+             tests/test_engine_deferred_text.py tests/test_sampler.py tests/test_triton_windows.py tests/test_gpt_oss.py \
+             tests/test_triton_fp8_matmul.py tests/test_triton_int_matmul.py tests/test_triton_moe_int.py \
+             tests/test_fused_moe.py tests/test_fused_moe_w8a8.py tests/test_quantized_fp8_kept.py tests/test_kv_cache_dtype.py
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -rs $(GPU_TESTS)
+
+# The whole GPU check in one command (docs/gpu.md): carried wheels and kubeinfer installed, GPU_TESTS in
+# parallel (the memory-sizing tests alone), then bench-gpu; logs under $$OUT (default gpu-out/).
+# `make gpu-wheels` first, where a registry is reachable: the wheels the GPU image lacks, into .whl/.
+gpu-check:
+	GPU_PYTHON=$(GPU_PYTHON) bash scripts/gpu-check.sh
+gpu-wheels: setup
+	bash scripts/gpu-wheels.sh
 
 # Regenerate the gRPC stubs after editing engine/entrypoints/grpc/proto/engine.proto (a test checks they are current).
 proto: setup

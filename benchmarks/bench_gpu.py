@@ -142,10 +142,20 @@ def hf_generate_batch_rate(hf, prompts: list[list[int]], output_len: int) -> flo
         return None
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
     blocks = len(prompts) * -(-(len(prompts[0]) + output_len) // 16) + 64
-    cb = ContinuousBatchingConfig(page_size=16, num_blocks=blocks, max_batch_tokens=4096)
+    cb = ContinuousBatchingConfig(num_blocks=blocks, max_batch_tokens=4096, **{_page_size_name(): 16})
     start = time.perf_counter()
     hf.generate_batch(prompts, generation_config=config, continuous_batching_config=cb)
     return len(prompts) * output_len / (time.perf_counter() - start)
+
+
+def _page_size_name() -> str:
+    """transformers names the KV page's length `page_size` from 5.18 on, `block_size` before (5.17 on the GPU image)."""
+    import inspect
+
+    from transformers import ContinuousBatchingConfig
+
+    names = inspect.signature(ContinuousBatchingConfig).parameters
+    return "page_size" if "page_size" in names else "block_size"
 
 
 def _sync(device: str) -> None:

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import transformers_fixes
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -12,6 +13,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # triton (transformers may): here, before any test module loads, whichever runs alone or first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# References from older transformers releases get their upstream fixes (see transformers_fixes.py); after the
+# line above, since patching imports transformers on those releases.
+FIXES = transformers_fixes.apply()
+
+
+def pytest_report_header(config):
+    if FIXES:
+        return f"transformers {transformers_fixes.transformers_version()}: reference fixes {', '.join(FIXES)}"
 
 
 @pytest.fixture(scope="session")

@@ -73,7 +73,7 @@ def test_decode_graphs_with_a_sliding_window(device, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     want = [hf_greedy(hf, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     llm = LLM(model_dir, device=device, dtype="float32", attention_backend="triton", block_size=8, max_num_seqs=8,
-              enforce_eager=True)
+              enforce_eager=True, num_kv_blocks=64)  # a fixed cache, not 90% of the GPU: GPU tests share one
     graphs = _capture(llm, device)
     assert engine_greedy(llm) == want
     assert graphs.num_replays > 0
@@ -109,7 +109,8 @@ def test_decode_graphs_with_adapters_match_peft(device, lora_base_dir, lora_adap
     prompts, loras, want = mixed_batch(lora_adapters, lora_base_reference)
     # Two device slots for three adapters: slots are reassigned between steps, which graphs must follow.
     llm = LLM(str(lora_base_dir), device=device, dtype="float32", attention_backend="triton", enable_lora=True,
-              max_loras=2, max_lora_rank=8, block_size=4, max_num_seqs=6, enforce_eager=True)
+              max_loras=2, max_lora_rank=8, block_size=4, max_num_seqs=6, enforce_eager=True,
+              num_kv_blocks=64)  # a fixed cache, not 90% of the GPU: GPU tests share one
     graphs = _capture(llm, device)
     assert sorted(graphs.lora_replays) == graphs.sizes
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -84,8 +84,9 @@ def test_outputs_are_the_same_with_and_without_deferred_text(llama_dir, speculat
 @CUDA
 def test_on_cuda_text_is_deferred_by_default_and_outputs_do_not_change(llama_dir):
     """On a GPU the sampled ids come back through a pinned copy that `SampleResult.wait` waits for."""
-    inline = LLM(llama_dir, block_size=4, device="cuda", async_output_processing=False)
-    deferred = LLM(llama_dir, block_size=4, device="cuda")
+    # fixed caches, not 90% of the GPU each: two engines here, and GPU tests share one
+    inline = LLM(llama_dir, block_size=4, device="cuda", async_output_processing=False, num_kv_blocks=128)
+    deferred = LLM(llama_dir, block_size=4, device="cuda", num_kv_blocks=128)
     assert deferred.engine.defer_text and deferred.engine.runner.defer_token_copy
     params = request_mix(stop_text="\n")
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
