@@ -85,6 +85,46 @@ def ct_compress(weights: dict, config: dict, group: str = "group_0", select=is_d
     return out
 
 
+HEAD_W8A16 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
+              "dynamic": False, "actorder": None, "observer": "minmax"}
+
+
+def ct_with_quantized_head(weights: dict, config: dict, head: dict | None = None) -> tuple[dict, dict]:
+    """A compressed-tensors checkpoint whose lm_head is quantized too (not in `ignore`): the decoder by the config's
+    group_0, lm_head by its own config group `head` (targets ["lm_head"]; default W8A16 per channel, as llama.cpp
+    users' Q8_0 output matrix), or by group_0 itself where `head` is None (its `Linear` target covers lm_head)."""
+    config = json.loads(json.dumps(config))
+    config["ignore"] = [n for n in config["ignore"] if n != "lm_head"]
+    out = ct_compress(weights, config)
+    group = "group_0"
+    if head is not None:
+        fmt = config["format"]
+        config["config_groups"]["group_1"] = {"targets": ["lm_head"], "weights": head, "input_activations": None,
+                                              "output_activations": None, "format": fmt}
+        group = "group_1"
+    return ct_compress(out, config, group, select=lambda k: k == "lm_head.weight"), config
+
+
+def ct_decompressed(model_dir, dst: Path) -> str:
+    """The checkpoint decompressed to float by the compressed-tensors package: each module's scheme picked by its own
+    target matching (exact name, then `re:`, then class), its compressor's `decompress`. For configs transformers'
+    dequantizing load misreads (a config group of its own for lm_head: transformers decompresses it by group_0's)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.utils.match import match_targets
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
+    groups = {t: QuantizationScheme.model_validate(g) for g in config["config_groups"].values() for t in g["targets"]}
+    compressor = BaseCompressor.get_value_from_registry(config["format"])
+    weights, out = float_weights(model_dir), {}
+    for key in [k for k in weights if k.endswith(".weight_packed")]:
+        prefix = key.removesuffix("weight_packed")
+        local = {k.removeprefix(prefix): weights.pop(k) for k in list(weights) if k.startswith(prefix)}
+        scheme = groups[match_targets(prefix[:-1], torch.nn.Linear(1, 1), groups)[0]]
+        out[prefix + "weight"] = compressor.decompress(local, scheme)["weight"].to(torch.float32)
+    return write_checkpoint(Path(model_dir), dst, {**weights, **out}, None)
+
+
 def hf_greedy(model) -> list[list[int]]:
     out = []
     for prompt, n in zip(PROMPTS, MAX_TOKENS):

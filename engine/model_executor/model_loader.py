@@ -22,6 +22,7 @@ from .layers.rotary_embedding import RotaryEmbedding
 from .model_files import ModelFiles, ModelLoadError, inspect_model_dir, resolve_dtype  # noqa: F401 (their home before)
 from .models.llama import CausalLM
 from .models.registry import ARCHITECTURES, model_class
+from .quantized_head import untie_quantized_head
 
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     deferred_weight.restore(linears, device, dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    untie_quantized_head(model, files.weight_files, files.quantization)  # tied, but the checkpoint quantizes the head
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build(device)
@@ -107,7 +109,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             ours = model.checkpoint_name(key if quantization is None else quantization.weight_key(key))
             if ours is None or "rotary_emb.inv_freq" in ours:
                 continue
-            if ours == "lm_head.weight" and model.spec.tie_word_embeddings:
+            if ours == "lm_head.weight" and _tied(model):
                 continue
             # kept --quantization fp8: a dense projection is kept here, Qwen2-MoE's shared expert gate/up too (the
             # MoE loader would store it in float)
@@ -158,11 +160,16 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
         except QuantizationError as error:
             raise ModelLoadError(str(error)) from None
     missing = [n for n, count in expected.items() if loaded.get(n, 0) < count]
-    if model.spec.tie_word_embeddings:
+    if _tied(model):
         missing = [n for n in missing if n != "lm_head.weight"]
     if missing:
         raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(missing[:8])}"
                              + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _tied(model: CausalLM) -> bool:
+    """The head reads the embedding's weight (not where a quantized head was untied: quantized_head.py)."""
+    return model.spec.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def _read(key: str, f, handles: dict, quantization) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The logits product of a CPU model whose lm_head is float32 (float32 models, and the quantized ones, whose
-lm_head stays float32 as llama.cpp keeps it; a tied embedding's too) through the native float32 product
+"""The logits product of a CPU model whose lm_head is float32 (float32 models, and the quantized checkpoints that
+leave lm_head float, as llm-compressor's `ignore: [lm_head]` does; a tied embedding's too; a head the checkpoint
+quantizes keeps its quant method's product) through the native float32 product
 (quantization/cpu_native/f32_linear.c) in small steps: both cores through the native pool, where OpenBLAS's
 product of 16 tokens ran at about one core's multiply-add peak.
 

@@ -34,6 +34,10 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class ParallelLMHead(nn.Linear):
+    """A quantized head (a checkpoint that quantizes lm_head: layers/quantization/linear_method.py) keeps this
+    forward: the local product is its quant method's, the vocabulary's slices gathered after it."""
+    calls_quant_method = True
+
     def __init__(self, hidden_size: int, vocab_size: int, tp_rank: int, tp_size: int) -> None:
         rows = vocab_rows(vocab_size, tp_size)
         super().__init__(hidden_size, rows, bias=False)
@@ -41,9 +45,11 @@ class ParallelLMHead(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0: the logits of the whole vocabulary; other ranks: their own slice (unused)."""
+        method = getattr(self, "quant_method", None)
+        local = method.apply(self, x) if method is not None else F.linear(x, self.weight, self.bias)
         if self.tp_size == 1:
-            return super().forward(x)
-        return gather_last_dim(super().forward(x))[..., :self.vocab_size]
+            return local
+        return gather_last_dim(local)[..., :self.vocab_size]
 
     def weight_pieces(self, param: torch.Tensor, source, shard: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return vocab_pieces(param, source, self.start, self.vocab_size)
