@@ -15,6 +15,11 @@ machine is shared: the best round is the one least disturbed), with the median b
 
     python benchmarks/bench_quantized_decode.py --model small,large --peer llama.cpp [--tokens 32] [--repeats 3]
     python benchmarks/bench_quantized_decode.py --kernels     # one layer's product per kernel (the CPU choice)
+
+`--lm-head int8`: the checkpoints quantize lm_head too, W8A16 per channel in both (a config group of its own; as
+llama.cpp users' Q8_0 output matrix), and llama.cpp's Q8_0/Q4_0 quantize their output matrix to Q8_0; the
+float-head checkpoints and f32-output GGUFs run beside them in the same rounds. Written to its own RESULTS.md
+section (quantized-decode-lmhead).
 """
 from __future__ import annotations
 
@@ -36,7 +41,14 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 import llama_cpp_peer  # noqa: E402
 from bench_quantized_kernels import kernel_times  # noqa: E402
 from bench_throughput import MODEL_SHAPE  # noqa: E402
-from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_checkpoint  # noqa: E402
+from quant_checkpoints import (  # noqa: E402
+    HEAD_W8A16,
+    ct_compress,
+    ct_scheme,
+    ct_with_quantized_head,
+    float_weights,
+    write_checkpoint,
+)
 from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
@@ -52,8 +64,9 @@ SCHEMES = {"w8a16": ("pack-quantized", 8, "int", "channel", True, None),
            "w4a16": ("pack-quantized", 4, "int", "group", True, 128)}
 
 
-def checkpoints(name: str) -> dict[str, Path]:
-    """The float32 model and its W8A16 / W4A16 checkpoints, built once under .cache."""
+def checkpoints(name: str, lm_head: str = "float32") -> dict[str, Path]:
+    """The float32 model and its W8A16 / W4A16 checkpoints, built once under .cache; `lm_head` int8: also their
+    copies with lm_head quantized W8A16 per channel (`w8a16-head8`, `w4a16-head8`)."""
     directory, shape = MODELS[name]
     root = Path(".cache")
     made = {"float32": root / directory}
@@ -65,6 +78,11 @@ def checkpoints(name: str) -> dict[str, Path]:
             config = ct_scheme(*args)
             write_checkpoint(made["float32"], made[scheme], ct_compress(float_weights(made["float32"]), config),
                              config)
+        if lm_head == "int8":
+            made[f"{scheme}-head8"] = root / f"{directory}-{scheme}-lmhead-int8"
+            if not (made[f"{scheme}-head8"] / "config.json").exists():
+                write_checkpoint(made["float32"], made[f"{scheme}-head8"],
+                                 *ct_with_quantized_head(float_weights(made["float32"]), ct_scheme(*args), HEAD_W8A16))
     return made
 
 
@@ -125,13 +143,37 @@ class LlamaCppSystem:
         self.decoder.close()
 
 
+def head_systems(made: dict[str, Path], tokens: int) -> dict:
+    """--lm-head int8: the int8-head checkpoints (default A16 product, and llama.cpp's arithmetic) beside the same
+    models with a float32 head."""
+    return {"engine W8A16, lm_head int8": EngineSystem(made["w8a16-head8"], tokens),
+            "engine W4A16, lm_head int8": EngineSystem(made["w4a16-head8"], tokens),
+            "engine W8A16, lm_head float32": EngineSystem(made["w8a16"], tokens),
+            "engine W4A16, lm_head float32": EngineSystem(made["w4a16"], tokens),
+            "engine W8A16, lm_head int8, llama.cpp arithmetic": EngineSystem(made["w8a16-head8"], tokens,
+                                                                             "cpu_int8_vnni"),
+            "engine W4A16, lm_head int8, llama.cpp arithmetic": EngineSystem(made["w4a16-head8"], tokens,
+                                                                             "cpu_int4_vnni")}
+
+
+HEAD_PAIRS = (("engine W8A16, lm_head int8", "llama.cpp Q8_0, output Q8_0"),
+              ("engine W4A16, lm_head int8", "llama.cpp Q4_0, output Q8_0"),
+              ("engine W8A16, lm_head int8, llama.cpp arithmetic", "llama.cpp Q8_0, output Q8_0"),
+              ("engine W4A16, lm_head int8, llama.cpp arithmetic", "llama.cpp Q4_0, output Q8_0"),
+              ("engine W8A16, lm_head float32", "llama.cpp Q8_0, output f32"),
+              ("engine W4A16, lm_head float32", "llama.cpp Q4_0, output f32"),
+              ("engine W8A16, lm_head int8", "engine W8A16, lm_head float32"),
+              ("engine W4A16, lm_head int8", "engine W4A16, lm_head float32"))
+
+
 def run_model(name: str, args) -> str:
     """The side-by-side table of one model (markdown), printed as it goes."""
-    made = checkpoints(name)
+    made = checkpoints(name, args.lm_head)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, MODELS[name][1]["vocab_size"], (PROMPT_LEN,), generator=gen).tolist()
                for _ in range(max(BATCHES))]
-    systems = {"engine float32 checkpoint (float32)": EngineSystem(made["float32"], args.tokens),
+    systems = head_systems(made, args.tokens) if args.lm_head == "int8" else {
+               "engine float32 checkpoint (float32)": EngineSystem(made["float32"], args.tokens),
                "engine W8A16 (float32 model)": EngineSystem(made["w8a16"], args.tokens),
                "engine W4A16 (float32 model)": EngineSystem(made["w4a16"], args.tokens),
                # the previous default: torch's weight-only products, activations and dequantized weights bf16
@@ -148,8 +190,14 @@ def run_model(name: str, args) -> str:
             print(peer_note)
         else:
             f32 = llama_cpp_peer.convert(made["float32"], "f32", args.llama_cpp_converter, Path(".cache"))
-            systems["llama.cpp f32"] = LlamaCppSystem(f32, args.tokens)
-            for kind in ("Q8_0", "Q4_0"):
+            if args.lm_head == "int8":
+                for kind in ("Q8_0", "Q4_0"):
+                    for output in ("Q8_0", "F32"):
+                        systems[f"llama.cpp {kind}, output {output.replace('F32', 'f32')}"] = LlamaCppSystem(
+                            llama_cpp_peer.quantize(f32, kind, output=output), args.tokens)
+            else:
+                systems["llama.cpp f32"] = LlamaCppSystem(f32, args.tokens)
+            for kind in ("Q8_0", "Q4_0") if args.lm_head != "int8" else ():
                 systems[f"llama.cpp {kind}"] = LlamaCppSystem(llama_cpp_peer.quantize(f32, kind), args.tokens)
     for system in systems.values():  # warm-up round
         if isinstance(system, EngineSystem):
@@ -169,10 +217,10 @@ def run_model(name: str, args) -> str:
     kernels = {label: ", ".join(s.kernels) for label, s in systems.items() if isinstance(s, EngineSystem)}
     for system in systems.values():
         system.close()
-    return table(name, rates, products, kernels, loads, peer_note)
+    return table(name, rates, products, kernels, loads, peer_note, HEAD_PAIRS if args.lm_head == "int8" else None)
 
 
-def table(name: str, rates, products, kernels, loads, peer_note: str) -> str:
+def table(name: str, rates, products, kernels, loads, peer_note: str, pairs=None) -> str:
     best = {key: max(v) for key, v in rates.items()}
     params = {"small": "33.6M", "large": "222M"}[name]
     lines = [f"**{name}** ({params} parameters; load average {min(loads):.1f}-{max(loads):.1f} on 2 cores "
@@ -189,14 +237,14 @@ def table(name: str, rates, products, kernels, loads, peer_note: str) -> str:
                       f"{alone:.2f}" if alone is not None else "-"]
         lines.append(f"| {label} | {kernels.get(label, 'llama.cpp')} | " + " | ".join(cells) + " |")
     lines.append("")
-    for ours, theirs in (("engine W8A16 (float32 model)", "llama.cpp Q8_0"),
-                         ("engine W4A16 (float32 model)", "llama.cpp Q4_0"),
-                         ("engine W8A16, llama.cpp arithmetic", "llama.cpp Q8_0"),
-                         ("engine W4A16, llama.cpp arithmetic", "llama.cpp Q4_0"),
-                         ("engine float32 checkpoint (float32)", "llama.cpp f32")):
-        if (theirs, 1) in best:
+    for ours, theirs in pairs or (("engine W8A16 (float32 model)", "llama.cpp Q8_0"),
+                                  ("engine W4A16 (float32 model)", "llama.cpp Q4_0"),
+                                  ("engine W8A16, llama.cpp arithmetic", "llama.cpp Q8_0"),
+                                  ("engine W4A16, llama.cpp arithmetic", "llama.cpp Q4_0"),
+                                  ("engine float32 checkpoint (float32)", "llama.cpp f32")):
+        if (theirs, 1) in best and (ours, 1) in best:
             ratios = [best[(ours, b)] / best[(theirs, b)] for b in BATCHES]
-            goals = "" if "checkpoint" in ours else (
+            goals = "" if "checkpoint" in ours or theirs.startswith("engine") else (
                 f"; issue 29's goals (batch 1 >= 1x, batch 16 >= 1.5x): batch 1 "
                 f"{'met' if ratios[0] >= 1 else 'not met'}"
                 f", batch 16 {'met' if ratios[1] >= 1.5 else 'not met'}")
@@ -216,6 +264,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp-converter", default=llama_cpp_peer.default_converter(),
                         help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_CONVERTER)")
     parser.add_argument("--kernels", action="store_true", help="time one layer's product per kernel instead")
+    parser.add_argument("--lm-head", choices=("float32", "int8"), default="float32",
+                        help="int8: checkpoints with lm_head W8A16 per channel against llama.cpp's Q8_0 output "
+                             "matrix (its own RESULTS.md section)")
     args = parser.parse_args()
     if args.kernels:
         kernel_times()
@@ -225,6 +276,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown --model {', '.join(sorted(unknown))}; choose from {', '.join(MODELS)}")
     tables = [run_model(name, args) for name in models]
+    if args.lm_head == "int8":
+        write_head_section(args, tables)
+        return
     budget = 64 << 20
     blocks = {kv: LLM(str(checkpoints(models[0])["float32"]), dtype="bfloat16", kv_cache_dtype=kv,
                       kv_cache_memory_bytes=budget, max_num_seqs=4096).engine.num_kv_blocks for kv in ("auto", "fp8")}
@@ -246,6 +300,25 @@ def main() -> None:
         f"KV capacity in {budget >> 20} MiB (bf16 model): {blocks['auto']} blocks with the bf16 cache, {blocks['fp8']} "
         f"with `--kv-cache-dtype fp8` ({blocks['fp8'] / blocks['auto']:.2f}x)."])
     update_results("quantized-decode", "Quantized weights: decode at batch 1 and 16 against llama.cpp (CPU)", body)
+
+
+def write_head_section(args, tables: list[str]) -> None:
+    body = "\n".join([
+        f"Command: `python benchmarks/bench_quantized_decode.py --lm-head int8 --model {args.model} --tokens "
+        f"{args.tokens} --repeats {args.repeats}" + (f" --peer {args.peer}" if args.peer else "") + "`. "
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs (load below), torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads for the engine and for llama.cpp"
+        + (f", llama-cpp-python {llama_cpp_peer.version()}" if args.peer and
+           not llama_cpp_peer.missing(args.llama_cpp_converter) else "") + ".",
+        "lm_head quantized on both sides: the W8A16 and W4A16 checkpoints (compressed-tensors package) with lm_head "
+        "W8A16 per channel in a config group of its own (the decoder as in quantized-decode); llama.cpp's Q8_0 and "
+        "Q4_0 quantized from its f32 GGUF with `output_tensor_type` Q8_0 (llama_cpp_peer.quantize). The same "
+        "models with a float32 head / f32 output matrix run in the same rounds, interleaved. "
+        f"{PROMPT_LEN}-token prompts, {args.tokens} tokens greedy; aggregate decode tokens/s from the last first "
+        f"token to the last token; {args.repeats} rounds; best and median round; 'products alone' as in "
+        "quantized-decode.", "", *[t + "\n" for t in tables]])
+    update_results("quantized-decode-lmhead", "Quantized lm_head: decode at batch 1 and 16 against llama.cpp with "
+                   "a Q8_0 output matrix (CPU)", body)
 
 
 if __name__ == "__main__":

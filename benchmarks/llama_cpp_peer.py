@@ -9,7 +9,9 @@ How llama.cpp is run, exactly:
     `output_tensor_type` set to F32: the engine's W8A16/W4A16 checkpoints keep lm_head in float (the
     compressed-tensors `ignore: [lm_head]` that llm-compressor writes), so both sides quantize the same
     matrices (every decoder projection, blocks of 32 with an f16 scale in llama.cpp). With
-    `default_output=True` the quantizer's own default type for the output matrix is kept instead.
+    `default_output=True` the quantizer's own default type for the output matrix is kept instead; with
+    `output="Q8_0"` the output matrix is Q8_0 (bench_quantized_decode.py --lm-head int8, whose checkpoints
+    quantize lm_head int8 per channel).
   * batch 1 (`decode_rate`): the high-level `Llama.generate` (top_k=1), timed token by token.
   * batch B (`BatchedDecoder`, B = 1 or 16): the low-level API. One context with n_seq_max=B, n_ctx =
     B x (prompt + tokens + 16), n_batch = n_ubatch = max(512, B x prompt), n_threads = n_threads_batch =
@@ -74,18 +76,19 @@ def convert(model_dir: Path, outtype: str, converter: str, cache: Path) -> Path:
     return out
 
 
-def quantize(f32_gguf: Path, kind: str, default_output: bool = False) -> Path:
-    """`f32_gguf` through llama.cpp's quantizer to Q8_0 or Q4_0 (module docstring), kept beside it."""
+def quantize(f32_gguf: Path, kind: str, default_output: bool = False, output: str = "F32") -> Path:
+    """`f32_gguf` through llama.cpp's quantizer to Q8_0 or Q4_0 (module docstring), kept beside it. `output`: the
+    output matrix's type, F32 or Q8_0 (for checkpoints whose lm_head is int8 per channel)."""
     import llama_cpp
 
-    suffix = "-default-output" if default_output else ""
+    suffix = "-default-output" if default_output else "" if output == "F32" else f"-output-{output.lower()}"
     out = f32_gguf.with_name(f32_gguf.name.replace("-f32.gguf", f"-{kind.lower()}{suffix}.gguf"))
     if out.is_file():
         return out
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = {"Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, "Q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]
     if not default_output:
-        params.output_tensor_type = llama_cpp.GGML_TYPE_F32
+        params.output_tensor_type = {"F32": llama_cpp.GGML_TYPE_F32, "Q8_0": llama_cpp.GGML_TYPE_Q8_0}[output]
     params.nthread = os.cpu_count() or 1
     tmp = out.with_suffix(".tmp")
     if llama_cpp.llama_model_quantize(str(f32_gguf).encode(), str(tmp).encode(), params) != 0:
