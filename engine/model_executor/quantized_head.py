@@ -38,8 +38,10 @@ def untie_quantized_head(model: nn.Module, weight_files: list[Path], quantizatio
                              f"({head[0]}), no float {EMBEDDING}: kubeinfer keeps the embedding float and does not "
                              "dequantize it from the head; export the checkpoint with its float embedding")
     embed = model.model.embed_tokens.weight
-    model.lm_head.weight = nn.Parameter(torch.empty(embed.shape, dtype=embed.dtype, device=embed.device),
+    # a shape, allocated only if written in float (layers/deferred_weight.py): kept quantized, it never is
+    model.lm_head.weight = nn.Parameter(torch.empty(embed.shape, dtype=embed.dtype, device="meta"),
                                         requires_grad=False)
+    model.lm_head.deferred_device = embed.device
     return True
 
 

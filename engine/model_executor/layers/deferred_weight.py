@@ -7,7 +7,9 @@ linear weights out before the model is allocated (`defer`) and puts them back as
 (a layer the kernel choice leaves dequantized, an ignored or float module, a layout dequantized as read). A
 70B fp8 checkpoint on one 80 GB GPU then never takes 140 GB of bf16 at load, and the KV-cache budget the
 engine profiles after loading is not shrunk by a float copy that was never used. Biases, norms, embeddings
-and the LM head are allocated as before. The experts' float stacks are deferred alike (fused_moe/layer.py)."""
+and a tied LM head (the embedding's weight) are allocated as before; an untied LM head is deferred too (a checkpoint
+may quantize it: its float weight would be vocabulary x hidden for nothing). The experts' float stacks are
+deferred alike (fused_moe/layer.py)."""
 from __future__ import annotations
 
 import torch
@@ -15,9 +17,11 @@ from torch import nn
 
 
 def defer(model: nn.Module) -> list[nn.Linear]:
-    """Before `to_empty`: the float weights of every linear layer but the LM head taken out (shapes kept)."""
-    layers = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"
-              and not name.endswith(".lm_head") and isinstance(m._parameters.get("weight"), nn.Parameter)]
+    """Before `to_empty`: the float weights of every linear layer but a tied LM head taken out (shapes kept)."""
+    tied = getattr(getattr(model, "spec", None), "tie_word_embeddings", True)
+    layers = [m for name, m in model.named_modules() if isinstance(m, nn.Linear)
+              and not (tied and (name == "lm_head" or name.endswith(".lm_head")))
+              and isinstance(m._parameters.get("weight"), nn.Parameter)]
     for layer in layers:
         layer._deferred_shape = tuple(layer._parameters.pop("weight").shape)
     return layers
