@@ -239,3 +239,15 @@ def test_the_heads_float_weight_is_never_allocated(tmp_path, monkeypatch, tied):
     assert model.quant_kernels["lm_head"] != "dequantized" and model.lm_head.weight.device.type == "meta"
     head_float = 4096 * SHAPE["hidden_size"] * 4
     assert live.peak - held_bytes(model) < 2.4 * head_float, (live.peak, held_bytes(model), head_float)
+
+
+@NATIVE
+@pytest.mark.parametrize("forced, head", [("cpu_int4_vnni", "cpu_int8_vnni"), ("cpu_int4_a16", "cpu_int8_a16")])
+def test_a_forced_native_kernel_takes_the_int8_head_at_its_own_width(dirs, monkeypatch, forced, head):
+    """KUBEINFER_QUANT_KERNEL names a native kernel's arithmetic: the int8 head of an int4 model runs that
+    arithmetic's int8 kernel (before: dequantized, the head float32 again)."""
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", forced)
+    llm = LLM(dirs["w4_head8"], max_model_len=64, num_kv_blocks=16)
+    kernels = llm.engine.runner.model.quant_kernels
+    llm.shutdown()
+    assert kernels.pop("lm_head") == head and set(kernels.values()) == {forced}

@@ -38,8 +38,9 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   in decode steps. Faster still (benchmarks/RESULTS.md "cpu-native-vnni", "cpu-a16-native"), but it changes a
   weight-only checkpoint's numerics (its activations are 16-bit), so it is never the default.
 KUBEINFER_QUANT_KERNEL (triton, cpu_int4, cpu_int8, cpu_int4_bf16, cpu_int8_bf16, cpu_int4_a16, cpu_int8_a16,
-cpu_int8_vnni, cpu_int4_vnni, dequantized) overrides the choice where the kernel applies; cpu_int4/cpu_int8 take
-the activations in the model dtype (float32 included)."""
+cpu_int8_vnni, cpu_int4_vnni, dequantized) overrides the choice where the kernel applies (a native one names its
+arithmetic: an int8 lm_head beside int4 layers takes its int8 kernel); cpu_int4/cpu_int8 take the activations in
+the model dtype (float32 included)."""
 from __future__ import annotations
 
 import math
@@ -59,6 +60,7 @@ KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "
 # (cpu_native/method.py); without a C compiler torch's bf16-activation product of the same width (a warning once)
 NATIVE = {"cpu_int4_a16": "cpu_int4_bf16", "cpu_int8_a16": "cpu_int8_bf16", "cpu_int8_vnni": "cpu_int8_bf16",
           "cpu_int4_vnni": "cpu_int4_bf16"}
+SIBLING = {k: k.replace("int4", "int8") if "int4" in k else k.replace("int8", "int4") for k in NATIVE}  # other width
 # torch's CPU weight-only products with the activations rounded to bf16 (the format's "A16") in a float32 model
 BF16_ACTIVATIONS = {"cpu_int4_bf16": "cpu_int4", "cpu_int8_bf16": "cpu_int8"}
 
@@ -121,8 +123,8 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def keeps_quantized(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> bool:
-    """Whether the loader should hand over integer (`fp8`: e4m3) weights at all (else it dequantizes as it
-    reads). fp8 is kept on CUDA only, or where KUBEINFER_QUANT_KERNEL=triton forces the kernel."""
+    """Whether the loader hands over integer (`fp8`: e4m3) weights (else dequantizes them as it reads): fp8 on CUDA
+    only, or where KUBEINFER_QUANT_KERNEL=triton forces the kernel."""
     forced = os.environ.get("KUBEINFER_QUANT_KERNEL")
     if forced:
         return forced == "triton" if fp8 else forced != "dequantized"
@@ -143,7 +145,7 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
             if w8a8 or device.type != "cpu":  # W8A8 layers: their own exact int8 product (w8a8.py)
                 return "dequantized"
             forced = forced if ops.available() else NATIVE[forced]
-        return forced if applies(forced, weight) else "dequantized"
+        return next((k for k in (forced, SIBLING.get(forced)) if k and applies(k, weight)), "dequantized")
     if device.type == "cuda":
         return "triton"
     if weight.fp8:
@@ -294,6 +296,5 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
 
 
 def dense(layer: nn.Linear, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
-    """The unquantized product, for callers that dispatch on `getattr(layer, "quant_method", None)`;
-    `bias=False` as in IntLinearMethod.apply."""
+    """The unquantized product, for callers that dispatch on `quant_method`; `bias=False` as in its apply."""
     return F.linear(x, layer.weight, layer.bias if bias else None)
