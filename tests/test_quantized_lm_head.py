@@ -251,3 +251,21 @@ def test_a_forced_native_kernel_takes_the_int8_head_at_its_own_width(dirs, monke
     kernels = llm.engine.runner.model.quant_kernels
     llm.shutdown()
     assert kernels.pop("lm_head") == head and set(kernels.values()) == {forced}
+
+
+def test_the_last_ranks_padding_rows_are_zero_weights(tmp_path, monkeypatch):
+    """A vocabulary of 509 over two ranks: 255 rows each, the last rank's final row past the vocabulary is padding
+    (zero integers; its logit is dropped by the gather). Its 254 real rows are the one-rank model's."""
+    from test_quantized_tp import rank_model
+
+    from kubeinfer.testing.random_model import build_random_model
+
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")  # the loaded layout only: nothing is multiplied
+    float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=4,
+                                   **{**SHAPE, "num_layers": 1, "vocab_size": 509})
+    model_dir = write_checkpoint(float_dir, tmp_path / "w8", *ct_with_quantized_head(float_weights(float_dir),
+                                                                                     ct_scheme(*W8)))
+    one, last = rank_model(model_dir, 0, 1).lm_head, rank_model(model_dir, 1, 2).lm_head
+    assert last.qweight.shape[0] == 255
+    assert torch.equal(last.qweight[:254], one.qweight[255:]) and not last.qweight[254].any()
+    assert torch.equal(last.weight_scale[:254], one.weight_scale[255:])
