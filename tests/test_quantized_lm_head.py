@@ -102,6 +102,8 @@ def assert_head_kept(model, kernel_suffix: str = "int8") -> None:
     assert kernel.startswith(f"cpu_{kernel_suffix}") and kernel != "dequantized", kernel
     assert head.weight.device.type == "meta" and not head.qweight.is_floating_point()  # no float copy held
     assert "forward" not in vars(head)  # neither the native float32 logits product nor OpenBLAS took it
+    # no float32 linear layer left, and still small steps run torch on one thread beside the native pool
+    assert model.openblas_small_steps
 
 
 @NATIVE

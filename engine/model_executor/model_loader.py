@@ -64,7 +64,11 @@ def load_model(files: ModelFiles, backend: AttentionBackend, max_positions: int,
     if backend.name == "triton":  # the GPU path: its norm and rotary kernels come with it
         model.use_triton_kernels()
     # The CPU's small-step matmuls; not the GPU. Not with tensor parallelism: its ranks share the cores.
-    model.openblas_small_steps = tp_size == 1 and use_openblas_for_small_steps(model)
+    # A float32 model whose every linear layer is kept int (a quantized lm_head too) has nothing for OpenBLAS, but its
+    # small steps still want torch on one thread beside the native kernels' pool (cpu_blas.py): 2 threads made the
+    # sampler's argmax 4-7 ms a step, against 0.2
+    model.openblas_small_steps = tp_size == 1 and (use_openblas_for_small_steps(model) or (
+        dtype == torch.float32 and any(k.startswith("cpu_int") for k in getattr(model, "quant_kernels", {}).values())))
     if model.openblas_small_steps:  # then the logits product of small steps on the native pool, where it applies
         native_lm_head.use_native_lm_head(model)
     return model.eval()
