@@ -25,6 +25,7 @@ from quant_checkpoints import (
     float_weights,
     hf_compressed_tensors,
     hf_greedy,
+    triton_on_cpu,
     write_checkpoint,
 )
 
@@ -271,3 +272,20 @@ def test_the_last_ranks_padding_rows_are_zero_weights(tmp_path, monkeypatch):
     assert last.qweight.shape[0] == 255
     assert torch.equal(last.qweight[:254], one.qweight[255:]) and not last.qweight[254].any()
     assert torch.equal(last.weight_scale[:254], one.weight_scale[255:])
+
+
+@triton_on_cpu
+def test_the_triton_kernel_multiplies_the_quantized_head(dirs, monkeypatch):
+    """The GPU's kernel (triton_int_matmul.py, here in Triton's interpreter) for every layer, the head included:
+    first-token greedy tokens of transformers on the decompressed checkpoint (float32 activations)."""
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")
+    llm = LLM(dirs["w8_head"], max_model_len=64, num_kv_blocks=16)
+    try:
+        assert llm.engine.runner.model.quant_kernels["lm_head"] == "triton"
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                               SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    hf = reference(dirs["w8_head"])
+    expected = [tokens[:2] for tokens in hf_greedy(hf)]
+    assert_greedy_equal_but_near_ties([o.outputs[0].token_ids for o in outputs], expected, hf)
