@@ -197,8 +197,8 @@ def run_model(name: str, args) -> str:
                             llama_cpp_peer.quantize(f32, kind, output=output), args.tokens)
             else:
                 systems["llama.cpp f32"] = LlamaCppSystem(f32, args.tokens)
-            for kind in ("Q8_0", "Q4_0") if args.lm_head != "int8" else ():
-                systems[f"llama.cpp {kind}"] = LlamaCppSystem(llama_cpp_peer.quantize(f32, kind), args.tokens)
+                for kind in ("Q8_0", "Q4_0"):
+                    systems[f"llama.cpp {kind}"] = LlamaCppSystem(llama_cpp_peer.quantize(f32, kind), args.tokens)
     for system in systems.values():  # warm-up round
         if isinstance(system, EngineSystem):
             system.rate(prompts[:1])
@@ -283,12 +283,7 @@ def main() -> None:
     blocks = {kv: LLM(str(checkpoints(models[0])["float32"]), dtype="bfloat16", kv_cache_dtype=kv,
                       kv_cache_memory_bytes=budget, max_num_seqs=4096).engine.num_kv_blocks for kv in ("auto", "fp8")}
     body = "\n".join([
-        f"Command: `python benchmarks/bench_quantized_decode.py --model {args.model} --tokens {args.tokens} "
-        f"--repeats {args.repeats}" + (f" --peer {args.peer}" if args.peer else "") + "`. "
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs (load below), torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads for the engine and for llama.cpp"
-        + (f", llama-cpp-python {llama_cpp_peer.version()} (built here, native AVX-512 VNNI)" if args.peer and
-           not llama_cpp_peer.missing(args.llama_cpp_converter) else "") + ".",
+        command_and_machine(args, "", " (built here, native AVX-512 VNNI)"),
         f"Same weights and token ids on both sides: W8A16/W4A16 written by the compressed-tensors package from the "
         f"float32 model; llama.cpp's f32 GGUF by its converter, Q8_0/Q4_0 by its quantizer from that f32 GGUF with "
         f"the output matrix kept f32 as the checkpoints keep lm_head (llama_cpp_peer.py). {PROMPT_LEN}-token prompts, "
@@ -302,14 +297,19 @@ def main() -> None:
     update_results("quantized-decode", "Quantized weights: decode at batch 1 and 16 against llama.cpp (CPU)", body)
 
 
+def command_and_machine(args, flags: str, llama_cpp_build: str = "") -> str:
+    """The section's first sentence: the command that wrote it and the machine it ran on."""
+    peer = args.peer and not llama_cpp_peer.missing(args.llama_cpp_converter)
+    return (f"Command: `python benchmarks/bench_quantized_decode.py {flags}--model {args.model} --tokens {args.tokens} "
+            f"--repeats {args.repeats}" + (f" --peer {args.peer}" if args.peer else "") + "`. "
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs (load below), torch "
+            f"{torch.__version__}, {torch.get_num_threads()} threads for the engine and for llama.cpp"
+            + (f", llama-cpp-python {llama_cpp_peer.version()}{llama_cpp_build}" if peer else "") + ".")
+
+
 def write_head_section(args, tables: list[str]) -> None:
     body = "\n".join([
-        f"Command: `python benchmarks/bench_quantized_decode.py --lm-head int8 --model {args.model} --tokens "
-        f"{args.tokens} --repeats {args.repeats}" + (f" --peer {args.peer}" if args.peer else "") + "`. "
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores shared with other jobs (load below), torch "
-        f"{torch.__version__}, {torch.get_num_threads()} threads for the engine and for llama.cpp"
-        + (f", llama-cpp-python {llama_cpp_peer.version()}" if args.peer and
-           not llama_cpp_peer.missing(args.llama_cpp_converter) else "") + ".",
+        command_and_machine(args, "--lm-head int8 "),
         "lm_head quantized on both sides: the W8A16 and W4A16 checkpoints (compressed-tensors package) with lm_head "
         "W8A16 per channel in a config group of its own (the decoder as in quantized-decode); llama.cpp's Q8_0 and "
         "Q4_0 quantized from its f32 GGUF with `output_tensor_type` Q8_0 (llama_cpp_peer.quantize). The same "
