@@ -219,9 +219,8 @@ def main() -> None:
         _free(device)
     llm = engine()
     backend = llm.engine.runner.backend.name
-    graphs = llm.engine.runner.graphs
-    graph_sizes = graphs.sizes if graphs else None
-    del graphs  # it holds the captured pools and the KV cache: the next engine below needs that memory back
+    # the sizes only: a local holding the graph runner kept its pools and the KV cache from the next engine
+    graph_sizes = llm.engine.runner.graphs.sizes if llm.engine.runner.graphs else None
     decode = engine_decode_rate(llm, prompt, args.decode_len)
     roofline = bandwidth / decode_bytes_per_token(model_dir, dtype, args.prompt_len + args.decode_len // 2)
     print(f"batch-1 decode: {decode:.1f} tok/s = {decode / roofline:.0%} of the {roofline:.0f} tok/s roofline "
