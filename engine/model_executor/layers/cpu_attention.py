@@ -31,13 +31,9 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, meta, softcap, sinks) -> bool
 
 
 def _kernel():
-    if "fn" not in _state:
-        fn = ops.library().ki_decode_attention
-        p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-        fn.argtypes = [p, n, i, p, p, n, p, p, p, i, p, p, n, p, i, i, i, i, i, i, ctypes.c_float, p]
-        fn.restype = i
-        _state["fn"] = fn
-    return _state["fn"]
+    p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    return ops.kernel("ki_decode_attention", [p, n, i, p, p, n, p, p, p, i, p, p, n, p, i, i, i, i, i, i,
+                                              ctypes.c_float, p], i)
 
 
 def _byte_values(dtype: torch.dtype) -> torch.Tensor:

@@ -14,7 +14,6 @@ from .quantization.cpu_native import ops
 from .quantization.cpu_native.a16_method import A16Method
 
 P, INT, LONG, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-_state: dict = {}
 
 
 class Proj(ctypes.Structure):
@@ -33,15 +32,11 @@ class Layer(ctypes.Structure):
                 ("max_positions", INT), ("view", INT)]
 
 
-def _lib():
-    lib = _state.get("lib")
-    if lib is None:
-        lib = ops.library()
-        lib.ki_decoder_scratch_floats.argtypes, lib.ki_decoder_scratch_floats.restype = [P], ctypes.c_size_t
-        lib.ki_decoder_layers.argtypes = [P, INT, P, P, INT, P, P, P, INT, P, P, P]
-        lib.ki_decoder_layers.restype = INT
-        _state["lib"] = lib
-    return lib
+def _kernel(name: str):
+    """The library's `name` with its signature (ops.kernel: looked up once per loaded library)."""
+    signatures = {"ki_decoder_scratch_floats": ([P], ctypes.c_size_t),
+                  "ki_decoder_layers": ([P, INT, P, P, INT, P, P, P, INT, P, P, P], INT)}
+    return ops.kernel(name, *signatures[name])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -70,7 +65,7 @@ class Layers:
         self.windows = views
         self.keep = keep  # the tensors whose pointers the descriptors hold
         self.kv_shapes = [(d.Hkv, d.D) for d in descriptors]  # what each layer's caches must hold
-        self.row_floats = max(_lib().ki_decoder_scratch_floats(ctypes.byref(d)) for d in descriptors)
+        self.row_floats = max(_kernel("ki_decoder_scratch_floats")(ctypes.byref(d)) for d in descriptors)
         self.scratch = torch.empty(0)
         self._caches_key = None
         self._view_array = (View * len(views))()
@@ -110,9 +105,9 @@ class Layers:
                                                   meta.context_lens_tensor.data_ptr())
             view.table_stride, view.window = tables.stride(0), meta.sliding_window or 0
         x_out, res_out = torch.empty_like(x), torch.empty_like(x)
-        status = _lib().ki_decoder_layers(self.layers, self.count, views, caches[0], caches[1], x.data_ptr(),
-                                          _ptr(residual), positions.data_ptr(), tokens, base, x_out.data_ptr(),
-                                          res_out.data_ptr())
+        layers_fn = _kernel("ki_decoder_layers")
+        status = layers_fn(self.layers, self.count, views, caches[0], caches[1], x.data_ptr(), _ptr(residual),
+                           positions.data_ptr(), tokens, base, x_out.data_ptr(), res_out.data_ptr())
         if status == -2:
             raise IndexError("rotary: a position outside the model's max positions")
         if status != 0:

@@ -16,22 +16,16 @@ import torch
 from .quantization.cpu_native import ops
 
 MAX_BF16_NORM = 16384  # decode_ops.c's KI_NORM_MAX: a bf16 row is widened into a stack buffer
-_state: dict = {}
+_P, _I, _LONG, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+SIGNATURES = {"ki_rms_norm": ([_P, _LONG, _LONG, _P, _P, _P, _P, _I, _I, _I, _F, _I], _I),
+              "ki_silu_mul": ([_P, _LONG, _P, _I, _I], None),
+              "ki_rotary": ([_P, _LONG, _LONG, _P, _P, _P, _I, _I, _I, _I], _I)}
 
 
-def _lib():
-    """The library with this module's argtypes set (once), or None where the native layers are off."""
-    if not ops.layers_enabled():
-        return None
-    lib = _state.get("lib")
-    if lib is None:
-        lib = ops.library()
-        p, i, long_, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-        lib.ki_rms_norm.argtypes, lib.ki_rms_norm.restype = [p, long_, long_, p, p, p, p, i, i, i, f, i], i
-        lib.ki_silu_mul.argtypes, lib.ki_silu_mul.restype = [p, long_, p, i, i], None
-        lib.ki_rotary.argtypes, lib.ki_rotary.restype = [p, long_, long_, p, p, p, i, i, i, i], i
-        _state["lib"] = lib
-    return lib
+def _kernel(name: str):
+    """The library's `name` with its signature (ops.kernel: looked up once per loaded library), or None where the
+    native layers are off."""
+    return ops.kernel(name, *SIGNATURES[name]) if ops.layers_enabled() else None
 
 
 def _rows3(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[int, int, int, int, int] | None:
@@ -68,20 +62,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is not None and (residual.dtype is not dtype or residual.shape != x.shape
                                  or not residual.is_contiguous()):
         return None
-    lib = _lib()
-    if lib is None:
+    fn = _kernel("ki_rms_norm")
+    if fn is None:
         return None
     t, h, n, st, sh = shape
     out = _new(x)
     if residual is None:
         if t:
-            lib.ki_rms_norm(x.data_ptr(), st, sh, None, None, weight.data_ptr(), out.data_ptr(), t, h, n, eps,
-                            dtype is torch.bfloat16)
+            fn(x.data_ptr(), st, sh, None, None, weight.data_ptr(), out.data_ptr(), t, h, n, eps,
+               dtype is torch.bfloat16)
         return out
     summed = torch.empty_like(residual)
     if t:
-        lib.ki_rms_norm(x.data_ptr(), st, sh, residual.data_ptr(), summed.data_ptr(), weight.data_ptr(),
-                        out.data_ptr(), t, h, n, eps, dtype is torch.bfloat16)
+        fn(x.data_ptr(), st, sh, residual.data_ptr(), summed.data_ptr(), weight.data_ptr(),
+           out.data_ptr(), t, h, n, eps, dtype is torch.bfloat16)
     return out, summed
 
 
@@ -91,12 +85,12 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int) -> torch.Tensor | None:
     shape = _rows3(gate_up)
     if shape is None or gate_up.dim() != 2 or shape[2] != 2 * intermediate:
         return None
-    lib = _lib()
-    if lib is None:
+    fn = _kernel("ki_silu_mul")
+    if fn is None:
         return None
     out = torch.empty((gate_up.shape[0], intermediate), dtype=torch.float32)
     if gate_up.shape[0]:
-        lib.ki_silu_mul(gate_up.data_ptr(), shape[3], out.data_ptr(), gate_up.shape[0], intermediate)
+        fn(gate_up.data_ptr(), shape[3], out.data_ptr(), gate_up.shape[0], intermediate)
     return out
 
 
@@ -110,13 +104,13 @@ def rotate_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
             or not sin.is_contiguous() or not cos.is_cpu or positions.dtype is not torch.int64
             or positions.shape != (shape[0],) or not positions.is_contiguous() or not positions.is_cpu):
         return None
-    lib = _lib()
-    if lib is None:
+    fn = _kernel("ki_rotary")
+    if fn is None:
         return None
     t, h, d, st, sh = shape
     if h > 1 and sh < d or t > 1 and st < h * sh:  # overlapping heads or tokens: in place would be wrong
         return None
-    if t and lib.ki_rotary(x.data_ptr(), st, sh, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                           cos.shape[0], t, h, d) != 0:
+    if t and fn(x.data_ptr(), st, sh, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                  cos.shape[0], t, h, d) != 0:
         raise IndexError(f"rotary: a position outside [0, {cos.shape[0]}) (the model's max positions)")
     return x
