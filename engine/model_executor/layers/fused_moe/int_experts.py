@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from ..quantization.linear_method import BF16_ACTIVATIONS, NATIVE, IntWeight, applies, choose_kernel, pack
+from .a16_experts import KERNELS as A16_KERNELS
+from .a16_experts import A16Experts
 
 PROJECTIONS = ("gate_up", "down")
 
@@ -42,8 +44,8 @@ PROJECTIONS = ("gate_up", "down")
 def choose_expert_kernel(sample: IntWeight, device: torch.device, dtype: torch.dtype, w8a8: bool) -> str:
     """The dense layers' measured choice for one expert's weight; "dequantized" where no kept kernel serves it."""
     kernel = choose_kernel(sample, device, dtype, w8a8)
-    if kernel in NATIVE:  # the native products serve dense layers only: torch's of the same width, where it applies
-        kernel = NATIVE[kernel] if applies(NATIVE[kernel], sample) else "dequantized"
+    if kernel in NATIVE and kernel not in A16_KERNELS:  # llama.cpp's arithmetic serves dense layers only: torch's
+        kernel = NATIVE[kernel] if applies(NATIVE[kernel], sample) else "dequantized"  # of the same width
     if kernel == "triton" and sample.values.shape[1] % 2 and sample.bits == 4:
         return "dequantized"  # int4 is packed two columns a byte
     return kernel
@@ -67,6 +69,12 @@ class ExpertsIntMethod:
     def __init__(self, moe: nn.Module, weights: dict[str, IntWeight], kernel: str, dtype: torch.dtype,
                  device: torch.device | None = None) -> None:
         self.act_dtype = dtype
+        self.a16 = None
+        if kernel in A16_KERNELS:
+            device = moe.gate_up_proj.device if device is None else device
+            self.kernel, self.a16 = kernel, A16Experts(moe, weights, device)
+            _drop_float_stacks(moe)
+            return
         if kernel in BF16_ACTIVATIONS:
             kernel, self.act_dtype = BF16_ACTIVATIONS[kernel], torch.bfloat16
         self.kernel = kernel
@@ -77,9 +85,7 @@ class ExpertsIntMethod:
         for which in PROJECTIONS:
             for suffix, tensor in pack(weights[which], kernel, self.act_dtype).items():
                 moe.register_parameter(f"{which}_{suffix}", nn.Parameter(tensor.to(device), requires_grad=False))
-            float_stack = getattr(moe, f"{which}_proj")  # its shape stays, its memory goes
-            setattr(moe, f"{which}_proj", nn.Parameter(torch.empty(float_stack.shape, dtype=float_stack.dtype,
-                                                                   device="meta"), requires_grad=False))
+        _drop_float_stacks(moe)
 
     def apply(self, moe: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         if self.kernel == "triton":
@@ -95,6 +101,11 @@ class ExpertsIntMethod:
                                  input_quant=moe.input_quant, quantized=quant)
         from .grouped import grouped_experts
 
+        if self.a16 is not None:
+            return grouped_experts(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids, moe.activation,
+                                   moe.gate_up_proj_bias, moe.down_proj_bias, moe.input_quant,
+                                   products=lambda which, e, rows, out, bias: self.a16.product(moe, which, e, rows,
+                                                                                               out, bias))
         return grouped_experts(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids, moe.activation,
                                moe.gate_up_proj_bias, moe.down_proj_bias, moe.input_quant,
                                products=lambda which, e, rows, out, bias: self.product(moe, which, e, rows, out, bias))
@@ -114,3 +125,11 @@ class ExpertsIntMethod:
         if bias is not None:
             out.add_(bias)
 
+
+
+def _drop_float_stacks(moe: nn.Module) -> None:
+    """The float stacks keep their shapes (on the meta device), not their memory."""
+    for which in PROJECTIONS:
+        float_stack = getattr(moe, f"{which}_proj")
+        setattr(moe, f"{which}_proj", nn.Parameter(torch.empty(float_stack.shape, dtype=float_stack.dtype,
+                                                               device="meta"), requires_grad=False))
