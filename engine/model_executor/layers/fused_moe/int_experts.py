@@ -101,18 +101,16 @@ class ExpertsIntMethod:
                                  input_quant=moe.input_quant, quantized=quant)
         from .grouped import grouped_experts
 
-        if self.a16 is not None:
-            return grouped_experts(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids, moe.activation,
-                                   moe.gate_up_proj_bias, moe.down_proj_bias, moe.input_quant,
-                                   products=lambda which, e, rows, out, bias: self.a16.product(moe, which, e, rows,
-                                                                                               out, bias))
         return grouped_experts(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids, moe.activation,
                                moe.gate_up_proj_bias, moe.down_proj_bias, moe.input_quant,
                                products=lambda which, e, rows, out, bias: self.product(moe, which, e, rows, out, bias))
 
     def product(self, moe: nn.Module, which: str, expert: int, rows: torch.Tensor, out: torch.Tensor,
                 bias: torch.Tensor | None) -> None:
-        """out = rows @ W[expert].T (+ bias) for `which` (gate_up or down), through torch's weight-only product."""
+        """out = rows @ W[expert].T (+ bias) for `which` (gate_up or down), through the A16 product or torch's
+        weight-only product."""
+        if self.a16 is not None:
+            return self.a16.product(moe, which, expert, rows, out, bias)
         a = rows.to(self.act_dtype)
         qweight = getattr(moe, f"{which}_qweight")[expert]
         if self.kernel == "cpu_int4":
