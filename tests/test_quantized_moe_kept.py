@@ -197,17 +197,18 @@ def test_kept_fp8_block_experts_through_the_fused_kernel(float_dirs, tmp_path, m
 
 
 @slow
-def test_kept_experts_split_over_tensor_parallel_ranks(float_dirs, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernel", ["cpu_int4", "cpu_int4_a16"])
+def test_kept_experts_split_over_tensor_parallel_ranks(float_dirs, tmp_path, monkeypatch, kernel):
     """Each rank keeps its slice of every expert's integers: gate/up rows, down columns, the 128 down columns of
     a group of 128 cut in two and regrouped (IntWeight.narrow): the same tokens as one rank."""
     from quant_checkpoints import ct_compress, ct_scheme, engine_greedy
 
-    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "cpu_int4")
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", kernel)
     float_dir = float_dirs("qwen3_moe")
     config = ct_scheme("pack-quantized", 4, "int", "group", False, 128, ignore=("re:.*mlp.gate$",))
     model_dir = write_checkpoint(float_dir, tmp_path / "ct", ct_compress(float_weights(float_dir), config), config)
     one = engine(model_dir)
-    assert_kept(one.engine.runner.model, "cpu_int4", 0.5)
+    assert_kept(one.engine.runner.model, kernel, 0.5)
     expected = greedy(one)
     one.shutdown()
     assert engine_greedy(model_dir, tensor_parallel_size=2) == expected
