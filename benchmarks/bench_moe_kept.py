@@ -31,11 +31,9 @@ from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_check
 
 from kubeinfer.engine.model_executor.layers.fused_moe.activation import silu_and_mul  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts  # noqa: E402
-from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import (  # noqa: E402
-    ExpertsIntMethod,
-    dequantize_rows,
-)
+from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import ExpertsIntMethod  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
+from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, ops  # noqa: E402
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight  # noqa: E402
 from kubeinfer.testing.random_model import build_random_model  # noqa: E402
 
@@ -55,24 +53,29 @@ def quantized(w: torch.Tensor, bits: int) -> IntWeight:
     return IntWeight(values.reshape(w.shape).to(torch.int8), scale, None, group, bits)
 
 
-def layer_rows(rounds: int) -> list[str]:
+def layer_rows(rounds: int, dequantized_per_step: bool) -> list[str]:
     torch.set_num_threads(1)
+    if ops.available():
+        ops.set_threads(1)  # the native pool (the A16 product) on one thread too
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(E, 2 * INTER, H, generator=g) * 0.02, torch.randn(E, H, INTER, generator=g) * 0.02
     runners = {"float32 stacks (dequantized at load)": lambda x, w, ids: grouped_experts(x, gate_up, down, w, ids,
                                                                                            silu_and_mul)}
-    for bits, kernel in ((8, "cpu_int8_bf16"), (4, "cpu_int4_bf16")):
+    for bits in (8, 4):
         ints = {"gate_up": quantized(gate_up, bits), "down": quantized(down, bits)}
-        moe = FusedMoE(E, H, INTER)
-        moe.int_method = ExpertsIntMethod(moe, ints, kernel, torch.float32)
-        runners[f"int{bits} kept, {kernel} per active expert"] = moe.forward
-        floats = {which: ints[which] for which in ints}
+        kernels = [f"cpu_int{bits}_bf16"] + ([f"cpu_int{bits}_a16"] if a16_method.fast() else [])
+        for kernel in kernels:
+            moe = FusedMoE(E, H, INTER)
+            moe.int_method = ExpertsIntMethod(moe, ints, kernel, torch.float32)
+            runners[f"int{bits} kept, {kernel} per active expert"] = moe.forward
+        if not dequantized_per_step:
+            continue
 
-        def active_dequantized(x, w, ids, floats=floats):
+        def active_dequantized(x, w, ids, ints=ints):
             def product(which, e, rows, out, bias):
-                part = floats[which]
+                part = ints[which]
                 one = IntWeight(part.values[e], part.scale[e], None, part.group_size, part.bits)
-                torch.mm(rows, dequantize_rows(one).t(), out=out)
+                torch.mm(rows, one.dequantize().t(), out=out)
             return grouped_experts(x, gate_up, down, w, ids, silu_and_mul, products=product)
         runners[f"int{bits} kept, active experts dequantized per step"] = active_dequantized
     lines = ["| tokens | " + " | ".join(runners) + " |", "|---|" + "---|" * len(runners)]
@@ -142,10 +145,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--dequantized-per-step", action="store_true",
+                        help="also the active experts dequantized to float32 each step (slow: 10-100x the others)")
     args = parser.parse_args()
     if not args.skip_layer:
-        print("\n".join(layer_rows(args.rounds)))
-    print("\n".join(engine_rows(args.repeats, args.tokens)))
+        print("\n".join(layer_rows(args.rounds, args.dequantized_per_step)))
+    if not args.skip_engine:
+        print("\n".join(engine_rows(args.repeats, args.tokens)))
 
 
 if __name__ == "__main__":
