@@ -1,16 +1,19 @@
 """Quantized MoE experts kept quantized (layers/fused_moe/int_experts.py) against dequantized at load, on the CPU.
 
 1. One layer's experts (32 experts, hidden 1024, expert intermediate 512, top 4, bench_moe_w8a8.py's slice), one
-   thread, interleaved rounds, medians, at 1 / 16 / 64 tokens: float32 stacks (dequantized at load) through the
-   grouped product; kept int8 / int4 through torch's weight-only products per active expert (bf16 activations:
-   the CPU default); kept int8 / int4 with only the step's active experts dequantized to float32 and multiplied
-   (the alternative the choice was measured against).
+   thread (torch's and the native pool), interleaved rounds, medians, at 1 / 16 / 64 tokens: float32 stacks
+   (dequantized at load) through the grouped product; kept int8 / int4 per active expert through torch's
+   weight-only products (`cpu_int*_bf16`: activations, dequantized weights and outputs rounded to bf16) and,
+   where the native library builds with AVX-512 BF16, through the exact A16 product (`cpu_int*_a16`: the CPU
+   default there); with --dequantized-per-step, only the step's active experts dequantized to float32 and
+   multiplied (the alternative the choice was first measured against).
 2. The whole engine on a random Qwen3-MoE (hidden 512, 4 layers, 32 experts of 512, top 4), compressed-tensors
    W8A16 (channel) and W4A16 (groups of 128) checkpoints of it: the weight bytes the engine holds and decode
-   tok/s at batch 1 and 16, kept (the default) and KUBEINFER_QUANT_KERNEL=dequantized, interleaved rounds, best
-   and median.
+   tok/s at batch 1 and 16, kept (the default), kept through torch's products (forced: dense layers too) and
+   KUBEINFER_QUANT_KERNEL=dequantized, interleaved rounds, best and median.
 
-    python benchmarks/bench_moe_kept.py [--rounds 20] [--repeats 3] [--tokens 16]
+    python benchmarks/bench_moe_kept.py [--rounds 20] [--repeats 3] [--tokens 16] [--dequantized-per-step]
+        [--skip-layer] [--skip-engine]
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ MODEL = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, interme
              num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, max_position_embeddings=512)
 SCHEMES = {"w8a16": ("pack-quantized", 8, "int", "channel", True, None),
            "w4a16": ("pack-quantized", 4, "int", "group", True, 128)}
+TORCH_KERNEL = {"w8a16": "cpu_int8_bf16", "w4a16": "cpu_int4_bf16"}  # torch's products, forced
 
 
 def quantized(w: torch.Tensor, bits: int) -> IntWeight:
@@ -99,6 +103,8 @@ def layer_rows(rounds: int, dequantized_per_step: bool) -> list[str]:
 
 def engine_rows(repeats: int, tokens: int) -> list[str]:
     torch.set_num_threads(2)
+    if ops.available():
+        ops.set_threads(ops.default_threads())  # the engine's own (layer_rows set one)
     root = Path(".cache")
     float_dir = root / "bench-qwen3-moe-kept"
     if not (float_dir / "config.json").exists():
@@ -109,7 +115,9 @@ def engine_rows(repeats: int, tokens: int) -> list[str]:
         if not (path / "config.json").exists():
             config = ct_scheme(*args, ignore=("re:.*mlp.gate$",))
             write_checkpoint(float_dir, path, ct_compress(float_weights(float_dir), config), config)
-        systems[f"{scheme} kept"] = EngineSystem(path, tokens)
+        systems[f"{scheme} kept (default)"] = EngineSystem(path, tokens)
+        if a16_method.fast():  # else the default is torch's already
+            systems[f"{scheme} kept, torch's (forced)"] = EngineSystem(path, tokens, kernel=TORCH_KERNEL[scheme])
         systems[f"{scheme} dequantized"] = EngineSystem(path, tokens, kernel="dequantized")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, MODEL["vocab_size"], (32,), generator=gen).tolist() for _ in range(16)]
