@@ -6,8 +6,9 @@ decompressed by the compressed-tensors package), or the package's own decompress
 (AWQ through its converter), GPTQ's float weights computed before packing.
 
 With float32 activations (KUBEINFER_QUANT_KERNEL=cpu_int4 / cpu_int8 forces the kernels) torch's weight-only
-products are exact enough that greedy tokens equal the reference's. The CPU default (`*_bf16`, bf16
-activations, the formats' "A16") is held to log-probabilities within a measured bound of the reference."""
+products are exact enough that greedy tokens equal the reference's. The CPU default (bf16 activations, the
+formats' "A16": the exact A16 product where the native library builds it, else torch's `*_bf16`) is held to
+log-probabilities within a measured bound of the reference (test_quantized_moe_a16.py: the A16 experts' tokens)."""
 import pytest
 import test_quantized_moe
 import torch
