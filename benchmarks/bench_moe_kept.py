@@ -1,16 +1,19 @@
 """Quantized MoE experts kept quantized (layers/fused_moe/int_experts.py) against dequantized at load, on the CPU.
 
 1. One layer's experts (32 experts, hidden 1024, expert intermediate 512, top 4, bench_moe_w8a8.py's slice), one
-   thread, interleaved rounds, medians, at 1 / 16 / 64 tokens: float32 stacks (dequantized at load) through the
-   grouped product; kept int8 / int4 through torch's weight-only products per active expert (bf16 activations:
-   the CPU default); kept int8 / int4 with only the step's active experts dequantized to float32 and multiplied
-   (the alternative the choice was measured against).
+   thread (torch's and the native pool), interleaved rounds, medians, at 1 / 16 / 64 tokens: float32 stacks
+   (dequantized at load) through the grouped product; kept int8 / int4 per active expert through torch's
+   weight-only products (`cpu_int*_bf16`: activations, dequantized weights and outputs rounded to bf16) and,
+   where the native library builds with AVX-512 BF16, through the exact A16 product (`cpu_int*_a16`: the CPU
+   default there); with --dequantized-per-step, only the step's active experts dequantized to float32 and
+   multiplied (the alternative the choice was first measured against).
 2. The whole engine on a random Qwen3-MoE (hidden 512, 4 layers, 32 experts of 512, top 4), compressed-tensors
    W8A16 (channel) and W4A16 (groups of 128) checkpoints of it: the weight bytes the engine holds and decode
-   tok/s at batch 1 and 16, kept (the default) and KUBEINFER_QUANT_KERNEL=dequantized, interleaved rounds, best
-   and median.
+   tok/s at batch 1 and 16, kept (the default), kept through torch's products (forced: dense layers too) and
+   KUBEINFER_QUANT_KERNEL=dequantized, interleaved rounds, best and median.
 
-    python benchmarks/bench_moe_kept.py [--rounds 20] [--repeats 3] [--tokens 16]
+    python benchmarks/bench_moe_kept.py [--rounds 20] [--repeats 3] [--tokens 16] [--dequantized-per-step]
+        [--skip-layer] [--skip-engine]
 """
 from __future__ import annotations
 
@@ -31,11 +34,9 @@ from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_check
 
 from kubeinfer.engine.model_executor.layers.fused_moe.activation import silu_and_mul  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts  # noqa: E402
-from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import (  # noqa: E402
-    ExpertsIntMethod,
-    dequantize_rows,
-)
+from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import ExpertsIntMethod  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
+from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, ops  # noqa: E402
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight  # noqa: E402
 from kubeinfer.testing.random_model import build_random_model  # noqa: E402
 
@@ -44,6 +45,7 @@ MODEL = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, interme
              num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512, max_position_embeddings=512)
 SCHEMES = {"w8a16": ("pack-quantized", 8, "int", "channel", True, None),
            "w4a16": ("pack-quantized", 4, "int", "group", True, 128)}
+TORCH_KERNEL = {"w8a16": "cpu_int8_bf16", "w4a16": "cpu_int4_bf16"}  # torch's products, forced
 
 
 def quantized(w: torch.Tensor, bits: int) -> IntWeight:
@@ -55,24 +57,29 @@ def quantized(w: torch.Tensor, bits: int) -> IntWeight:
     return IntWeight(values.reshape(w.shape).to(torch.int8), scale, None, group, bits)
 
 
-def layer_rows(rounds: int) -> list[str]:
+def layer_rows(rounds: int, dequantized_per_step: bool) -> list[str]:
     torch.set_num_threads(1)
+    if ops.available():
+        ops.set_threads(1)  # the native pool (the A16 product) on one thread too
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(E, 2 * INTER, H, generator=g) * 0.02, torch.randn(E, H, INTER, generator=g) * 0.02
     runners = {"float32 stacks (dequantized at load)": lambda x, w, ids: grouped_experts(x, gate_up, down, w, ids,
                                                                                            silu_and_mul)}
-    for bits, kernel in ((8, "cpu_int8_bf16"), (4, "cpu_int4_bf16")):
+    for bits in (8, 4):
         ints = {"gate_up": quantized(gate_up, bits), "down": quantized(down, bits)}
-        moe = FusedMoE(E, H, INTER)
-        moe.int_method = ExpertsIntMethod(moe, ints, kernel, torch.float32)
-        runners[f"int{bits} kept, {kernel} per active expert"] = moe.forward
-        floats = {which: ints[which] for which in ints}
+        kernels = [f"cpu_int{bits}_bf16"] + ([f"cpu_int{bits}_a16"] if a16_method.fast() else [])
+        for kernel in kernels:
+            moe = FusedMoE(E, H, INTER)
+            moe.int_method = ExpertsIntMethod(moe, ints, kernel, torch.float32)
+            runners[f"int{bits} kept, {kernel} per active expert"] = moe.forward
+        if not dequantized_per_step:
+            continue
 
-        def active_dequantized(x, w, ids, floats=floats):
+        def active_dequantized(x, w, ids, ints=ints):
             def product(which, e, rows, out, bias):
-                part = floats[which]
+                part = ints[which]
                 one = IntWeight(part.values[e], part.scale[e], None, part.group_size, part.bits)
-                torch.mm(rows, dequantize_rows(one).t(), out=out)
+                torch.mm(rows, one.dequantize().t(), out=out)
             return grouped_experts(x, gate_up, down, w, ids, silu_and_mul, products=product)
         runners[f"int{bits} kept, active experts dequantized per step"] = active_dequantized
     lines = ["| tokens | " + " | ".join(runners) + " |", "|---|" + "---|" * len(runners)]
@@ -96,6 +103,8 @@ def layer_rows(rounds: int) -> list[str]:
 
 def engine_rows(repeats: int, tokens: int) -> list[str]:
     torch.set_num_threads(2)
+    if ops.available():
+        ops.set_threads(ops.default_threads())  # the engine's own (layer_rows set one)
     root = Path(".cache")
     float_dir = root / "bench-qwen3-moe-kept"
     if not (float_dir / "config.json").exists():
@@ -106,7 +115,9 @@ def engine_rows(repeats: int, tokens: int) -> list[str]:
         if not (path / "config.json").exists():
             config = ct_scheme(*args, ignore=("re:.*mlp.gate$",))
             write_checkpoint(float_dir, path, ct_compress(float_weights(float_dir), config), config)
-        systems[f"{scheme} kept"] = EngineSystem(path, tokens)
+        systems[f"{scheme} kept (default)"] = EngineSystem(path, tokens)
+        if a16_method.fast():  # else the default is torch's already
+            systems[f"{scheme} kept, torch's (forced)"] = EngineSystem(path, tokens, kernel=TORCH_KERNEL[scheme])
         systems[f"{scheme} dequantized"] = EngineSystem(path, tokens, kernel="dequantized")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, MODEL["vocab_size"], (32,), generator=gen).tolist() for _ in range(16)]
@@ -142,10 +153,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--skip-layer", action="store_true")
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--dequantized-per-step", action="store_true",
+                        help="also the active experts dequantized to float32 each step (slow: 10-100x the others)")
     args = parser.parse_args()
     if not args.skip_layer:
-        print("\n".join(layer_rows(args.rounds)))
-    print("\n".join(engine_rows(args.repeats, args.tokens)))
+        print("\n".join(layer_rows(args.rounds, args.dequantized_per_step)))
+    if not args.skip_engine:
+        print("\n".join(engine_rows(args.repeats, args.tokens)))
 
 
 if __name__ == "__main__":

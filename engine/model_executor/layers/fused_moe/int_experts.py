@@ -7,19 +7,30 @@ exactly) and stacked over the experts for the kernel that multiplies them:
   (triton_moe.py) reads values [E, N, K] (int8; fp8 as its e4m3 bits; int4 two per byte [E, N, K / 2], the
   even column in the low nibble, offset to unsigned), scales [E, N, groups] float32 and zeros [E, N, groups]
   int8 (asymmetric) and dequantizes each tile inside the kernel, as triton_int_matmul.py does for a dense layer.
-- CPU: the dense layers' kernel choice (linear_method.choose_kernel; for a float32 model `cpu_int8_bf16` /
-  `cpu_int4_bf16`: torch's weight-only products with the activations rounded to bf16) applied per active
-  expert: each expert's rows of the step go through its own product (grouped.py's loop). int8: values
-  [E, N, K] int8 (1 byte a weight) and a bf16 scale per row; int4: torch's CPU int4 pack per expert
-  [E, N, K / 2] uint8 (half a byte a weight) and bf16 scales and zeros per group.
+- CPU: the dense layers' kernel choice (linear_method.choose_kernel) applied per active expert: each expert's
+  rows of the step go through its own product (grouped.py's loop). For a float32 model:
+  - where the native library builds with AVX-512 BF16 (a16_method.fast()), the exact A16 product
+    (`cpu_int4_a16` / `cpu_int8_a16`, a16_experts.py): int4 (groups of a multiple of 32, or per channel) and
+    int8 (per channel or grouped, symmetric or not: kept now, dequantized before), each expert packed at load
+    in a16_linear.c's layout (half a byte / one byte a weight, float32 scales and the zero points per 16 rows
+    and group) and multiplied by ki_a16_linear, the dense layers' entry point: the activations rounded to bf16
+    as torch rounds them, nothing else rounded, float32 sums in one fixed order (batch-invariant);
+  - elsewhere torch's weight-only products (`cpu_int8_bf16` / `cpu_int4_bf16`: activations, dequantized
+    weights and outputs rounded to bf16): int8 per channel symmetric, [E, N, K] int8 and a bf16 scale a row;
+    int4 groups of 32-256, torch's CPU int4 pack per expert [E, N, K / 2] uint8, bf16 scales and zeros.
   Measured (benchmarks/bench_moe_kept.py, RESULTS.md "moe-quantized-kept"; 32 experts, hidden 1024, expert
-  intermediate 512, top 4, one thread, a shared 2-core CPU at load 5.3-5.7), ms at 1 / 16 tokens: float32
-  stacks 1.68 / 23.5; int8 per active expert 0.73 / 4.3, int4 0.58 / 3.1; dequantizing only the step's active
-  experts to float32 and multiplying 22 / 185-189 (3.2 / 33 in a quieter run). The weight-only products win at
-  both sizes, in every run.
-  Layouts no torch product takes (asymmetric or grouped int8, fp8 on a CPU) and W8A8 checkpoints' experts
-  (their activations are quantized exactly, which a bf16 rounding would undo) are dequantized at load into
-  the float stacks, as the dense layers are; so is everything under KUBEINFER_QUANT_KERNEL=dequantized.
+  intermediate 512, top 4, one thread, a shared 2-core CPU at load ~3), ms at 1 / 16 tokens: float32 stacks
+  1.67 / 23.9; torch's int8 0.64 / 5.0, int4 0.37 / 3.2; A16 int8 0.36 / 2.7, int4 0.24 / 1.9 (1.5-1.9x
+  torch's). The loop around the products (sorting, gathering, activation, weighted sum) is ~45 us at one token
+  and ~0.2 ms at 16; each A16 call ~2.4 us of call overhead (ctypes and the wrapper), too little (<10% of the
+  layer) for a batched C entry. Dequantizing only the step's active experts to float32 and multiplying was
+  slower than the float32 stacks in every run (22 / 185-189 ms in the first measurement; --dequantized-per-step).
+  Layouts no kept product takes (fp8 on a CPU; without the A16 build, asymmetric or grouped int8) and W8A8
+  checkpoints' experts (their activations are quantized exactly, which a bf16 rounding would undo) are
+  dequantized at load into the float stacks, as the dense layers are; so is everything under
+  KUBEINFER_QUANT_KERNEL=dequantized. KUBEINFER_QUANT_KERNEL forces the experts' kernel as the dense layers'
+  (a kernel that does not take the layout: dequantized); llama.cpp's arithmetic (`cpu_int*_vnni`) serves dense
+  layers only: experts take torch's product of its width.
 
 `--quantization fp8` on a float checkpoint keeps its experts here too, where the kernel exists (CUDA): each
 expert quantized per output row to e4m3 as the loader reads it (fp8.Fp8Config.int_weight), values [E, N, K]
@@ -35,6 +46,8 @@ import torch
 from torch import nn
 
 from ..quantization.linear_method import BF16_ACTIVATIONS, NATIVE, IntWeight, applies, choose_kernel, pack
+from .a16_experts import KERNELS as A16_KERNELS
+from .a16_experts import A16Experts
 
 PROJECTIONS = ("gate_up", "down")
 
@@ -42,8 +55,8 @@ PROJECTIONS = ("gate_up", "down")
 def choose_expert_kernel(sample: IntWeight, device: torch.device, dtype: torch.dtype, w8a8: bool) -> str:
     """The dense layers' measured choice for one expert's weight; "dequantized" where no kept kernel serves it."""
     kernel = choose_kernel(sample, device, dtype, w8a8)
-    if kernel in NATIVE:  # the native products serve dense layers only: torch's of the same width, where it applies
-        kernel = NATIVE[kernel] if applies(NATIVE[kernel], sample) else "dequantized"
+    if kernel in NATIVE and kernel not in A16_KERNELS:  # llama.cpp's arithmetic serves dense layers only: torch's
+        kernel = NATIVE[kernel] if applies(NATIVE[kernel], sample) else "dequantized"  # of the same width
     if kernel == "triton" and sample.values.shape[1] % 2 and sample.bits == 4:
         return "dequantized"  # int4 is packed two columns a byte
     return kernel
@@ -67,6 +80,12 @@ class ExpertsIntMethod:
     def __init__(self, moe: nn.Module, weights: dict[str, IntWeight], kernel: str, dtype: torch.dtype,
                  device: torch.device | None = None) -> None:
         self.act_dtype = dtype
+        self.a16 = None
+        if kernel in A16_KERNELS:
+            device = moe.gate_up_proj.device if device is None else device
+            self.kernel, self.a16 = kernel, A16Experts(moe, weights, device)
+            _drop_float_stacks(moe)
+            return
         if kernel in BF16_ACTIVATIONS:
             kernel, self.act_dtype = BF16_ACTIVATIONS[kernel], torch.bfloat16
         self.kernel = kernel
@@ -77,9 +96,7 @@ class ExpertsIntMethod:
         for which in PROJECTIONS:
             for suffix, tensor in pack(weights[which], kernel, self.act_dtype).items():
                 moe.register_parameter(f"{which}_{suffix}", nn.Parameter(tensor.to(device), requires_grad=False))
-            float_stack = getattr(moe, f"{which}_proj")  # its shape stays, its memory goes
-            setattr(moe, f"{which}_proj", nn.Parameter(torch.empty(float_stack.shape, dtype=float_stack.dtype,
-                                                                   device="meta"), requires_grad=False))
+        _drop_float_stacks(moe)
 
     def apply(self, moe: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         if self.kernel == "triton":
@@ -101,7 +118,10 @@ class ExpertsIntMethod:
 
     def product(self, moe: nn.Module, which: str, expert: int, rows: torch.Tensor, out: torch.Tensor,
                 bias: torch.Tensor | None) -> None:
-        """out = rows @ W[expert].T (+ bias) for `which` (gate_up or down), through torch's weight-only product."""
+        """out = rows @ W[expert].T (+ bias) for `which` (gate_up or down), through the A16 product or torch's
+        weight-only product."""
+        if self.a16 is not None:
+            return self.a16.product(moe, which, expert, rows, out, bias)
         a = rows.to(self.act_dtype)
         qweight = getattr(moe, f"{which}_qweight")[expert]
         if self.kernel == "cpu_int4":
@@ -114,3 +134,11 @@ class ExpertsIntMethod:
         if bias is not None:
             out.add_(bias)
 
+
+
+def _drop_float_stacks(moe: nn.Module) -> None:
+    """The float stacks keep their shapes (on the meta device), not their memory."""
+    for which in PROJECTIONS:
+        float_stack = getattr(moe, f"{which}_proj")
+        setattr(moe, f"{which}_proj", nn.Parameter(torch.empty(float_stack.shape, dtype=float_stack.dtype,
+                                                               device="meta"), requires_grad=False))
