@@ -5,18 +5,23 @@ integer product (layers/quantization/w4a8.py), the int4 weight held packed.
 Reference nobody here wrote: transformers loading the checkpoint with `CompressedTensorsConfig()` (its default:
 the package's forward wrapper decompresses the weights and fake-quantizes each quantized layer's input).
 `CompressedTensorsConfig(run_compressed=False)` only sets `dequantize=True` in the installed transformers, which
-leaves the activations unquantized (test_quantized_w8a8.py; its logits are the guard below). Greedy tokens equal
-the reference's, near ties excused as in test_quantized_w8a8.py, where the reference's top two logits are within
-MAX_GAP (the activation quantization's noise measured below; 0.073 was met). Log-probabilities (the first token's top 5 over 8
-prompts): within 0.15 of the reference's at most and 0.04 on average. Measured: 0.076 / 0.018 at groups of 128,
-0.100 / 0.019 at groups of 32, 0.056 / 0.018 per channel; the engine's fake quantization (the reference's own computation) 0.051-0.064 / 0.006:
-a layer's output is the reference's within ~3e-7 of its range (float rounding), but where a rounding moves an
-activation across an int8 rounding boundary the next layer sees a whole quantization step, so the gaps are those
-of activation quantization, not of the product. The weight-only reference (activations unquantized) is
-0.25-0.30 / 0.08-0.09 away: outside both bounds (the guard). Layouts the product does not take run as
+leaves the activations unquantized (test_quantized_w8a8.py; its logits are the guard below).
+
+Greedy tokens equal the reference's, near ties excused as in test_quantized_w8a8.py where the reference's top two
+logits are within MAX_GAP (the activation quantization's noise, measured below; a tie of 0.073 was met).
+Log-probabilities (the first token's top 5 over 8 prompts): within MAX_GAP = 0.15 of the reference's at most and
+MEAN_GAP = 0.04 on average. Measured, largest / mean: 0.076 / 0.018 at groups of 128, 0.100 / 0.019 at groups of
+32, 0.056 / 0.018 per channel; the engine's fake quantization (the reference's own computation) 0.051-0.064 /
+0.006. A layer's output is the reference's within ~3e-7 of its range (float rounding), but where a rounding moves
+an activation across an int8 rounding boundary the next layer sees a whole quantization step: the gaps are those
+of activation quantization, not of the product. The weight-only reference (activations unquantized) is 0.25-0.30
+/ 0.08-0.09 away: outside both bounds (the guard). Layouts the product does not take run as
 before (the dequantized weight, fake-quantized input), as do KUBEINFER_W8A8_KERNEL=fake_quant and
 KUBEINFER_QUANT_KERNEL=dequantized; KUBEINFER_W8A8_KERNEL=int_mm gives torch._int_mm's twin (the same bits)."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,8 +173,6 @@ def test_static_activation_scales_run_as_before(float_dir):
     model_dir = w4a8_checkpoint(float_dir, "w4a8_static", inputs=dict(type="int", strategy="tensor", dynamic=False))
     weights = float_weights(model_dir)
     weights.update(static_inputs(float_dir, ct_activation_args(type="int", strategy="tensor", dynamic=False)))
-    import json
-    from pathlib import Path
     config = json.loads((Path(model_dir) / "config.json").read_text())["quantization_config"]
     static = write_checkpoint(float_dir, float_dir.parent / "w4a8_static_scaled", weights, config)
     llm = LLM(static, max_model_len=64, num_kv_blocks=16)

@@ -17,8 +17,8 @@ from .layers import deferred_weight, native_lm_head
 from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
 from .layers.quantization import QuantizationError, fp8, linear_method, w8a8
-from .layers.quantization.w8a8 import hold_int4
 from .layers.quantization.kv_cache_dtype import SCALE_KEY as KV_SCALE_KEY
+from .layers.quantization.w8a8 import hold_int4
 from .layers.rotary_embedding import RotaryEmbedding
 from .model_files import ModelFiles, ModelLoadError, inspect_model_dir, resolve_dtype  # noqa: F401 (their home before)
 from .models.llama import CausalLM

@@ -4,6 +4,11 @@
 (linear_method.py). A fused projection (q/k/v, gate/up) whose parts carry different static input scales
 quantizes the input once per part and keeps each part's output columns, as the reference's separate layers do.
 
+W4A8 (int4 weights with int8 dynamic per-token activations, llm-compressor's W4A8): the loader holds the int4
+weights (`hold_int4`), and `install` gives each such layer the exact int4 x int8 product, its weight packed
+(w4a8.py; w4a8_vnni, or w4a8_int_mm where KUBEINFER_W8A8_KERNEL=int_mm asks or the native library does not
+build); held weights of layers whose scheme it does not take are dequantized and run as any W8A8 layer.
+
 LoRA over a W8A8 base: the adapter's delta is computed beside the base product from the unquantized input
 (models/llama.py `_project`), as PEFT does (its LoRA layer calls the wrapped base layer, whose forward
 fake-quantizes the input, and feeds lora_A the original input) and vLLM does (the base quant method
