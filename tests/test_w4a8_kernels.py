@@ -39,9 +39,9 @@ def int4_case(m: int, k: int, n: int, group: int | None, seed: int = 0):
 
 
 def native(x, w, scale, group, reduce_range=None):
-    q, sx = w4a8_ops.quantized_tokens(x, TOKEN, reduce_range)
+    """The layer's call (w4a8_ops.linear: float32 rows quantized and multiplied in one native call)."""
     packed, packed_scale = w4a8_ops.pack(w, scale)
-    return w4a8_ops.product(q, sx, packed, packed_scale, group, w.shape[0])
+    return w4a8_ops.linear(x, TOKEN, packed, packed_scale, group, w.shape[0], reduce_range)
 
 
 def float64_formula(x, w, scale, group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +77,7 @@ def test_int_mm_twin_and_a_rank_s_torch_quantization_give_the_same_bits(m, k, n,
     got = native(x, w, scale, group)
     q, sx = w4a8_ops.quantized_tokens(x, TOKEN)
     assert torch.equal(w4a8_ops.int_mm_product(q, sx, w.t().contiguous(), scale.t().contiguous(), group), got)
+    assert torch.equal(w4a8_ops.product(q, sx, *w4a8_ops.pack(w, scale), group, n), got)  # pre-quantized input
     whole = lambda lo, hi: (lo, hi)  # noqa: E731  (a tensor-parallel rank's path: activations.py's quantization)
     assert torch.equal(native(x, w, scale, group, reduce_range=whole), got)
 
@@ -121,5 +122,4 @@ def test_layouts_the_kernel_does_not_take():
     assert not w4a8_ops.takes(ops.MAX_INPUTS + 32, 1, ops.MAX_INPUTS + 32)
     x, w, scale, _ = int4_case(2, 64, 16, 32)
     with pytest.raises(ValueError, match="not its layout"):
-        q, sx = w4a8_ops.quantized_tokens(x, TOKEN)
-        w4a8_ops.product(q, sx, *w4a8_ops.pack(w, scale), 16, 16)
+        w4a8_ops.linear(x, TOKEN, *w4a8_ops.pack(w, scale), 16, 16)

@@ -132,7 +132,8 @@ int ki_w4a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, co
             int group_size, int N, float *out) {
     int Kp = (K + BLOCK - 1) / BLOCK * BLOCK;
     int bpg = groups == 1 ? Kp / BLOCK : group_size / BLOCK;
-    if (groups < 1 || (groups > 1 && (group_size % BLOCK || (groups - 1) * bpg * BLOCK >= Kp || groups * bpg * BLOCK < Kp)))
+    if (groups < 1 || (groups > 1 && (group_size % BLOCK || (groups - 1) * bpg * BLOCK >= Kp
+                                      || groups * bpg * BLOCK < Kp)))
         return -2;
     int8_t *qp = aligned_alloc(64, (size_t)M * Kp + 64);
     int32_t *s = malloc(sizeof(int32_t) * ((size_t)M * groups + 1));
@@ -157,4 +158,19 @@ int ki_w4a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, co
     pthread_mutex_unlock(&call_mu);
     free(qp), free(s);
     return 0;
+}
+
+/* ki_w4a8 on float32 x [M, K], quantized first by ki_quantize_token_int8 (one call a layer from Python). */
+int ki_w4a8_f32(const float *x, int M, int K, const uint8_t *w, const float *sw, int groups, int group_size, int N,
+                float *out) {
+    int8_t *q = malloc((size_t)M * K + 64);
+    float *sx = malloc(sizeof(float) * ((size_t)M + 1));
+    if (!q || !sx) {
+        free(q), free(sx);
+        return -1;
+    }
+    ki_quantize_token_int8(x, M, K, q, sx);
+    int status = ki_w4a8(q, sx, M, K, w, sw, groups, group_size, N, out);
+    free(q), free(sx);
+    return status;
 }

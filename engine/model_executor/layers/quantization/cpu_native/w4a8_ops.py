@@ -47,17 +47,41 @@ def _kernel():
     return ops.kernel("ki_w4a8", [p, p, i, i, p, p, i, i, i, p], i)
 
 
+def _float_kernel():
+    p, i = ctypes.c_void_p, ctypes.c_int
+    return ops.kernel("ki_w4a8_f32", [p, i, i, p, p, i, i, i, p], i)
+
+
+def _checked(status: int, group_size: int, k: int) -> None:
+    if status != 0:
+        raise MemoryError("native W4A8 kernel: out of memory") if status == -1 else \
+            ValueError(f"native W4A8 kernel: groups of {group_size} over {k} inputs are not its layout")
+
+
+def linear(rows: torch.Tensor, scheme: ActivationScheme, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
+           out_features: int, reduce_range=None) -> torch.Tensor:
+    """rows [M, K] quantized (quantized_tokens) and multiplied: float32 [M, out_features]. Float32 rows on one rank
+    in one native call (ki_w4a8_f32: ki_quantize_token_int8, then ki_w4a8; a decode step makes ~50 of these)."""
+    if reduce_range is not None or rows.dtype is not torch.float32:
+        return product(*quantized_tokens(rows, scheme, reduce_range), packed, scale, group_size, out_features)
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    m, k = rows.shape
+    out = rows.new_empty(m, out_features)
+    if m:
+        _checked(_float_kernel()(rows.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), scale.shape[1],
+                                 group_size, out_features, out.data_ptr()), group_size, k)
+    return out
+
+
 def product(q: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
             out_features: int) -> torch.Tensor:
     """q [M, K] int8 (contiguous), sx [M] float32 times the packed weight -> float32 [M, out_features]."""
     m, k = q.shape
     out = torch.empty(m, out_features)
     if m:
-        status = _kernel()(q.data_ptr(), sx.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), scale.shape[1],
-                           group_size, out_features, out.data_ptr())
-        if status != 0:
-            raise MemoryError("native W4A8 kernel: out of memory") if status == -1 else \
-                ValueError(f"native W4A8 kernel: groups of {group_size} over {k} inputs are not its layout")
+        _checked(_kernel()(q.data_ptr(), sx.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), scale.shape[1],
+                           group_size, out_features, out.data_ptr()), group_size, k)
     return out
 
 
