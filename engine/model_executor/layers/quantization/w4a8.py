@@ -22,18 +22,22 @@ a weight group regroups it, IntWeight.narrow) and a row-parallel rank quantizes 
 range (w8a8_tp.range_reducer). LoRA: the adapter reads the unquantized input beside this product (w8a8.py)."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 from torch import nn
 
 from ..deferred_weight import allocated, device_of
+from ..vocab_parallel import ParallelLMHead
 from .activations import ActivationScheme
 from .cpu_native import w4a8_ops
 from .linear_method import NATIVE, IntWeight
 from .w8a8_tp import range_reducer
 
 KERNELS = ("w4a8_vnni", "w4a8_int_mm")
+logger = logging.getLogger(__name__)
+_SAID: set = set()  # the schemes whose fallback was logged
 _HELD = "_w4a8_held"  # the held IntWeight, an attribute of its layer until w8a8.install takes or dequantizes it
 
 
@@ -49,11 +53,13 @@ def holds(weight: IntWeight, device: torch.device, dtype: torch.dtype) -> bool:
 
 def hold(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype) -> dict[str, IntWeight]:
     """Each `<module>.weight` of `weights` the W4A8 product could take held on its layer (its float weight left
-    unwritten); returns the others, for linear_method.install."""
+    unwritten); returns the others, for linear_method.install (a quantized lm_head among them: its vocabulary-
+    parallel forward and native logits path know linear_method's and W8A8's methods only)."""
     rest = {}
     for name, weight in weights.items():
         layer = model.get_submodule(name.removesuffix(".weight"))
-        if isinstance(layer, nn.Linear) and holds(weight, device_of(layer), dtype):
+        head = isinstance(layer, ParallelLMHead) or name == "lm_head.weight"  # a quantized head: as before
+        if isinstance(layer, nn.Linear) and not head and holds(weight, device_of(layer), dtype):
             setattr(layer, _HELD, weight)
         else:
             rest[name] = weight
@@ -70,6 +76,11 @@ def take(layer: nn.Linear, scheme: ActivationScheme, kernel: str | None):
     if kernel in KERNELS and scheme.type == "int" and scheme.strategy == "token" and scheme.dynamic \
             and scheme.symmetric:
         return W4A8Method(layer, scheme, weight, kernel)
+    if scheme is not None and scheme not in _SAID:  # once per scheme in a process, not once a layer
+        _SAID.add(scheme)
+        logger.info("int4 weights with %s activations: not the exact W4A8 product (it takes int8 dynamic per-token "
+                    "symmetric activations on a float32 CPU model, KUBEINFER_W8A8_KERNEL int8_vnni or int_mm); "
+                    "dequantized to float32, inputs fake-quantized as the reference", scheme.describe())
     with torch.no_grad():
         allocated(layer).copy_(weight.dequantize())
     return None
