@@ -152,11 +152,20 @@ def test_the_kernel_switches_are_honoured(float_dir, monkeypatch, env, kernel):
 @pytest.mark.parametrize("name, inputs", [
     ("asym", dict(TOKEN, symmetric=False)),
     pytest.param("group_inputs", dict(TOKEN, strategy="group", group_size=64), marks=pytest.mark.slow)])
-def test_activation_layouts_the_product_does_not_take_run_as_before(float_dir, name, inputs):
+def test_activation_layouts_the_product_does_not_take_run_as_before(float_dir, monkeypatch, caplog, name, inputs):
     """Asymmetric or grouped dynamic activations: the held int4 weight is dequantized into the layer and the
-    input fake-quantized (the reference's computation), which still gives the reference's tokens."""
+    input fake-quantized (the reference's computation), which still gives the reference's tokens; the start-up
+    log says so, naming the scheme."""
+    import logging
+
+    from kubeinfer.engine.model_executor.layers.quantization import w4a8
+
+    monkeypatch.setattr(w4a8, "_SAID", set())  # said once per scheme in a process
     model_dir = w4a8_checkpoint(float_dir, f"w4a8_{name}", inputs=inputs)
-    llm = LLM(model_dir, max_model_len=64, num_kv_blocks=16)
+    with caplog.at_level(logging.INFO, logger=w4a8.__name__):
+        llm = LLM(model_dir, max_model_len=64, num_kv_blocks=16)
+    scheme = next(iter(kernels_of(llm))).rsplit(" (", 1)[0]
+    assert f"int4 weights with {scheme} activations: not the exact W4A8 product" in caplog.text
     assert {s.rsplit(" (", 1)[1] for s in kernels_of(llm)} == {"fake_quant)"}
     assert llm.engine.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
     llm.shutdown()
