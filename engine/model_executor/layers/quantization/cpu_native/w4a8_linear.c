@@ -42,8 +42,9 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_ctx *c, i
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     for (int gi = 0; gi < c->groups; gi++) {
         int b0 = gi * c->bpg, b1 = b0 + c->bpg < blocks ? b0 + c->bpg : blocks;
-        __m512i even[W4_TILE], odd[W4_TILE];
+        __m512i even[W4_TILE], odd[W4_TILE], even2[4], odd2[4]; /* even2, odd2: the memory-bound loop's (mt <= 4) */
         for (int t = 0; t < mt; t++) even[t] = odd[t] = _mm512_setzero_si512();
+        for (int t = 0; t < (mt < 4 ? mt : 4); t++) even2[t] = odd2[t] = _mm512_setzero_si512();
         for (int b = b0; b < b1; b++) {
             const uint8_t *wb = wg + (size_t)b * (BLOCK * ROWS / 2);
             /* the first tile only (later ones find the weights in cache), and not past the task's own weights */
@@ -66,15 +67,22 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_ctx *c, i
                         odd[t] = _mm512_dpbusd_epi32(odd[t], w3, _mm512_shuffle_epi32(a, 0xFF));
                     }
                 }
-            } else { /* bound by reading the weights: 8 inputs a step, the activations broadcast from memory */
-                for (int j = 0; j < BLOCK / 8; j++) {
-                    if (fetch) _mm_prefetch((const char *)wb + 64 * j + W4_PREFETCH, _MM_HINT_T0);
-                    __m512i v = _mm512_loadu_si512(wb + 64 * j);
-                    __m512i w0 = _mm512_and_si512(v, low), w1 = _mm512_and_si512(v, high);
+            } else { /* bound by reading the weights: the activations broadcast from memory, four chains a token
+                      * (vpdpbusd's latency, not the loads, would bound two chains at one token) */
+                for (int j = 0; j < BLOCK / 8; j += 2) {
+                    if (fetch) {
+                        _mm_prefetch((const char *)wb + 64 * j + W4_PREFETCH, _MM_HINT_T0);
+                        _mm_prefetch((const char *)wb + 64 * j + 64 + W4_PREFETCH, _MM_HINT_T0);
+                    }
+                    __m512i v0 = _mm512_loadu_si512(wb + 64 * j), v1 = _mm512_loadu_si512(wb + 64 * j + 64);
+                    __m512i w0 = _mm512_and_si512(v0, low), w1 = _mm512_and_si512(v0, high);
+                    __m512i w2 = _mm512_and_si512(v1, low), w3 = _mm512_and_si512(v1, high);
                     for (int t = 0; t < mt; t++) {
                         const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + b * BLOCK + 8 * j;
                         even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_set1_epi32(*(const int32_t *)q));
                         odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+                        even2[t] = _mm512_dpbusd_epi32(even2[t], w2, _mm512_set1_epi32(*(const int32_t *)(q + 8)));
+                        odd2[t] = _mm512_dpbusd_epi32(odd2[t], w3, _mm512_set1_epi32(*(const int32_t *)(q + 12)));
                     }
                 }
             }
@@ -82,7 +90,9 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_ctx *c, i
         __m512 sw = _mm512_loadu_ps(scales + gi * ROWS);
         for (int t = 0; t < mt; t++) {
             int m = m0 + t;
-            __m512i sum = _mm512_add_epi32(even[t], _mm512_srai_epi32(odd[t], 4));
+            __m512i e = even[t], o = odd[t];
+            if (mt <= 4) e = _mm512_add_epi32(e, even2[t]), o = _mm512_add_epi32(o, odd2[t]);
+            __m512i sum = _mm512_add_epi32(e, _mm512_srai_epi32(o, 4));
             sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(c->s[(size_t)m * c->groups + gi]));
             __m512 scale = _mm512_mul_ps(_mm512_set1_ps(c->sx[m]), sw);
             acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale));
