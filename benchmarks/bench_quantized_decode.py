@@ -16,6 +16,9 @@ machine is shared: the best round is the one least disturbed), with the median b
     python benchmarks/bench_quantized_decode.py --model small,large --peer llama.cpp [--tokens 32] [--repeats 3]
     python benchmarks/bench_quantized_decode.py --kernels     # one layer's product per kernel (the CPU choice)
 
+`--scheme w4a8`: a W4A8 checkpoint (int4 weights, int8 per-token activations) against llama.cpp Q4_0 instead
+(bench_w4a8_decode.py, its own RESULTS.md section quantized-decode-w4a8).
+
 `--lm-head int8`: the checkpoints quantize lm_head too, W8A16 per channel in both (a config group of its own; as
 llama.cpp users' Q8_0 output matrix), and llama.cpp's Q8_0/Q4_0 quantize their output matrix to Q8_0; the
 float-head checkpoints and f32-output GGUFs run beside them in the same rounds. Written to its own RESULTS.md
@@ -169,9 +172,6 @@ HEAD_PAIRS = (("engine W8A16, lm_head int8", "llama.cpp Q8_0, output Q8_0"),
 def run_model(name: str, args) -> str:
     """The side-by-side table of one model (markdown), printed as it goes."""
     made = checkpoints(name, args.lm_head)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, MODELS[name][1]["vocab_size"], (PROMPT_LEN,), generator=gen).tolist()
-               for _ in range(max(BATCHES))]
     systems = head_systems(made, args.tokens) if args.lm_head == "int8" else {
                "engine float32 checkpoint (float32)": EngineSystem(made["float32"], args.tokens),
                "engine W8A16 (float32 model)": EngineSystem(made["w8a16"], args.tokens),
@@ -199,6 +199,15 @@ def run_model(name: str, args) -> str:
                 systems["llama.cpp f32"] = LlamaCppSystem(f32, args.tokens)
                 for kind in ("Q8_0", "Q4_0"):
                     systems[f"llama.cpp {kind}"] = LlamaCppSystem(llama_cpp_peer.quantize(f32, kind), args.tokens)
+    rates, products, kernels, loads = measure(name, systems, args)
+    return table(name, rates, products, kernels, loads, peer_note, HEAD_PAIRS if args.lm_head == "int8" else None)
+
+
+def measure(name: str, systems: dict, args) -> tuple[dict, dict, dict, list]:
+    """Every system's rounds, interleaved (then closed): (rates, products alone, kernels, load averages)."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, MODELS[name][1]["vocab_size"], (PROMPT_LEN,), generator=gen).tolist()
+               for _ in range(max(BATCHES))]
     for system in systems.values():  # warm-up round
         if isinstance(system, EngineSystem):
             system.rate(prompts[:1])
@@ -217,7 +226,7 @@ def run_model(name: str, args) -> str:
     kernels = {label: ", ".join(s.kernels) for label, s in systems.items() if isinstance(s, EngineSystem)}
     for system in systems.values():
         system.close()
-    return table(name, rates, products, kernels, loads, peer_note, HEAD_PAIRS if args.lm_head == "int8" else None)
+    return rates, products, kernels, loads
 
 
 def table(name: str, rates, products, kernels, loads, peer_note: str, pairs=None) -> str:
@@ -267,7 +276,14 @@ def main() -> None:
     parser.add_argument("--lm-head", choices=("float32", "int8"), default="float32",
                         help="int8: checkpoints with lm_head W8A16 per channel against llama.cpp's Q8_0 output "
                              "matrix (its own RESULTS.md section)")
+    parser.add_argument("--scheme", choices=("w4a8",), help="w4a8: a W4A8 checkpoint (int4 weights, int8 activations) "
+                        "against llama.cpp Q4_0 instead (bench_w4a8_decode.py; its own RESULTS.md section)")
     args = parser.parse_args()
+    if args.scheme == "w4a8":
+        from bench_w4a8_decode import run
+
+        run(args)
+        return
     if args.kernels:
         kernel_times()
         return

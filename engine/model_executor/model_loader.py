@@ -18,6 +18,7 @@ from .layers.attention import AttentionBackend
 from .layers.cpu_blas import use_openblas_for_small_steps
 from .layers.quantization import QuantizationError, fp8, linear_method, w8a8
 from .layers.quantization.kv_cache_dtype import SCALE_KEY as KV_SCALE_KEY
+from .layers.quantization.w8a8 import hold_int4
 from .layers.rotary_embedding import RotaryEmbedding
 from .model_files import ModelFiles, ModelLoadError, inspect_model_dir, resolve_dtype  # noqa: F401 (their home before)
 from .models.llama import CausalLM
@@ -232,7 +233,10 @@ def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], 
             params[name] = deferred_weight.allocated(model.get_submodule(name.removesuffix(".weight")))
             for shard, part in slices.items():
                 _copy_into(params[name], part.dequantize(), shard, model, name)
-    return linear_method.install(model, whole, next(iter(params.values())).dtype, w8a8)
+    dtype = next(iter(params.values())).dtype
+    if w8a8:  # int4 weights W4A8's exact product may take: held until w8a8.install reads their activations
+        whole = hold_int4(model, whole, dtype)
+    return linear_method.install(model, whole, dtype, w8a8)
 
 
 def _target(key: str) -> tuple[str, int | None]:

@@ -12,6 +12,7 @@ import torch
 
 from .quantization.cpu_native import ops
 from .quantization.cpu_native.a16_method import A16Method
+from .quantization.w4a8 import W4A8Method
 
 P, INT, LONG, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 
@@ -44,9 +45,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def proj(linear: torch.nn.Linear, keep: list) -> Proj:
-    """A projection multiplied by NativeIntMethod (its packed weight, scales, offsets and bias) or A16Method (zeros
-    in place of the offsets), as its apply."""
+    """A projection multiplied by NativeIntMethod (its packed weight, scales, offsets and bias), A16Method (zeros
+    in place of the offsets) or W4A8Method (the native w4a8_vnni kernel, no offsets), as its apply."""
     method, params = linear.quant_method, linear._parameters
+    if type(method) is W4A8Method:  # its packed int4 and group scales, no offsets (ki_w4a8_f32)
+        tensors = [params["qweight_int4"], params["weight_group_scale"], params.get("bias")]
+        keep.extend(tensors)
+        return Proj(_ptr(tensors[0]), _ptr(tensors[1]), _ptr(tensors[2]), None, 4, tensors[1].shape[1],
+                    method.group_size, method.out_features, linear.in_features, 2)
     a16 = type(method) is A16Method
     tensors = [params["qweight"], params["weight_scale"], params[method.zero_name], params.get("bias")]
     keep.extend(tensors)

@@ -4,8 +4,9 @@ layer, a fifth of a 5.5 ms step. The same C kernels in the same order as the per
 
 Which layers: decided once, at the first step that asks: llama.py's DecoderLayer itself (not another family's),
 RMSNorm norms (float32), the rotate-half rotary on the CPU, the torch attention backend without a score cap,
-silu, every projection through A16Method (the float32 default, cpu_int8_a16 / cpu_int4_a16) or NativeIntMethod
-(KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni), tensor parallel size 1; Qwen3's q/k norms included.
+silu, every projection through A16Method (the float32 default, cpu_int8_a16 / cpu_int4_a16), NativeIntMethod
+(KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni) or W4A8Method's native kernel (w4a8_vnni: W4A8
+checkpoints), tensor parallel size 1; Qwen3's q/k norms included.
 Consecutive such layers are one call; the others run their forward.
 Which steps, checked each step: decodes only (one token a sequence), no LoRA adapter in it, float32 activations
 and KV caches, the native layers on (`ops.layers_enabled()`: KUBEINFER_CPU_NATIVE_LAYERS) and
@@ -24,6 +25,7 @@ from ..layers.layernorm import RMSNorm
 from ..layers.quantization.cpu_native import ops
 from ..layers.quantization.cpu_native.a16_method import A16Method
 from ..layers.quantization.cpu_native.method import NativeIntMethod
+from ..layers.quantization.w4a8 import W4A8Method
 from ..layers.rotary_embedding import RotaryEmbedding
 
 PLAN = "_native_decode_plan"
@@ -45,7 +47,8 @@ def _norm_ok(norm) -> bool:
 def _native(linear, tp_ok: bool = True) -> bool:
     method = getattr(linear, "quant_method", None)
     bias = linear._parameters.get("bias")
-    return (type(method) in (NativeIntMethod, A16Method) and tp_ok
+    w4a8 = type(method) is W4A8Method and method.kernel == "w4a8_vnni" and method.reduce_range is None
+    return ((type(method) in (NativeIntMethod, A16Method) or w4a8) and tp_ok
             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
 
 

@@ -16,8 +16,8 @@ pays: on the CPU's float32, int4 and per-channel int8 run with bf16 activations;
 stay one byte each on CUDA, through the Triton kernel that decodes e4m3, and are dequantized on the CPU). A
 group's `input_activations` (W8A8: int8 or FP8, dynamic per token or group, static per tensor with
 `input_scale` / `input_zero_point`) quantize each quantized layer's input as the compressed-tensors
-package's forward does (activations.py, w8a8.py); `output_activations` are refused. `k_scale`/`v_scale` (a
-`kv_cache_scheme`) are the FP8 KV cache's scales (kv_cache_dtype.py)."""
+package's forward does (activations.py, w8a8.py; W4A8's int4 kept packed: w4a8.py); `output_activations` are
+refused. `k_scale`/`v_scale` (a `kv_cache_scheme`) are the FP8 KV cache's scales (kv_cache_dtype.py)."""
 from __future__ import annotations
 
 import re

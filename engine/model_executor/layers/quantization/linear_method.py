@@ -25,10 +25,10 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   within 0.25 of transformers' float32 on the decompressed checkpoint (tests/test_quantized_kept.py; measured
   on a tiny random model 0.04-0.06 A16, 0.07-0.13 torch's bf16), and the A16 product's greedy tokens are
   transformers' with bf16-rounded inputs to the quantized layers. Other int layouts, and the weights of
-  checkpoints that quantize activations (W8A8: w8a8.py quantizes them exactly, which a bf16 rounding would
-  undo), are dequantized to float32. torch's products run on one torch thread in decode steps and, with
-  KUBEINFER_CPU_SHARE_CORES, in two halves on both cores (layers/two_cores.py; benchmarks/RESULTS.md
-  "cpu-decode-step"); the native ones on the native pool (cpu_native/ops.py).
+  checkpoints that quantize activations (W8A8: w8a8.py quantizes them exactly, which a bf16 rounding would undo;
+  W4A8's int4 stays packed, w4a8.py), are dequantized to float32. torch's products run on one torch thread in
+  decode steps and, with KUBEINFER_CPU_SHARE_CORES, in two halves on both cores (layers/two_cores.py;
+  benchmarks/RESULTS.md "cpu-decode-step"); the native ones on the native pool (cpu_native/ops.py).
 - CPU, bf16/fp16 model: int4 through `_weight_int4pack_mm_for_cpu` (0.76x-1.44x bf16 F.linear's time at one
   token, on a par at 16, a quarter of the memory); int8 dequantized to bf16 (`_weight_int8pack_mm` was
   0.29-1.0x at one token but 1.6-1.9x at 16).

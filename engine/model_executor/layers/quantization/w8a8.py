@@ -4,6 +4,11 @@
 (linear_method.py). A fused projection (q/k/v, gate/up) whose parts carry different static input scales
 quantizes the input once per part and keeps each part's output columns, as the reference's separate layers do.
 
+W4A8 (int4 weights with int8 dynamic per-token activations, llm-compressor's W4A8): the loader holds the int4
+weights (`hold_int4`), and `install` gives each such layer the exact int4 x int8 product, its weight packed
+(w4a8.py; w4a8_vnni, or w4a8_int_mm where KUBEINFER_W8A8_KERNEL=int_mm asks or the native library does not
+build); held weights of layers whose scheme it does not take are dequantized and run as any W8A8 layer.
+
 LoRA over a W8A8 base: the adapter's delta is computed beside the base product from the unquantized input
 (models/llama.py `_project`), as PEFT does (its LoRA layer calls the wrapped base layer, whose forward
 fake-quantizes the input, and feeds lora_A the original input) and vLLM does (the base quant method
@@ -16,6 +21,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..deferred_weight import device_of
+from . import w4a8
 from .activations import ActivationScheme, fake_quantize, int8_linear
 from .cpu_native import ops as native_ops
 from .errors import QuantizationError
@@ -109,6 +116,11 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
                                     f"{', '.join(s.describe() for s in schemes)}")
         scheme, layer = next(iter(shards.values()))[:2]
         check_tensor_parallel(layer, scheme, name)
+        held = w4a8.take(layer, scheme, _int4_kernel(layer, scheme))  # int4 weights held for W4A8 (w4a8.py)
+        if held is not None:
+            attach(layer, held)
+            installed[name] = f"{scheme.describe()} ({held.kernel})"
+            continue
         inner = getattr(layer, "quant_method", None)
         segments, scales, zeros = _segments(layer, shards, scheme)
         int_mm = None
@@ -119,7 +131,15 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
                                        scales, zeros, int_mm)
         attach(layer, method)
         installed[name] = f"{scheme.describe()} ({method.kernel})"
+    w4a8.release(model)  # held int4 weights of layers that quantize no activations: dequantized
     return {**installed, **experts.install()}
+
+
+def hold_int4(model: nn.Module, weights: dict, dtype: torch.dtype) -> dict:
+    """The loader's int4 weights of a checkpoint with activation schemes that W4A8's exact product could take, held
+    on their layers until `install` reads the layers' schemes (w4a8.py); returns the others. None held under
+    KUBEINFER_W8A8_KERNEL=fake_quant."""
+    return weights if _wanted_kernel() == "fake_quant" else w4a8.hold(model, weights, dtype)
 
 
 def _linear(model: nn.Module, name: str, module: str) -> nn.Linear:
@@ -177,8 +197,16 @@ def _int_mm_applies(layer: nn.Linear, scheme: ActivationScheme) -> bool:
     weight and input to that dtype, which the exact int32 sums would not. KUBEINFER_W8A8_KERNEL: int8_vnni
     (default; torch._int_mm without the native library), int_mm, fake_quant (the reference's own float product)."""
     wanted = _wanted_kernel()
-    return (wanted != "fake_quant" and layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32
+    return (wanted != "fake_quant" and device_of(layer).type == "cpu" and layer.weight.dtype == torch.float32
             and scheme.type == "int" and scheme.symmetric and scheme.dynamic and scheme.strategy == "token")
+
+
+def _int4_kernel(layer: nn.Linear, scheme: ActivationScheme) -> str | None:
+    """W4A8's kernel where the int8 one would apply: w4a8_vnni (the native kernel) unless int_mm is asked for or
+    the native library does not build, then w4a8_int_mm (torch._int_mm per weight group, the same bits)."""
+    if not _int_mm_applies(layer, scheme):
+        return None
+    return "w4a8_vnni" if _wanted_kernel() == "int8_vnni" and native_ops.available() else "w4a8_int_mm"
 
 
 def _wanted_kernel() -> str:

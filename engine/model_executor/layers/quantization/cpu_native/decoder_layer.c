@@ -12,7 +12,7 @@ typedef struct {
     const uint8_t *w;
     const float *scale, *bias; /* bias: NULL for none */
     const void *offset;        /* int32 offsets (llama.cpp's arithmetic), or float zeros (a16: the exact A16 product) */
-    int bits, groups, group_size, N, K, a16;
+    int bits, groups, group_size, N, K, a16; /* a16: 0 llama.cpp's arithmetic, 1 the A16 product, 2 W4A8 (no offset) */
 } ki_proj;
 
 typedef struct {                      /* the step's attention metadata for one window */
@@ -29,11 +29,12 @@ typedef struct {
     int H, Hkv, D, hidden, inter, max_positions, view;
 } ki_layer;
 
-/* One product as NativeIntMethod.apply (a16: A16Method.apply): out [T, N] = x [T, K] times the packed weight,
- * then + bias. */
+/* One product as NativeIntMethod.apply (a16 1: A16Method.apply, 2: W4A8Method.apply): out [T, N] = x [T, K]
+ * times the packed weight, then + bias. */
 static int kd_project(const ki_proj *p, const float *x, int T, float *out) {
     int group_size = p->groups == 1 ? p->K : p->group_size;
-    int status = p->a16 ? ki_a16_linear(x, T, p->K, p->w, p->bits, p->scale, p->offset, p->groups, group_size, p->N,
+    int status = p->a16 == 2 ? ki_w4a8_f32(x, T, p->K, p->w, p->scale, p->groups, group_size, p->N, out)
+               : p->a16 ? ki_a16_linear(x, T, p->K, p->w, p->bits, p->scale, p->offset, p->groups, group_size, p->N,
                                         out)
                         : ki_q8_0_linear(x, T, p->K, p->w, p->bits, p->scale, p->offset, p->groups, group_size, p->N,
                                          out);

@@ -347,4 +347,5 @@ static inline float ki_expf(float xo) {
 #include "decode_ops.c"
 #include "f32_linear.c"
 #include "a16_linear.c"
+#include "w4a8_linear.c"
 #include "decoder_layer.c"

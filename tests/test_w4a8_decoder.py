@@ -1,0 +1,42 @@
+"""W4A8 layers in the whole-decoder-layer native decode (models/native_decode.py, cpu_native/decoder_layer.c calling
+ki_w4a8_f32): the fused layers make the per-module path's calls (W4A8Method.apply: the same native call, then the
+bias added as torch adds it), so several decode steps' logits and KV caches are the same bits either way
+(KUBEINFER_CPU_FUSED_LAYERS=0 the reference), at batch 1, 3 and 16, with a qkv bias (Qwen2) and q/k norms (Qwen3);
+test_cpu_native_decoder.py's harness."""
+from __future__ import annotations
+
+import pytest
+import torch
+from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, write_checkpoint
+from test_cpu_native_decoder import FAMILIES, both_ways
+
+from kubeinfer.engine import LLM
+from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.model_executor.models import native_decode
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fused_w4a8_layers_give_the_per_module_paths_bits(tmp_path, monkeypatch, family):
+    from kubeinfer.testing.random_model import build_random_model
+
+    float_dir = build_random_model(tmp_path / "float", family, tokenizer=False, seed=5, vocab_size=96, **SHAPE,
+                                   **FAMILIES[family])
+    config = ct_scheme("pack-quantized", 4, "int", "group", True, 64, activations=True)
+    model_dir = write_checkpoint(float_dir, tmp_path / "w4a8", ct_compress(float_weights(float_dir), config), config)
+    llm = LLM(model_dir, max_model_len=128, num_kv_blocks=32)
+    model = llm.engine.runner.model
+    assert set(model.activation_schemes.values()) == {"int8 dynamic per token (w4a8_vnni)"}
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "1")
+    steps = native_decode.plan(model)
+    assert steps is not None and all(run is not None for _, run in steps) and len(steps) == 1  # both layers, one call
+    for batch in (1, 3, 16):
+        got = both_ways(model, monkeypatch, batch=batch)
+        (fused, fused_caches, calls), (ref, ref_caches, ref_calls) = got["1"], got["0"]
+        assert calls == 3 and ref_calls == 0, (calls, ref_calls)
+        for step, (a, b) in enumerate(zip(fused, ref)):
+            assert torch.equal(a, b), f"batch {batch} step {step}: max diff {(a - b).abs().max().item()}"
+        for (k, v), (rk, rv) in zip(fused_caches, ref_caches):
+            assert torch.equal(k, rk) and torch.equal(v, rv)
+    llm.shutdown()
