@@ -104,22 +104,26 @@ static void a16_round_x(const float *x, int M, int K, uint32_t *xb, int tt) {
  * operations): A16_TT tokens at once, chain by chain (a16_tile8), 1.35-1.5x the 4-token tiles at 16 tokens; int4 (4
  * operations), and int8 below 5 tokens: 4 tokens at once (a16_tile4), which the chain-by-chain forms did not beat on
  * this CPU (int4 0.75-0.85x at 16 tokens, int8 0.75x at 1). */
-#define A16_CASE8(n) case n: if (R == 2) a16_tile8(c, g, m0, n, 2); else a16_tile8(c, g, m0, n, 1); break;
-#define A16_CASE4(n) case n: a16_tile4(c, g + r, m0, n); break;
+#define A16_CASE8(n) case n: if (R == 2) a16_tile8(c, g, m0, n, 2, pf); else a16_tile8(c, g, m0, n, 1, pf); break;
+#define A16_CASE4(n) case n: a16_tile4(c, g + r, m0, n, pf && g + r + 1 < groups); break;
 static void a16_task(const void *ctx, int start, int end) {
     const a16_ctx *c = ctx;
     const int groups = (c->N + ROWS - 1) / ROWS;
     for (int g = 2 * start; g < 2 * end && g < groups; g += 2) {
         const int R = groups - g < 2 ? 1 : 2;
         if (c->bits == 8 && c->M > 4)
-            for (int m0 = 0; m0 < c->M; m0 += A16_TT) switch (c->M - m0 < A16_TT ? c->M - m0 : A16_TT) {
-                A16_CASE8(1) A16_CASE8(2) A16_CASE8(3) A16_CASE8(4) A16_CASE8(5) A16_CASE8(6) A16_CASE8(7)
-                default: A16_CASE8(A16_TT)
+            for (int m0 = 0; m0 < c->M; m0 += A16_TT) {
+                const int pf = m0 == 0 && g + 2 < groups; /* the first tile prefetches the next row groups */
+                switch (c->M - m0 < A16_TT ? c->M - m0 : A16_TT) {
+                    A16_CASE8(1) A16_CASE8(2) A16_CASE8(3) A16_CASE8(4) A16_CASE8(5) A16_CASE8(6) A16_CASE8(7)
+                    default: A16_CASE8(A16_TT)
+                }
             }
         else
             for (int r = 0; r < R; r++)
-                for (int m0 = 0; m0 < c->M; m0 += 4) switch (c->M - m0 < 4 ? c->M - m0 : 4) {
-                    A16_CASE4(1) A16_CASE4(2) A16_CASE4(3) default: A16_CASE4(4)
+                for (int m0 = 0; m0 < c->M; m0 += 4) {
+                    const int pf = m0 == 0;
+                    switch (c->M - m0 < 4 ? c->M - m0 : 4) { A16_CASE4(1) A16_CASE4(2) A16_CASE4(3) default: A16_CASE4(4) }
                 }
     }
 }

@@ -1,8 +1,15 @@
-/* The two tile kernels of a16_linear.c (included by it), in the summation order of its docstring. */
+/* The tile kernels of a16_linear.c (included by it), in the summation order of its docstring. */
+
+/* bf16(i - 15), i = 0..31: int4 weights through vpermw, indexed by nibble + 7 - zero. */
+static const int16_t a16_table[32] = {
+    (int16_t)0xC170, (int16_t)0xC160, (int16_t)0xC150, (int16_t)0xC140, (int16_t)0xC130, (int16_t)0xC120,
+    (int16_t)0xC110, (int16_t)0xC100, (int16_t)0xC0E0, (int16_t)0xC0C0, (int16_t)0xC0A0, (int16_t)0xC080,
+    (int16_t)0xC040, (int16_t)0xC000, (int16_t)0xBF80, 0, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0,
+    0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180};
 
 /* a16_tile4: up to 4 tokens (x in rows), the 4 chains interleaved: each step's weight vector unpacked once per 4
  * tokens, 16 accumulators. */
-static inline __attribute__((always_inline)) void a16_tile4(const a16_ctx *c, int g, int m0, const int mt) {
+static inline __attribute__((always_inline)) void a16_tile4(const a16_ctx *c, int g, int m0, const int mt, int pf) {
     const int K = c->K, steps = K / 8, gsteps = c->group_size / 8;
     const size_t step_bytes = c->bits == 4 ? 64 : 128;
     const uint8_t *wg = c->w + (size_t)g * steps * step_bytes;
@@ -10,12 +17,7 @@ static inline __attribute__((always_inline)) void a16_tile4(const a16_ctx *c, in
     const uint16_t *x = (const uint16_t *)c->x + (size_t)m0 * K; /* rows of bf16 */
     int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
 #if KI_A16_BF16
-    static const int16_t table_words[32] = {
-        (int16_t)0xC170, (int16_t)0xC160, (int16_t)0xC150, (int16_t)0xC140, (int16_t)0xC130, (int16_t)0xC120,
-        (int16_t)0xC110, (int16_t)0xC100, (int16_t)0xC0E0, (int16_t)0xC0C0, (int16_t)0xC0A0, (int16_t)0xC080,
-        (int16_t)0xC040, (int16_t)0xC000, (int16_t)0xBF80, 0, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0,
-        0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180};
-    const __m512i table = _mm512_loadu_si512(table_words), nibble = _mm512_set1_epi16(0x000F);
+    const __m512i table = _mm512_loadu_si512(a16_table), nibble = _mm512_set1_epi16(0x000F);
     __m512 out[4];
     for (int t = 0; t < mt; t++) out[t] = _mm512_setzero_ps();
     for (int grp = 0; grp < c->groups; grp++) {
@@ -28,6 +30,10 @@ static inline __attribute__((always_inline)) void a16_tile4(const a16_ctx *c, in
             for (int ch = 0; ch < 4; ch++) acc[t][ch] = _mm512_setzero_ps();
         for (int j = grp * gsteps; j < (grp + 1) * gsteps; j++) {
             const uint8_t *wb = wg + j * step_bytes;
+            if (pf) { /* the next row group's step j: its weights come from memory while these are multiplied */
+                _mm_prefetch((const char *)(wb + steps * step_bytes), _MM_HINT_T0);
+                if (step_bytes > 64) _mm_prefetch((const char *)(wb + steps * step_bytes + 64), _MM_HINT_T0);
+            }
             __m512i v = c->bits == 4 ? _mm512_loadu_si512(wb) : _mm512_setzero_si512();
             for (int p = 0; p < 4; p++) {
                 __m512bh w;
@@ -113,18 +119,14 @@ static inline __attribute__((always_inline)) __m512bh a16_weights(const uint8_t 
  * token and row group, each weight vector unpacked once for the mt tokens and each broadcast pair of x feeding the
  * R row groups (loads, not the products, bounded one row group at a time); cp chains at once where few tokens would
  * leave the accumulators' latency bare. Each chain's sums are in the order of the file's docstring. */
-static inline __attribute__((always_inline)) void a16_tile8(const a16_ctx *c, int g, int m0, const int mt, const int R) {
+static inline __attribute__((always_inline)) void a16_tile8(const a16_ctx *c, int g, int m0, const int mt, const int R,
+                                                            int pf) {
     const int K = c->K, steps = K / 8, gsteps = c->group_size / 8;
     const size_t step_bytes = c->bits == 4 ? 64 : 128, rg_bytes = (size_t)steps * step_bytes;
     const uint8_t *wg = c->w + g * rg_bytes;
     const uint32_t *xt = c->x + (size_t)m0 * (K / 2); /* the tile's pairs, [K / 2][mt] */
 #if KI_A16_BF16
-    static const int16_t table_words[32] = {
-        (int16_t)0xC170, (int16_t)0xC160, (int16_t)0xC150, (int16_t)0xC140, (int16_t)0xC130, (int16_t)0xC120,
-        (int16_t)0xC110, (int16_t)0xC100, (int16_t)0xC0E0, (int16_t)0xC0C0, (int16_t)0xC0A0, (int16_t)0xC080,
-        (int16_t)0xC040, (int16_t)0xC000, (int16_t)0xBF80, 0, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0,
-        0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180};
-    const __m512i table = _mm512_loadu_si512(table_words);
+    const __m512i table = _mm512_loadu_si512(a16_table);
     const int cp = R * mt <= 4 ? 4 : R * mt <= 8 ? 2 : 1; /* chains at once: cp * R * mt accumulators, <= 16 */
     __m512 out[2][A16_TT], part[4][2][A16_TT];
     for (int r = 0; r < R; r++)
@@ -141,6 +143,10 @@ static inline __attribute__((always_inline)) void a16_tile8(const a16_ctx *c, in
         const int j0 = grp * gsteps, j1 = j0 + gsteps;
         for (int jb = j0; jb < j1; jb += A16_BLOCK) {
             const int je = j1 - jb < A16_BLOCK ? j1 : jb + A16_BLOCK;
+            if (pf) /* the next row groups' block: from memory while this one is multiplied */
+                for (const uint8_t *b = wg + R * rg_bytes + jb * step_bytes; b < wg + R * rg_bytes + je * step_bytes;
+                     b += 64)
+                    for (int r = 0; r < R; r++) _mm_prefetch((const char *)(b + r * rg_bytes), _MM_HINT_T0);
             for (int p0 = 0; p0 < 4; p0 += cp) {
                 __m512 acc[4][2][A16_TT];
                 for (int q = 0; q < cp; q++)
@@ -217,4 +223,5 @@ static inline __attribute__((always_inline)) void a16_tile8(const a16_ctx *c, in
   }
 #endif
 }
+
 
