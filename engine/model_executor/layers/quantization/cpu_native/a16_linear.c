@@ -18,7 +18,13 @@
  * rows 8-15, each row its even and odd input. The weights become bf16 words in registers: int4 through a
  * 32-entry table of bf16(i - 15) indexed by nibble + 7 - zero (vpermw), int8 as int32 minus the zero, converted
  * to float and packed to bf16 (exact). Zeros per row group and weight group: int4 32 int16 (7 - zero, each row
- * twice), int8 32 int32 (rows 0-7 then 8-15, each twice); scales float32 [row groups][groups][16]. */
+ * twice), int8 32 int32 (rows 0-7 then 8-15, each twice); scales float32 [row groups][groups][16].
+ *
+ * Tiling (a16_tiles.c; any tiling gives the same bits): int4, and int8 below 5 tokens, 4 tokens at a time with the
+ * 4 chains interleaved (a16_tile4); int8 from 5 tokens, 8 tokens and 2 row groups at a time, chain by chain, each
+ * weight vector unpacked once for the 8 tokens (a16_tile8). The first tile of a row group prefetches the next row
+ * groups' weights: a decode step's weights come from memory, and at 16 tokens the hardware prefetcher alone left
+ * the products 1.3-1.4x slower than on cached weights. Speeds: benchmarks/RESULTS.md "cpu-a16-kernel". */
 
 #if KI_VNNI && defined(__AVX512BF16__)
 #define KI_A16_BF16 1
@@ -101,9 +107,11 @@ static void a16_round_x(const float *x, int M, int K, uint32_t *xb, int tt) {
 #include "a16_tiles.c"
 
 /* Work items: pairs of row groups, each with all the tokens. int8 from 5 tokens (unpacking a weight vector takes 7
- * operations): A16_TT tokens at once, chain by chain (a16_tile8), 1.35-1.5x the 4-token tiles at 16 tokens; int4 (4
+ * operations): A16_TT tokens at once, chain by chain (a16_tile8), 1.35-1.6x the 4-token tiles at 16 tokens; int4 (4
  * operations), and int8 below 5 tokens: 4 tokens at once (a16_tile4), which the chain-by-chain forms did not beat on
- * this CPU (int4 0.75-0.85x at 16 tokens, int8 0.75x at 1). */
+ * this CPU (Zen 5; int4 0.75-0.85x at 16 tokens with 8 or 16 tokens a tile, the unpacked block kept on the stack or
+ * two row groups sharing each broadcast; int8 0.75x at 1 token). vdpbf16ps with an embedded broadcast operand
+ * ({1to16}, which gcc folds _mm512_set1_epi32 into) ran at a third of the register form's rate here. */
 #define A16_CASE8(n) case n: if (R == 2) a16_tile8(c, g, m0, n, 2, pf); else a16_tile8(c, g, m0, n, 1, pf); break;
 #define A16_CASE4(n) case n: a16_tile4(c, g + r, m0, n, pf && g + r + 1 < groups); break;
 static void a16_task(const void *ctx, int start, int end) {
