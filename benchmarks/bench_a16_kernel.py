@@ -65,6 +65,7 @@ def main() -> None:
     libs = {"this": load(str(build.build(False)))}
     if args.base_lib:
         libs["base"] = load(args.base_lib)
+    torch.set_num_threads(1)  # as in a decode step: torch's OpenMP workers, spinning after its ops, take a core
     gen = torch.Generator().manual_seed(0)
     rows, loads = [], [os.getloadavg()[0]]
     for threads in [int(t) for t in args.threads.split(",")]:
