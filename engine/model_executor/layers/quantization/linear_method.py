@@ -16,8 +16,8 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
 - CPU, float32 model (the CPU default): int4 (groups of a multiple of 32, or per channel) and int8 (per channel
   or grouped, symmetric or not) kept, through the native exact A16 product (`cpu_int4_a16`, `cpu_int8_a16`;
   cpu_native/a16_method.py, a16_linear.c): the activations rounded to bf16 as torch rounds them, nothing else
-  rounded, float32 sums in one fixed order (batch-invariant); 2.2-2.3x torch's products at batch 1 and 1.3-1.8x
-  at 16 in the whole engine, whose decode then runs whole decoder layers natively (models/native_decode.py).
+  rounded, float32 sums in one fixed order (batch-invariant); W4A16 1.40x / 1.26x llama.cpp Q4_0 at batch 1 / 16,
+  W8A16 1.61x / 1.97x Q8_0 (whole engine; decoder layers run natively: models/native_decode.py).
   Where the library does not build with AVX-512 BF16 (no compiler, another CPU): torch's weight-only products with the activations, the
   dequantized weights and the output rounded to bf16 (`cpu_int4_bf16`, `cpu_int8_bf16`; int4 groups of 32-256,
   int8 per channel symmetric), the only way torch's products are fast here (float32 activations: 30-190x

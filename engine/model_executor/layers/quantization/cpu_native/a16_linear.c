@@ -18,7 +18,13 @@
  * rows 8-15, each row its even and odd input. The weights become bf16 words in registers: int4 through a
  * 32-entry table of bf16(i - 15) indexed by nibble + 7 - zero (vpermw), int8 as int32 minus the zero, converted
  * to float and packed to bf16 (exact). Zeros per row group and weight group: int4 32 int16 (7 - zero, each row
- * twice), int8 32 int32 (rows 0-7 then 8-15, each twice); scales float32 [row groups][groups][16]. */
+ * twice), int8 32 int32 (rows 0-7 then 8-15, each twice); scales float32 [row groups][groups][16].
+ *
+ * Tiling (a16_tiles.c; any tiling gives the same bits): int4, and int8 below 5 tokens, 4 tokens at a time with the
+ * 4 chains interleaved (a16_tile4); int8 from 5 tokens, 8 tokens and 2 row groups at a time, chain by chain, each
+ * weight vector unpacked once for the 8 tokens (a16_tile8). The first tile of a row group prefetches the next row
+ * groups' weights: a decode step's weights come from memory, and at 16 tokens the hardware prefetcher alone left
+ * the products 1.3-1.4x slower than on cached weights. Speeds: benchmarks/RESULTS.md "cpu-a16-kernel". */
 
 #if KI_VNNI && defined(__AVX512BF16__)
 #define KI_A16_BF16 1
@@ -26,10 +32,11 @@
 #define KI_A16_BF16 0
 #endif
 
-#define A16_TT 4 /* tokens per tile: each weight vector feeds all of them */
+#define A16_TT 8     /* tokens per tile of x (int8: each weight vector, unpacked once, feeds all of them) */
+#define A16_BLOCK 16 /* steps a chain runs before the next chain takes over: their x and weights stay in L1 */
 
 typedef struct {
-    const uint16_t *x; /* [M, K] bf16 */
+    const uint32_t *x; /* bf16 pairs (even input low), a16_round_x's tiles: int8 A16_TT tokens, int4 one */
     const uint8_t *w;
     const float *scale;
     const void *zero;
@@ -47,7 +54,27 @@ static inline uint16_t a16_bf16(float f) {
     return (h & 0x7F80) == 0 ? 0 : h;
 }
 
-#if !KI_A16_BF16
+#if KI_A16_BF16
+/* x's pair broadcast to a register: gcc would fold it into vdpbf16ps as an embedded broadcast ({1to16}), which
+ * ran at a third of the register form's rate on this CPU (Zen 5); the empty asm keeps the vpbroadcastd. */
+static inline __attribute__((always_inline)) __m512bh a16_pair(const uint32_t *x) {
+    __m512i b = _mm512_set1_epi32((int)*x);
+    __asm__("" : "+v"(b));
+    return (__m512bh)b;
+}
+
+/* a16_bf16 of 16 floats, the same integer operations. */
+static inline __m256i a16_bf16_x16(const float *f) {
+    const __m512i u = _mm512_loadu_si512(f), one = _mm512_set1_epi32(1);
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                                                   _mm512_and_si512(_mm512_srli_epi32(u, 16), one)), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                            _mm512_set1_epi32(0x7F800000));
+    __mmask16 tiny = _mm512_testn_epi32_mask(h, _mm512_set1_epi32(0x7F80));
+    h = _mm512_mask_mov_epi32(_mm512_maskz_mov_epi32(~tiny, h), nan, _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(h);
+}
+#else
 static inline float a16_float(uint16_t h) {
     union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
     return v.f;
@@ -56,117 +83,69 @@ static inline float a16_float(uint16_t h) {
 static inline float a16_ftz(float f) { return fabsf(f) < 0x1p-126f ? copysignf(0.0f, f) : f; }
 #endif
 
-static inline __attribute__((always_inline)) void a16_tile(const a16_ctx *c, int g, int m0, const int mt) {
-    const int K = c->K, steps = K / 8, gsteps = c->group_size / 8;
-    const size_t step_bytes = c->bits == 4 ? 64 : 128;
-    const uint8_t *wg = c->w + (size_t)g * steps * step_bytes;
-    const float *sg = c->scale + (size_t)g * c->groups * ROWS;
-    const uint16_t *x = c->x + (size_t)m0 * K;
-    int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
-#if KI_A16_BF16
-    static const int16_t table_words[32] = {
-        (int16_t)0xC170, (int16_t)0xC160, (int16_t)0xC150, (int16_t)0xC140, (int16_t)0xC130, (int16_t)0xC120,
-        (int16_t)0xC110, (int16_t)0xC100, (int16_t)0xC0E0, (int16_t)0xC0C0, (int16_t)0xC0A0, (int16_t)0xC080,
-        (int16_t)0xC040, (int16_t)0xC000, (int16_t)0xBF80, 0, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0,
-        0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180};
-    const __m512i table = _mm512_loadu_si512(table_words), nibble = _mm512_set1_epi16(0x000F);
-    __m512 out[A16_TT];
-    for (int t = 0; t < mt; t++) out[t] = _mm512_setzero_ps();
-    for (int grp = 0; grp < c->groups; grp++) {
-        size_t zi = ((size_t)g * c->groups + grp) * 32;
-        __m512i off = _mm512_setzero_si512(), z0 = off, z1 = off;
-        if (c->bits == 4) off = _mm512_loadu_si512((const int16_t *)c->zero + zi);
-        else z0 = _mm512_loadu_si512((const int32_t *)c->zero + zi), z1 = _mm512_loadu_si512((const int32_t *)c->zero + zi + 16);
-        __m512 acc[A16_TT][4];
+/* x [M, K] float -> bf16 pairs in tiles of tt tokens, each [K / 2][the tile's tokens] (tt 1: rows). */
+static void a16_round_x(const float *x, int M, int K, uint32_t *xb, int tt) {
+    uint32_t row[512];
+    for (int m0 = 0; m0 < M; m0 += tt) {
+        const int mt = M - m0 < tt ? M - m0 : tt;
+        uint32_t *tile = xb + (size_t)m0 * (K / 2);
         for (int t = 0; t < mt; t++)
-            for (int ch = 0; ch < 4; ch++) acc[t][ch] = _mm512_setzero_ps();
-        for (int j = grp * gsteps; j < (grp + 1) * gsteps; j++) {
-            const uint8_t *wb = wg + j * step_bytes;
-            __m512i v = c->bits == 4 ? _mm512_loadu_si512(wb) : _mm512_setzero_si512();
-            for (int p = 0; p < 4; p++) {
-                __m512bh w;
-                if (c->bits == 4) {
-                    __m512i idx = _mm512_and_si512(p ? _mm512_srli_epi16(v, 4 * p) : v, nibble);
-                    w = (__m512bh)_mm512_permutexvar_epi16(_mm512_add_epi16(idx, off), table);
-                } else {
-                    const uint8_t *pb = wb + 32 * p;
-                    __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)pb)), z0));
-                    __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pb + 16))), z1));
-                    w = _mm512_cvtne2ps_pbh(hi, lo);
-                }
-                for (int t = 0; t < mt; t++) {
-                    uint32_t pair;
-                    memcpy(&pair, x + (size_t)t * K + 8 * j + 2 * p, 4);
-                    acc[t][p] = _mm512_dpbf16_ps(acc[t][p], w, (__m512bh)_mm512_set1_epi32((int)pair));
-                }
-            }
-        }
-        __m512 sf = _mm512_loadu_ps(sg + grp * ROWS);
-        for (int t = 0; t < mt; t++) {
-            __m512 p = _mm512_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]), _mm512_add_ps(acc[t][2], acc[t][3]));
-            out[t] = _mm512_add_ps(out[t], _mm512_mul_ps(sf, p));
-        }
-    }
-    __mmask16 mask = (__mmask16)((1u << nn) - 1);
-    for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, out[t]);
-#else
-    for (int t = 0; t < mt; t++)
-        for (int r = 0; r < nn; r++) {
-            float o = 0.0f;
-            for (int grp = 0; grp < c->groups; grp++) {
-                size_t zi = ((size_t)g * c->groups + grp) * 32;
-                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                for (int j = grp * gsteps; j < (grp + 1) * gsteps; j++) {
-                    const uint8_t *wb = wg + j * step_bytes;
-                    for (int p = 0; p < 4; p++) {
-                        float w[2];
-                        for (int par = 0; par < 2; par++) {
-                            if (c->bits == 4) {
-                                uint32_t word;
-                                memcpy(&word, wb + 4 * r, 4);
-                                int u = (word >> (16 * par + 4 * p)) & 0xF;
-                                w[par] = (float)(u + ((const int16_t *)c->zero)[zi + 2 * r] - 15);
-                            } else {
-                                int q = (int8_t)wb[32 * p + (r / 8) * 16 + (r % 8) * 2 + par];
-                                w[par] = (float)(q - ((const int32_t *)c->zero)[zi + (r / 8) * 16 + (r % 8) * 2]);
-                            }
-                        }
-                        const uint16_t *xp = x + (size_t)t * K + 8 * j + 2 * p;
-                        acc[p] = a16_ftz(a16_ftz(acc[p] + w[1] * a16_float(xp[1])) + w[0] * a16_float(xp[0]));
-                    }
-                }
-                float p = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-                o = o + sg[grp * ROWS + r] * p;
-            }
-            c->out[(size_t)(m0 + t) * c->N + n0 + r] = o;
-        }
+            for (int k0 = 0; k0 < K; k0 += 1024) { /* 512 pairs at a time through `row` */
+                const float *xr = x + (size_t)(m0 + t) * K + k0;
+                const int kn = K - k0 < 1024 ? K - k0 : 1024;
+                int k = 0;
+#if KI_A16_BF16
+                for (; k + 16 <= kn; k += 16) _mm256_storeu_si256((__m256i *)(row + k / 2), a16_bf16_x16(xr + k));
 #endif
+                for (; k < kn; k += 2) row[k / 2] = a16_bf16(xr[k]) | (uint32_t)a16_bf16(xr[k + 1]) << 16;
+                uint32_t *dst = tile + (size_t)(k0 / 2) * mt + t;
+                for (int i = 0; i < kn / 2; i++) dst[(size_t)i * mt] = row[i];
+            }
+    }
 }
 
-/* Work items: row groups, each with all the tokens, A16_TT at a time. */
+#include "a16_tiles.c"
+
+/* Work items: pairs of row groups, each with all the tokens. int8 from 5 tokens (unpacking a weight vector takes 7
+ * operations): A16_TT tokens at once, chain by chain (a16_tile8), 1.35-1.6x the 4-token tiles at 16 tokens; int4 (4
+ * operations), and int8 below 5 tokens: 4 tokens at once (a16_tile4), which the chain-by-chain forms did not beat on
+ * this CPU (Zen 5; int4 0.75-0.85x at 16 tokens with 8 or 16 tokens a tile, the unpacked block kept on the stack or
+ * two row groups sharing each broadcast; int8 0.75x at 1 token). vdpbf16ps with an embedded broadcast operand
+ * ({1to16}, which gcc folds _mm512_set1_epi32 into) ran at a third of the register form's rate here. */
+#define A16_CASE8(n) case n: if (R == 2) a16_tile8(c, g, m0, n, 2, pf); else a16_tile8(c, g, m0, n, 1, pf); break;
+#define A16_CASE4(n) case n: a16_tile4(c, g + r, m0, n, pf && g + r + 1 < groups); break;
 static void a16_task(const void *ctx, int start, int end) {
     const a16_ctx *c = ctx;
-    for (int g = start; g < end; g++)
-        for (int m0 = 0; m0 < c->M; m0 += A16_TT) switch (c->M - m0 < A16_TT ? c->M - m0 : A16_TT) {
-            case 1: a16_tile(c, g, m0, 1); break;
-            case 2: a16_tile(c, g, m0, 2); break;
-            case 3: a16_tile(c, g, m0, 3); break;
-            default: a16_tile(c, g, m0, 4); break;
-        }
+    const int groups = (c->N + ROWS - 1) / ROWS;
+    for (int g = 2 * start; g < 2 * end && g < groups; g += 2) {
+        const int R = groups - g < 2 ? 1 : 2;
+        if (c->bits == 8 && c->M > 4)
+            for (int m0 = 0; m0 < c->M; m0 += A16_TT) {
+                const int pf = m0 == 0 && g + 2 < groups; /* the first tile prefetches the next row groups */
+                switch (c->M - m0 < A16_TT ? c->M - m0 : A16_TT) {
+                    A16_CASE8(1) A16_CASE8(2) A16_CASE8(3) A16_CASE8(4) A16_CASE8(5) A16_CASE8(6) A16_CASE8(7)
+                    default: A16_CASE8(A16_TT)
+                }
+            }
+        else
+            for (int r = 0; r < R; r++)
+                for (int m0 = 0; m0 < c->M; m0 += 4) {
+                    const int pf = m0 == 0;
+                    switch (c->M - m0 < 4 ? c->M - m0 : 4) { A16_CASE4(1) A16_CASE4(2) A16_CASE4(3) default: A16_CASE4(4) }
+                }
+    }
 }
 
 /* x [M, K] float32 (K and group_size multiples of 8, group_size dividing K) times packed weights -> out [M, N].
  * Returns -1 when out of memory. */
 int ki_a16_linear(const float *x, int M, int K, const uint8_t *w, int bits, const float *scale, const void *zero,
                   int groups, int group_size, int N, float *out) {
-    uint16_t *xb = malloc(sizeof(uint16_t) * ((size_t)M * K + 2));
+    uint32_t *xb = malloc(sizeof(uint32_t) * ((size_t)M * K / 2 + 1));
     if (!xb) return -1;
-    for (size_t i = 0; i < (size_t)M * K; i++) xb[i] = a16_bf16(x[i]);
+    a16_round_x(x, M, K, xb, bits == 8 && M > 4 ? A16_TT : 1); /* a16_tile4 reads rows: tiles of one token */
     a16_ctx c = {xb, w, scale, zero, out, M, N, K, bits, groups, group_size};
     pthread_mutex_lock(&call_mu);
-    parallel(a16_task, &c, (N + ROWS - 1) / ROWS);
+    parallel(a16_task, &c, ((N + ROWS - 1) / ROWS + 1) / 2);
     pthread_mutex_unlock(&call_mu);
     free(xb);
     return 0;

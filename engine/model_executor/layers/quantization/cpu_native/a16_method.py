@@ -5,11 +5,15 @@ and `cpu_int8_a16` (linear_method.KERNELS), the float32 default where the librar
 weight is packed at load (a16_linear.c's layout: half a byte or one byte a weight), its scales float32 and zero
 points per output row and group; the float weight goes (meta).
 
-Speed, one product on one thread (benchmarks/RESULTS.md "cpu-a16-native", 2026-11-27, load ~2), ms at 1 / 16
-tokens, [tokens, 1024] x [8192, 1024]: int4 0.118 / 0.83 against torch's cpu_int4_bf16 0.221 / 1.55, int8
-0.173 / 1.06 against cpu_int8_bf16 0.202 / 1.65; [tokens, 4096] x [1024, 4096]: int4 0.054 / 0.40 (torch 0.110
-/ 0.77), int8 0.087 / 0.52 (0.101 / 0.74). vdpbf16ps (two bf16 products a lane) was 1.6-1.7x float32 FMAs over
-weights widened through a vpermps table (int4) and 1.0-1.25x (int8, widened by sign extension)."""
+Speed, one product on one thread (benchmarks/RESULTS.md "cpu-a16-kernel", 2026-11-27, load ~1), ms at 1 / 16
+tokens, weights cold (from memory, as in a decode step) / warm (cached): [tokens, 1024] x [8192, 1024] int4 0.128 /
+0.763 cold, 0.116 / 0.713 warm; [tokens, 4096] x [1024, 4096] int4 0.062 / 0.358 cold; the int8 lm_head [16384,
+1024] 0.466 / 1.93 cold, 0.351 / 1.62 warm. Against the previous tiling (4 tokens a tile for both, no prefetch):
+1.3-1.6x on cold weights, int8 at 16 tokens 1.4-1.6x warm or cold, int4 on warm weights 0.86-0.94x (the prefetch's
+cost). The whole engine (RESULTS "quantized-decode-lmhead", 222M model, int8 lm_head): W4A16 364.5 / 1112.1 tok/s
+at batch 1 / 16 against llama.cpp Q4_0's 259.7 / 879.3 (1.40x / 1.26x), W8A16 1.61x / 1.97x of Q8_0. vdpbf16ps
+(two bf16 products a lane) was 1.6-1.7x float32 FMAs over weights widened through a vpermps table (int4) and
+1.0-1.25x (int8, widened by sign extension)."""
 from __future__ import annotations
 
 import ctypes

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "decoder_layer.c", "f32_linear.c",
-           "a16_linear.c", "w4a8_linear.c")
+           "a16_linear.c", "a16_tiles.c", "w4a8_linear.c")
 HERE = Path(__file__).parent
 
 
