@@ -86,14 +86,14 @@ def main() -> None:
                     print(threads, name, state, m, {key: f"{v:.3f}" for key, v in best.items()}, flush=True)
         loads.append(os.getloadavg()[0])
     head = "| threads | product | weights | " + " | ".join(
-        f"{m} token{'s' * (m > 1)} ms" + (" (base, this/base)" if args.base_lib else "") for m in (1, 16)) + " |"
+        f"{m} token{'s' * (m > 1)} ms" + (" (base ms, speed-up base/this)" if args.base_lib else "") for m in (1, 16)) + " |"
     table = [head, "|" + "---|" * (3 + 2)]
     for threads, name, shape, state, *_ in rows[::2]:
         cells = []
         for row in rows:
             if row[:4] == (threads, name, shape, state):
                 t = row[5]
-                cells.append(f"{t['this']:.3f}" + (f" ({t['base']:.3f}, {t['base'] / t['this']:.2f}x faster)"
+                cells.append(f"{t['this']:.3f}" + (f" ({t['base']:.3f}, {t['base'] / t['this']:.2f}x)"
                                                    if "base" in t else ""))
         table.append(f"| {threads} | {name} {shape} | {state} | " + " | ".join(cells) + " |")
     body = (f"Command: `python benchmarks/bench_a16_kernel.py --threads {args.threads}"
