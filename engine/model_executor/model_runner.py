@@ -197,7 +197,8 @@ class ModelRunner:
         return (getattr(self.model, "openblas_small_steps", False)
                 and len(inputs.input_ids) <= cpu_blas.MAX_STEP_TOKENS
                 and (sum(inputs.context_lens) <= cpu_blas.MAX_CONTEXT_TOKENS
-                     or (inputs.num_decodes == len(inputs.context_lens) and native_decode.all_layers_native(self.model))))
+                     or (inputs.num_decodes == len(inputs.context_lens)
+                         and native_decode.all_layers_native(self.model))))
 
     def _forward_and_sample(self, batch: ScheduledBatch, inputs: StepInputs, sampling_seqs: list[Sequence]
                             ) -> tuple[list[Sequence], SampleResult]:
