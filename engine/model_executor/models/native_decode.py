@@ -128,8 +128,9 @@ def plan(model) -> list | None:
 
 
 def all_layers_native(model) -> bool:
-    """Whether a decode step (one without LoRA, float32 caches) runs every decoder layer, attention included, in
-    the native call: then model_runner keeps torch on one thread however long the contexts."""
+    """Whether every decoder layer qualifies for the native call, the switches on: a decode step then runs its
+    attention in C (the fused call; or, without float32 caches or with LoRA, the per-module path's same native
+    attention), and model_runner keeps torch on one thread however long the contexts."""
     if getattr(model, "native_decode_types", None) is None or not ops.available():
         return False
     steps = plan(model)
