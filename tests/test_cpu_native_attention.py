@@ -183,3 +183,20 @@ def test_engine_greedy_matches_transformers_and_the_torch_path(family, model_dir
         assert (len(calls) > before) == (native == "1")
     assert tokens["1"] == want
     assert tokens["0"] == want
+
+
+def test_portable_build_equals_the_avx512_build(monkeypatch):
+    """The AVX-512 build scores 16 positions at a time, folding their lane trees together (float32 caches with D
+    a multiple of 16): the same additions as the portable build's plain C, so the same bits; partial tiles,
+    windows, groups of 1-6 query heads, D 64 and 128."""
+    steps = [make_step(lengths, h, kv, d, torch.float32, window=window, seed=d + h)
+             for lengths in ([1, 5, 16, 17, 33, 48], [300, 2]) for h, kv, d in ((8, 8, 64), (16, 8, 64), (12, 2, 128))
+             for window in (None, 20)]
+    outs = {}
+    for portable in ("0", "1"):
+        monkeypatch.setenv("KUBEINFER_CPU_NATIVE_PORTABLE", portable)
+        ops._state.clear()  # the next call loads the library this env asks for
+        assert ops.has_vnni() == (portable == "0")
+        outs[portable] = [cpu_attention.decode(q, k, v, meta, 0.125) for q, k, v, meta in steps]
+    ops._state.clear()
+    assert all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))

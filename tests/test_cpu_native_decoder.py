@@ -215,3 +215,22 @@ def test_a_misspelt_switch_fails_the_start(checkpoints, monkeypatch, switch):
     monkeypatch.setenv(switch, "yes")
     with pytest.raises(ValueError, match=switch):
         LLM(checkpoints["mistral-float"], max_model_len=64, num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("engine", ["mistral-w4"], indirect=True)
+def test_decode_steps_past_the_context_bound_keep_torch_on_one_thread(engine, monkeypatch):
+    """Every layer in the native call: a decode step over any context is a small step (torch on one thread; on two
+    it spun against the native pool), a prompt's step past the bound is not, nor a decode with the fused layers
+    off (attention may then be torch's)."""
+    from kubeinfer.engine.model_executor.layers import cpu_blas
+
+    seen, real = [], cpu_blas.small_step
+    monkeypatch.setattr(cpu_blas, "small_step", lambda enabled, *a: seen.append(enabled) or real(enabled, *a))
+    monkeypatch.setattr(cpu_blas, "MAX_CONTEXT_TOKENS", 1)  # every step past it
+    assert engine.engine.runner.model.openblas_small_steps
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    for switch, decodes in (("1", True), ("0", False)):
+        monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", switch)
+        seen.clear()
+        engine.generate([{"prompt_token_ids": list(range(10, 16))}] * 2, params)
+        assert seen == [False] + [decodes] * 2, switch  # the prompts' step, then two decode steps

@@ -127,6 +127,16 @@ def plan(model) -> list | None:
     return result
 
 
+def all_layers_native(model) -> bool:
+    """Whether every decoder layer qualifies for the native call, the switches on: a decode step then runs its
+    attention in C (the fused call; or, without float32 caches or with LoRA, the per-module path's same native
+    attention), and model_runner keeps torch on one thread however long the contexts."""
+    if getattr(model, "native_decode_types", None) is None or not ops.available():
+        return False
+    steps = plan(model)
+    return bool(steps) and all(run is not None for _, run in steps) and ops.layers_enabled() and switched_on()
+
+
 def _meta_ok(meta, tokens: int) -> bool:
     tables, lens, slots = meta.block_tables, meta.context_lens_tensor, meta.slot_mapping
     return (tables.dtype == torch.long and tables.stride(1) == 1 and lens.dtype == torch.long and lens.is_contiguous()

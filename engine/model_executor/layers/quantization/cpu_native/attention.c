@@ -8,7 +8,11 @@
  * thread: a sequence's output has the same bits whatever the batch around it and however units are chunked.
  *
  * Plain C that gcc vectorizes (-O3 -march=native): dot products in 16 lanes summed in a fixed tree, exp by a
- * polynomial (expf is a libm call per element); no intrinsics, so the portable build runs the same code.
+ * polynomial (expf is a libm call per element). One exception, with AVX-512 (KI_VNNI) and a float32 cache: the
+ * scores of 16 positions at a time, their 16 trees folded together across vectors (ka_scores16), the same
+ * additions of the same pairs, so the same bits as the plain C the portable build runs (1.3x faster for the
+ * whole unit at 48-528 positions, one thread, cache-warm), each position's K and V rows prefetched as its
+ * tile is gathered (from memory: ~0.9x the time at 48 positions, ~0.8x at 528).
  * Cache element kinds: float32, bfloat16, and one byte through a 256-entry table (fp8 e4m3 / e5m2: the table
  * holds each byte's exact float value, so widening equals torch's cast). */
 
@@ -39,6 +43,60 @@ static inline __attribute__((always_inline)) float ka_dot(const float *a, const 
         for (int l = 0; l < w; l++) lane[l] += lane[l + w];
     return lane[0];
 }
+
+#if KI_VNNI
+/* Pairs of vectors a, b summed as ka_dot's tree sums each one's lanes: lane l of a (or b) with lane l + w, for
+ * w = 8, 4, 2, 1 in turn. Four levels over 16 vectors (one a position) give the 16 dot products in one vector:
+ * the same additions of the same pairs as ka_dot's tree (a float sum does not depend on its operands' order),
+ * so the same bits, with 15 vector additions in place of 16 horizontal trees. */
+static inline __attribute__((always_inline)) __m512 ka_fold8(__m512 a, __m512 b) { /* lanes 0-7 a's, 8-15 b's */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+static inline __attribute__((always_inline)) __m512 ka_fold4(__m512 a, __m512 b) { /* quads: a lo, a hi, b lo, b hi */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+static inline __attribute__((always_inline)) __m512 ka_fold2(__m512 a, __m512 b) { /* per quad: a's 2, b's 2 */
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+static inline __attribute__((always_inline)) __m512 ka_fold1(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* The float32 K and V rows of a position asked for ahead of use: K's read at the end of its tile of 16, V's
+ * after the softmax. A unit's rows are 2 x 256 bytes (D 64) scattered by the block table, too few in a row
+ * for the hardware prefetcher: without, the loads wait on memory one row at a time. */
+static inline __attribute__((always_inline)) void ka_prefetch(const attn_ctx *c, long row, const int D) {
+    const char *k = (const char *)((const float *)c->k_cache + (size_t)row * D);
+    const char *v = (const char *)((const float *)c->v_cache + (size_t)row * D);
+    for (int at = 0; at < D * 4; at += 64) __builtin_prefetch(k + at), __builtin_prefetch(v + at);
+}
+
+/* s[j * n + i] = ka_dot(q + j * D, rows[i], D) * scale for i < m <= 16 and each of the group's j: each float32
+ * K row read once per query from L1, its products in 16 lanes as ka_dot's, then the 16 trees folded together. */
+static inline __attribute__((always_inline)) void ka_scores16(const float *q, int group, const float *const *rows,
+                                                              int m, const int D, float scale, float *s, long n) {
+    /* after the four folds, lane 4k + r holds position k + 4r */
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    for (int j = 0; j < group; j++) {
+        __m512 p[KA_LANES];
+        for (int i = 0; i < KA_LANES; i++) {
+            __m512 acc = _mm512_setzero_ps();
+            if (i < m)
+                for (int d = 0; d < D; d += KA_LANES)
+                    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + j * D + d), _mm512_loadu_ps(rows[i] + d)));
+            p[i] = acc;
+        }
+        __m512 w[8], z[4], u[2];
+        for (int i = 0; i < 8; i++) w[i] = ka_fold8(p[2 * i], p[2 * i + 1]);
+        for (int i = 0; i < 4; i++) z[i] = ka_fold4(w[2 * i], w[2 * i + 1]);
+        for (int i = 0; i < 2; i++) u[i] = ka_fold2(z[2 * i], z[2 * i + 1]);
+        __m512 dots = _mm512_permutexvar_ps(order, ka_fold1(u[0], u[1]));
+        _mm512_mask_storeu_ps(s + j * n, (__mmask16)((1u << m) - 1), _mm512_mul_ps(dots, _mm512_set1_ps(scale)));
+    }
+}
+#endif
 
 /* Row `row` (token slot * Hkv + head) of a cache as float32: the cache itself for float32, else widened to buf. */
 static inline __attribute__((always_inline)) const float *ka_row(const attn_ctx *c, const char *cache, size_t row, float *buf, const int D) {
@@ -89,6 +147,22 @@ static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int u
             qf[j * D + d] = c->q_bf16 ? bf16_to_f32(((const uint16_t *)c->q)[at + d]) : ((const float *)c->q)[at + d];
     }
     const int64_t *table = c->tables + (size_t)b * c->table_stride;
+#if KI_VNNI
+    if (c->kind == 0 && D % KA_LANES == 0) { /* float32 cache: 16 positions at a time, the same sums */
+        const float *rows[KA_LANES];
+        int m = 0;
+        long t0 = 0;
+        FOR_EACH_POSITION(c, table, start, len, t, row) {
+            if (m == 0) t0 = t;
+            rows[m++] = (const float *)c->k_cache + (size_t)row * D;
+            ka_prefetch(c, row, D);
+            if (m == KA_LANES || t + 1 == n) {
+                ka_scores16(qf, group, rows, m, D, c->scale, s + t0, n);
+                m = 0;
+            }
+        }
+    } else
+#endif
     FOR_EACH_POSITION(c, table, start, len, t, row) { /* scores s[j * n + t] */
         const float *k = ka_row(c, c->k_cache, row, buf, D);
         for (int j = 0; j < group; j++) s[j * n + t] = ka_dot(qf + j * D, k, D) * c->scale;
