@@ -103,6 +103,7 @@ static inline __attribute__((always_inline)) void w4a8_wide(const w4a8_ctx *c, i
     const size_t rg = (size_t)steps * 64; /* one row group's bytes */
     const uint8_t *wg = c->w + (size_t)g * rg;
     float part[2][8][ROWS] __attribute__((aligned(64)));
+    const int8_t *q0 = c->q + (size_t)m0 * c->Kp;
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int gi = 0; gi < c->groups; gi++) {
         int s0 = gi * gsteps, s1 = s0 + gsteps < steps ? s0 + gsteps : steps;
@@ -121,7 +122,7 @@ static inline __attribute__((always_inline)) void w4a8_wide(const w4a8_ctx *c, i
                 lo[r] = _mm512_and_si512(v, low), hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
             for (int t = 0; t < mt; t++) {
-                const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + 8 * s;
+                const int8_t *q = q0 + (size_t)t * c->Kp + 8 * s;
                 __m512i a = w4a8_bcast(q), b = w4a8_bcast(q + 4);
                 for (int r = 0; r < R; r++) {
                     isum[r][t] = _mm512_dpbusd_epi32(isum[r][t], lo[r], a);
