@@ -166,7 +166,7 @@ typedef struct {
 /* Rows of `ng` (1 or 2) row groups from g times `mt` tokens from m0; ng and mt are constants where inlined, so
  * the loops unroll and the accumulators stay in registers (2 x 4 of them: independent dependency chains). The
  * first tile of a row group prefetches (a decode step's weights come from memory: without it the 222M model's
- * products ran 1.4-2.6x slower on cold weights than on cached ones at 16 tokens): one row group, W8_PREFETCH
+ * products ran 1.3-2.6x slower on cold weights than on cached ones at 16 tokens): one row group, W8_PREFETCH
  * bytes ahead in its stream; two, the next pair's same step. */
 #ifndef W8_PREFETCH
 #define W8_PREFETCH 8192
