@@ -22,10 +22,10 @@ a weight group regroups it, IntWeight.narrow) and a row-parallel rank quantizes 
 range (w8a8_tp.range_reducer). LoRA: the adapter reads the unquantized input beside this product (w8a8.py).
 Decode steps run whole decoder layers natively with it (models/native_decode.py, the same bits).
 
-Speed (benchmarks/RESULTS.md "quantized-decode-w4a8", the 222M `large` model, 2 cores, load 1.3-1.5, 5
-interleaved rounds, best / median): 283.0 / 225.5 tok/s at batch 1 and 1320 / 1300 at 16, against 23.2 / 22.6 and
-130 / 126 before (the dequantized float32 weight and fake-quantized input), 197.1 / 185.6 and 855 / 820 for the
-W4A16 checkpoint (the exact A16 product), 247.5 / 232.7 and 967 / 943 for llama.cpp Q4_0."""
+Speed (benchmarks/RESULTS.md "quantized-decode-w4a8", the 222M `large` model, 2 cores, load 0.9-1.0, 5
+interleaved rounds, best / median): 281.3 / 228.0 tok/s at batch 1 and 1317 / 1182 at 16, against 22.2 / 22.1 and
+128 / 118 before (the dequantized float32 weight and fake-quantized input), 257.5 / 200.7 and 967 / 927 for the
+W4A16 checkpoint (the exact A16 product), 247.2 / 241.8 and 938 / 856 for llama.cpp Q4_0 (1.14x / 1.40x best)."""
 from __future__ import annotations
 
 import logging

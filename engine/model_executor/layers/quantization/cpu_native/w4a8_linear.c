@@ -10,15 +10,20 @@
  *
  * Weights as ops.pack_int4 lays them out (kernels.c): per row group of 16 rows, [inputs / 8][16 rows][4 bytes],
  * inputs 8i..8i+3 in the low nibbles and 8i+4..8i+7 in the high ones, stored as w + 8 (0..15): vpdpbusd's
- * unsigned operand. A group's sum of (w + 8) * q is isum + 8 * sum(q), the latter subtracted in int32. The
- * high nibbles are multiplied as 16 * nibble (no shift in the loop) and that chain shifted right by 4 after:
- * exact, |16 * 15 * 128 * K / 2| < 2^31 for K <= ops.MAX_INPUTS. One row group's weights are one stream
- * (prefetched as kernels_q8_0.c does), times up to W4_TILE tokens a tile. */
+ * unsigned operand. A group's sum of (w + 8) * q is isum + 8 * sum(q), the latter subtracted in int32 (integer
+ * sums: any order gives the same bits). Below 5 tokens (bound by reading the weights) one row group's weights are
+ * one stream, prefetched W4_PREFETCH bytes ahead, the high nibbles multiplied as 16 * nibble (no shift in the
+ * loop) and that chain shifted right by 4 after: exact, |16 * 15 * 128 * K / 2| < 2^31 for K <= ops.MAX_INPUTS.
+ * From 5 tokens (bound by vpdpbusd) two row groups at once times up to W4_TILE tokens, the first tile prefetching
+ * the next pair: 6 tokens a tile ran 1.2x faster than 8 (whose 16 accumulators gcc spilled) and 4 or 5 (more
+ * unpacking per product) on the 222M model's shapes (benchmarks/RESULTS.md "cpu-w4a8-kernel"). */
 
 #ifndef W4_TILE
-#define W4_TILE 8
+#define W4_TILE 6
 #endif
+#ifndef W4_PREFETCH
 #define W4_PREFETCH 8192
+#endif
 
 typedef struct {
     const int8_t *q;   /* [M, Kp] activations, zero-padded to Kp (a multiple of 32) */
@@ -30,68 +35,47 @@ typedef struct {
     int M, N, Kp, groups, bpg; /* bpg: blocks of 32 inputs per weight group */
 } w4a8_ctx;
 
-static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_ctx *c, int g, int m0, const int mt,
-                                                            const uint8_t *stop) {
+#if KI_VNNI
+/* 1 to 4 tokens, one row group: bound by reading the weights. The activations broadcast from memory, four chains a
+ * token (vpdpbusd's latency, not the loads, would bound two chains at one token). */
+static inline __attribute__((always_inline)) void w4a8_narrow(const w4a8_ctx *c, int g, int m0, const int mt,
+                                                              const uint8_t *stop) {
     const int blocks = c->Kp / BLOCK;
     const uint8_t *wg = c->w + (size_t)g * blocks * (BLOCK * ROWS / 2);
     const float *scales = c->sw + (size_t)g * c->groups * ROWS;
     int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
-#if KI_VNNI
-    __m512 acc[W4_TILE];
+    __m512 acc[4];
     for (int t = 0; t < mt; t++) acc[t] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     for (int gi = 0; gi < c->groups; gi++) {
         int b0 = gi * c->bpg, b1 = b0 + c->bpg < blocks ? b0 + c->bpg : blocks;
-        __m512i even[W4_TILE], odd[W4_TILE], even2[4], odd2[4]; /* even2, odd2: the memory-bound loop's (mt <= 4) */
-        for (int t = 0; t < mt; t++) even[t] = odd[t] = _mm512_setzero_si512();
-        for (int t = 0; t < (mt < 4 ? mt : 4); t++) even2[t] = odd2[t] = _mm512_setzero_si512();
+        __m512i even[4], odd[4], even2[4], odd2[4];
+        for (int t = 0; t < mt; t++) even[t] = odd[t] = even2[t] = odd2[t] = _mm512_setzero_si512();
         for (int b = b0; b < b1; b++) {
             const uint8_t *wb = wg + (size_t)b * (BLOCK * ROWS / 2);
             /* the first tile only (later ones find the weights in cache), and not past the task's own weights */
             const int fetch = m0 == 0 && wb + BLOCK * ROWS / 2 + W4_PREFETCH <= stop;
-            if (mt > 4) { /* compute-bound: 16 inputs a step, each token's 16 bytes one broadcast, then shuffled */
-                for (int j = 0; j < BLOCK / 8; j += 2) {
-                    if (fetch) {
-                        _mm_prefetch((const char *)wb + 64 * j + W4_PREFETCH, _MM_HINT_T0);
-                        _mm_prefetch((const char *)wb + 64 * j + 64 + W4_PREFETCH, _MM_HINT_T0);
-                    }
-                    __m512i v0 = _mm512_loadu_si512(wb + 64 * j), v1 = _mm512_loadu_si512(wb + 64 * j + 64);
-                    __m512i w0 = _mm512_and_si512(v0, low), w1 = _mm512_and_si512(v0, high);
-                    __m512i w2 = _mm512_and_si512(v1, low), w3 = _mm512_and_si512(v1, high);
-                    for (int t = 0; t < mt; t++) {
-                        const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + b * BLOCK + 8 * j;
-                        __m512i a = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)q));
-                        even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_shuffle_epi32(a, 0x00));
-                        odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_shuffle_epi32(a, 0x55));
-                        even[t] = _mm512_dpbusd_epi32(even[t], w2, _mm512_shuffle_epi32(a, 0xAA));
-                        odd[t] = _mm512_dpbusd_epi32(odd[t], w3, _mm512_shuffle_epi32(a, 0xFF));
-                    }
+            for (int j = 0; j < BLOCK / 8; j += 2) {
+                if (fetch) {
+                    _mm_prefetch((const char *)wb + 64 * j + W4_PREFETCH, _MM_HINT_T0);
+                    _mm_prefetch((const char *)wb + 64 * j + 64 + W4_PREFETCH, _MM_HINT_T0);
                 }
-            } else { /* bound by reading the weights: the activations broadcast from memory, four chains a token
-                      * (vpdpbusd's latency, not the loads, would bound two chains at one token) */
-                for (int j = 0; j < BLOCK / 8; j += 2) {
-                    if (fetch) {
-                        _mm_prefetch((const char *)wb + 64 * j + W4_PREFETCH, _MM_HINT_T0);
-                        _mm_prefetch((const char *)wb + 64 * j + 64 + W4_PREFETCH, _MM_HINT_T0);
-                    }
-                    __m512i v0 = _mm512_loadu_si512(wb + 64 * j), v1 = _mm512_loadu_si512(wb + 64 * j + 64);
-                    __m512i w0 = _mm512_and_si512(v0, low), w1 = _mm512_and_si512(v0, high);
-                    __m512i w2 = _mm512_and_si512(v1, low), w3 = _mm512_and_si512(v1, high);
-                    for (int t = 0; t < mt; t++) {
-                        const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + b * BLOCK + 8 * j;
-                        even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_set1_epi32(*(const int32_t *)q));
-                        odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
-                        even2[t] = _mm512_dpbusd_epi32(even2[t], w2, _mm512_set1_epi32(*(const int32_t *)(q + 8)));
-                        odd2[t] = _mm512_dpbusd_epi32(odd2[t], w3, _mm512_set1_epi32(*(const int32_t *)(q + 12)));
-                    }
+                __m512i v0 = _mm512_loadu_si512(wb + 64 * j), v1 = _mm512_loadu_si512(wb + 64 * j + 64);
+                __m512i w0 = _mm512_and_si512(v0, low), w1 = _mm512_and_si512(v0, high);
+                __m512i w2 = _mm512_and_si512(v1, low), w3 = _mm512_and_si512(v1, high);
+                for (int t = 0; t < mt; t++) {
+                    const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + b * BLOCK + 8 * j;
+                    even[t] = _mm512_dpbusd_epi32(even[t], w0, _mm512_set1_epi32(*(const int32_t *)q));
+                    odd[t] = _mm512_dpbusd_epi32(odd[t], w1, _mm512_set1_epi32(*(const int32_t *)(q + 4)));
+                    even2[t] = _mm512_dpbusd_epi32(even2[t], w2, _mm512_set1_epi32(*(const int32_t *)(q + 8)));
+                    odd2[t] = _mm512_dpbusd_epi32(odd2[t], w3, _mm512_set1_epi32(*(const int32_t *)(q + 12)));
                 }
             }
         }
         __m512 sw = _mm512_loadu_ps(scales + gi * ROWS);
         for (int t = 0; t < mt; t++) {
             int m = m0 + t;
-            __m512i e = even[t], o = odd[t];
-            if (mt <= 4) e = _mm512_add_epi32(e, even2[t]), o = _mm512_add_epi32(o, odd2[t]);
+            __m512i e = _mm512_add_epi32(even[t], even2[t]), o = _mm512_add_epi32(odd[t], odd2[t]);
             __m512i sum = _mm512_add_epi32(e, _mm512_srai_epi32(o, 4));
             sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(c->s[(size_t)m * c->groups + gi]));
             __m512 scale = _mm512_mul_ps(_mm512_set1_ps(c->sx[m]), sw);
@@ -100,8 +84,77 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_ctx *c, i
     }
     __mmask16 mask = (__mmask16)((1u << nn) - 1);
     for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, acc[t]);
+}
+
+/* 4 activation bytes broadcast to a register: kept a vpbroadcastd (the empty asm), not folded into vpdpbusd as an
+ * embedded broadcast ({1to16}), which ran at a third of the register form's rate on this CPU (Zen 5). */
+static inline __attribute__((always_inline)) __m512i w4a8_bcast(const int8_t *q) {
+    __m512i b = _mm512_set1_epi32(*(const int32_t *)q);
+    __asm__("" : "+v"(b));
+    return b;
+}
+
+/* 5 or more tokens, R (1 or 2) row groups: bound by vpdpbusd. Each step's weight vector unpacked once for the
+ * tile's tokens (low nibbles; high nibbles shifted down), each token's 4 activation bytes broadcast once for both
+ * row groups, one int32 chain per row group and token. pf: prefetch the next pair of row groups, step by step. */
+static inline __attribute__((always_inline)) void w4a8_wide(const w4a8_ctx *c, int g, const int R, int m0,
+                                                            const int mt, int pf) {
+    const int steps = c->Kp / 8, gsteps = c->bpg * BLOCK / 8;
+    const size_t rg = (size_t)steps * 64; /* one row group's bytes */
+    const uint8_t *wg = c->w + (size_t)g * rg;
+    float part[2][8][ROWS] __attribute__((aligned(64)));
+    const int8_t *q0 = c->q + (size_t)m0 * c->Kp;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int gi = 0; gi < c->groups; gi++) {
+        int s0 = gi * gsteps, s1 = s0 + gsteps < steps ? s0 + gsteps : steps;
+        __m512i isum[2][8]; /* mt <= W4_TILE <= 8 */
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < mt; t++) isum[r][t] = _mm512_setzero_si512();
+        for (int s = s0; s < s1; s++) {
+            const uint8_t *ws = wg + (size_t)s * 64;
+            if (pf) {
+                _mm_prefetch((const char *)ws + 2 * rg, _MM_HINT_T0);
+                if (R == 2) _mm_prefetch((const char *)ws + 3 * rg, _MM_HINT_T0);
+            }
+            __m512i lo[2], hi[2];
+            for (int r = 0; r < R; r++) {
+                __m512i v = _mm512_loadu_si512(ws + r * rg);
+                lo[r] = _mm512_and_si512(v, low), hi[r] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            for (int t = 0; t < mt; t++) {
+                const int8_t *q = q0 + (size_t)t * c->Kp + 8 * s;
+                __m512i a = w4a8_bcast(q), b = w4a8_bcast(q + 4);
+                for (int r = 0; r < R; r++) {
+                    isum[r][t] = _mm512_dpbusd_epi32(isum[r][t], lo[r], a);
+                    isum[r][t] = _mm512_dpbusd_epi32(isum[r][t], hi[r], b);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            __m512 sw = _mm512_loadu_ps(c->sw + ((size_t)(g + r) * c->groups + gi) * ROWS);
+            for (int t = 0; t < mt; t++) {
+                int m = m0 + t;
+                __m512i sum = _mm512_sub_epi32(isum[r][t], _mm512_set1_epi32(c->s[(size_t)m * c->groups + gi]));
+                __m512 scale = _mm512_mul_ps(_mm512_set1_ps(c->sx[m]), sw);
+                __m512 prev = gi ? _mm512_load_ps(part[r][t]) : _mm512_setzero_ps();
+                _mm512_store_ps(part[r][t], _mm512_add_ps(prev, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale)));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        int n0 = (g + r) * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        __mmask16 mask = (__mmask16)((1u << nn) - 1);
+        for (int t = 0; t < mt; t++)
+            _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, _mm512_load_ps(part[r][t]));
+    }
+}
 #else
-    (void)stop;
+/* The portable twin: the same sums (exact integers) and the same float operations in the same order. */
+static void w4a8_rows(const w4a8_ctx *c, int g, int m0, const int mt) {
+    const int blocks = c->Kp / BLOCK;
+    const uint8_t *wg = c->w + (size_t)g * blocks * (BLOCK * ROWS / 2);
+    const float *scales = c->sw + (size_t)g * c->groups * ROWS;
+    int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
     for (int t = 0; t < mt; t++) {
         int m = m0 + t;
         const int8_t *q = c->q + (size_t)m * c->Kp;
@@ -118,21 +171,40 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_ctx *c, i
             c->out[(size_t)m * c->N + n0 + r] = acc;
         }
     }
-#endif
 }
+#endif
 
-#define W4_CASE(n) case n: w4a8_tile(c, g, m0, n, stop); break;
+#define W4_WIDE(n) case n: if (R == 2) w4a8_wide(c, g, 2, m0, n, pf); else w4a8_wide(c, g, 1, m0, n, pf); break;
 
-/* Work item u: row groups 2u and 2u + 1, each alone (one stream of weights) in tiles of W4_TILE tokens. */
+/* Work item u: row groups 2u and 2u + 1. Below 5 tokens each row group alone (one stream of weights) in tiles of
+ * up to 4 tokens; from 5 tokens both together in tiles of up to W4_TILE tokens. */
 static void w4a8_task(const void *ctx, int start, int end) {
     const w4a8_ctx *c = ctx;
     int groups = (c->N + ROWS - 1) / ROWS, last = 2 * end < groups ? 2 * end : groups;
     const uint8_t *stop = c->w + (size_t)last * c->Kp * ROWS / 2;
-    for (int g = 2 * start; g < 2 * end && g < groups; g++)
-        for (int m0 = 0; m0 < c->M; m0 += W4_TILE) switch (c->M - m0 < W4_TILE ? c->M - m0 : W4_TILE) {
-            W4_CASE(1) W4_CASE(2) W4_CASE(3) W4_CASE(4) W4_CASE(5) W4_CASE(6) W4_CASE(7)
-            default: w4a8_tile(c, g, m0, W4_TILE, stop);
-        }
+    for (int g = 2 * start; g < last; g += 2) {
+#if KI_VNNI
+        const int R = last - g < 2 ? 1 : 2;
+        if (c->M > 4)
+            for (int m0 = 0; m0 < c->M; m0 += W4_TILE) {
+                const int pf = m0 == 0 && g + 2 < groups; /* the first tile prefetches the next pair */
+                const int mt = c->M - m0 < W4_TILE ? c->M - m0 : W4_TILE;
+                if (mt == W4_TILE) {
+                    if (R == 2) w4a8_wide(c, g, 2, m0, W4_TILE, pf); else w4a8_wide(c, g, 1, m0, W4_TILE, pf);
+                } else
+                    switch (mt) { W4_WIDE(1) W4_WIDE(2) W4_WIDE(3) W4_WIDE(4) W4_WIDE(5) W4_WIDE(6) default: W4_WIDE(7) }
+            }
+        else
+            for (int r = 0; r < R; r++)
+                switch (c->M) { case 1: w4a8_narrow(c, g + r, 0, 1, stop); break;
+                                case 2: w4a8_narrow(c, g + r, 0, 2, stop); break;
+                                case 3: w4a8_narrow(c, g + r, 0, 3, stop); break;
+                                default: w4a8_narrow(c, g + r, 0, 4, stop); }
+#else
+        (void)stop;
+        for (int r = 0; r < 2 && g + r < last; r++) w4a8_rows(c, g + r, 0, c->M);
+#endif
+    }
 }
 
 /* q [M, K] int8 and sx [M] (the activations as quantized per token), w packed (Kp = K rounded up to 32 inputs),
