@@ -113,7 +113,26 @@ static void a16_round_x(const float *x, int M, int K, uint32_t *xb, int tt) {
  * two row groups sharing each broadcast; int8 0.75x at 1 token). vdpbf16ps with an embedded broadcast operand
  * ({1to16}, which gcc folds _mm512_set1_epi32 into) ran at a third of the register form's rate here. */
 #define A16_CASE8(n) case n: if (R == 2) a16_tile8(c, g, m0, n, 2, pf); else a16_tile8(c, g, m0, n, 1, pf); break;
-#define A16_CASE4(n) case n: a16_tile4(c, g + r, m0, n, pf && g + r + 1 < groups); break;
+#define A16_CASE4(n) \
+    case n: if (pf) a16_tile4(c, g + r, m0, n, 1, bits); else a16_tile4(c, g + r, m0, n, 0, bits); break;
+/* Row groups g.. g + R - 1, 4 tokens at a time (a16_tile4); one function per weight width, apart from a16_tile8's
+ * copies, and a copy per prefetch or not: inlined into a16_task with them, the int4 loop tested the width and the
+ * prefetch flag each step and kept its pointers on the stack (with the folded loads of a16_tile4's comment, 0.8-0.9x
+ * the earlier kernel on cached weights). */
+#define A16_ROWS4(BITS)                                                                                             \
+    static __attribute__((noinline)) void a16_rows4_##BITS(const a16_ctx *c, int g, int R, int groups) {             \
+        const int bits = BITS;                                                                                      \
+        for (int r = 0; r < R; r++)                                                                                 \
+            for (int m0 = 0; m0 < c->M; m0 += 4) {                                                                  \
+                const int pf = m0 == 0 && g + r + 1 < groups;                                                       \
+                switch (c->M - m0 < 4 ? c->M - m0 : 4) {                                                            \
+                    A16_CASE4(1) A16_CASE4(2) A16_CASE4(3) default: A16_CASE4(4)                                    \
+                }                                                                                                   \
+            }                                                                                                       \
+    }
+A16_ROWS4(4)
+A16_ROWS4(8)
+
 static void a16_task(const void *ctx, int start, int end) {
     const a16_ctx *c = ctx;
     const int groups = (c->N + ROWS - 1) / ROWS;
@@ -127,12 +146,10 @@ static void a16_task(const void *ctx, int start, int end) {
                     default: A16_CASE8(A16_TT)
                 }
             }
+        else if (c->bits == 4)
+            a16_rows4_4(c, g, R, groups);
         else
-            for (int r = 0; r < R; r++)
-                for (int m0 = 0; m0 < c->M; m0 += 4) {
-                    const int pf = m0 == 0;
-                    switch (c->M - m0 < 4 ? c->M - m0 : 4) { A16_CASE4(1) A16_CASE4(2) A16_CASE4(3) default: A16_CASE4(4) }
-                }
+            a16_rows4_8(c, g, R, groups);
     }
 }
 
