@@ -86,7 +86,8 @@ def main() -> None:
                     print(threads, name, state, m, {key: f"{v:.3f}" for key, v in best.items()}, flush=True)
         loads.append(os.getloadavg()[0])
     head = "| threads | product | weights | " + " | ".join(
-        f"{m} token{'s' * (m > 1)} ms" + (" (base ms, speed-up base/this)" if args.base_lib else "") for m in (1, 16)) + " |"
+        f"{m} token{'s' * (m > 1)} ms" + (" (base ms, speed-up base/this)" if args.base_lib else "")
+        for m in (1, 16)) + " |"
     table = [head, "|" + "---|" * (3 + 2)]
     for threads, name, shape, state, *_ in rows[::2]:
         cells = []
@@ -97,7 +98,8 @@ def main() -> None:
                                                    if "base" in t else ""))
         table.append(f"| {threads} | {name} {shape} | {state} | " + " | ".join(cells) + " |")
     body = (f"Command: `python benchmarks/bench_a16_kernel.py --threads {args.threads}"
-            f"{' --base-lib BASE' if args.base_lib else ''}`. Machine: {platform.machine()}, {os.cpu_count()} cores "
+            f"{' --base-lib BASE' if args.base_lib else ''}{f' --rounds {args.rounds}' if args.rounds != 5 else ''}`. "
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores "
             f"shared with other jobs (load {min(loads):.1f}-{max(loads):.1f} while measured), torch "
             f"{torch.__version__}. ki_a16_linear alone, best of {args.rounds} rounds; weights warm (one copy, in the "
             f"caches) or cold ({COLD_COPIES} copies in turn: a decode step's case, whose weights come from memory)."

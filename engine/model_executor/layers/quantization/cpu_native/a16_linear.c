@@ -24,7 +24,10 @@
  * 4 chains interleaved (a16_tile4); int8 from 5 tokens, 8 tokens and 2 row groups at a time, chain by chain, each
  * weight vector unpacked once for the 8 tokens (a16_tile8). The first tile of a row group prefetches the next row
  * groups' weights: a decode step's weights come from memory, and at 16 tokens the hardware prefetcher alone left
- * the products 1.3-1.4x slower than on cached weights. Speeds: benchmarks/RESULTS.md "cpu-a16-kernel". */
+ * the products 1.3-1.4x slower than on cached weights; on cached weights it costs int4 1-4% at 16 tokens (one more
+ * load a step in the first tile of a load-bound loop), nothing at 1 token. Speeds against the kernel before these
+ * tilings and the prefetch (benchmarks/RESULTS.md "cpu-a16-kernel", one thread): int4 0.96-1.04x on cached weights,
+ * 1.2-1.75x on cold ones (the layers larger than the caches); int8 1.4x at 16 tokens. */
 
 #if KI_VNNI && defined(__AVX512BF16__)
 #define KI_A16_BF16 1
