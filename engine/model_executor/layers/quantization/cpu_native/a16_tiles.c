@@ -8,17 +8,57 @@ static const int16_t a16_table[32] = {
     (int16_t)0xC040, (int16_t)0xC000, (int16_t)0xBF80, 0, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0,
     0x40E0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x4180};
 
+#if !KI_A16_BF16
+/* The portable twin of one output: row r of row group rg (its weights from wr) for one token whose pair i (inputs 2i
+ * and 2i + 1, the even one in the low half) is pairs[i * stride]; the vector tiles' operations in their order. */
+static float a16_portable_out(const a16_ctx *c, int bits, const uint8_t *wr, int rg, int r, const uint32_t *pairs,
+                              size_t stride) {
+    const int gsteps = c->group_size / 8;
+    const size_t step_bytes = bits == 4 ? 64 : 128;
+    const float *sg = c->scale + (size_t)rg * c->groups * ROWS;
+    float o = 0.0f;
+    for (int grp = 0; grp < c->groups; grp++) {
+        size_t zi = ((size_t)rg * c->groups + grp) * 32;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int j = grp * gsteps; j < (grp + 1) * gsteps; j++) {
+            const uint8_t *wb = wr + j * step_bytes;
+            for (int p = 0; p < 4; p++) {
+                float w[2];
+                for (int par = 0; par < 2; par++) {
+                    if (bits == 4) {
+                        uint32_t word;
+                        memcpy(&word, wb + 4 * r, 4);
+                        int u = (word >> (16 * par + 4 * p)) & 0xF;
+                        w[par] = (float)(u + ((const int16_t *)c->zero)[zi + 2 * r] - 15);
+                    } else {
+                        int q = (int8_t)wb[32 * p + (r / 8) * 16 + (r % 8) * 2 + par];
+                        w[par] = (float)(q - ((const int32_t *)c->zero)[zi + (r / 8) * 16 + (r % 8) * 2]);
+                    }
+                }
+                uint32_t xp = pairs[(size_t)(4 * j + p) * stride];
+                acc[p] = a16_ftz(a16_ftz(acc[p] + w[1] * a16_float((uint16_t)(xp >> 16)))
+                                 + w[0] * a16_float((uint16_t)xp));
+            }
+        }
+        float p = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+        o = o + sg[grp * ROWS + r] * p;
+    }
+    return o;
+}
+#endif
+
 /* a16_tile4: up to 4 tokens (x in rows), the 4 chains interleaved: each step's weight vector unpacked once per 4
  * tokens, 16 accumulators. */
 static inline __attribute__((always_inline)) void a16_tile4(const a16_ctx *c, int g, int m0, const int mt,
                                                             const int pf, const int bits) {
-    const int K = c->K, steps = K / 8, gsteps = c->group_size / 8;
+    const int K = c->K, steps = K / 8;
     const size_t step_bytes = bits == 4 ? 64 : 128;
     const uint8_t *wg = c->w + (size_t)g * steps * step_bytes;
-    const float *sg = c->scale + (size_t)g * c->groups * ROWS;
-    const uint16_t *x = (const uint16_t *)c->x + (size_t)m0 * K; /* rows of bf16 */
     int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
 #if KI_A16_BF16
+    const int gsteps = c->group_size / 8;
+    const float *sg = c->scale + (size_t)g * c->groups * ROWS;
+    const uint16_t *x = (const uint16_t *)c->x + (size_t)m0 * K; /* rows of bf16 */
     const __m512i table = _mm512_loadu_si512(a16_table), nibble = _mm512_set1_epi16(0x000F);
     const size_t pf_off = (size_t)steps * step_bytes;
     __m512 out[4];
@@ -71,35 +111,9 @@ static inline __attribute__((always_inline)) void a16_tile4(const a16_ctx *c, in
     for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, out[t]);
 #else
     for (int t = 0; t < mt; t++)
-        for (int r = 0; r < nn; r++) {
-            float o = 0.0f;
-            for (int grp = 0; grp < c->groups; grp++) {
-                size_t zi = ((size_t)g * c->groups + grp) * 32;
-                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                for (int j = grp * gsteps; j < (grp + 1) * gsteps; j++) {
-                    const uint8_t *wb = wg + j * step_bytes;
-                    for (int p = 0; p < 4; p++) {
-                        float w[2];
-                        for (int par = 0; par < 2; par++) {
-                            if (bits == 4) {
-                                uint32_t word;
-                                memcpy(&word, wb + 4 * r, 4);
-                                int u = (word >> (16 * par + 4 * p)) & 0xF;
-                                w[par] = (float)(u + ((const int16_t *)c->zero)[zi + 2 * r] - 15);
-                            } else {
-                                int q = (int8_t)wb[32 * p + (r / 8) * 16 + (r % 8) * 2 + par];
-                                w[par] = (float)(q - ((const int32_t *)c->zero)[zi + (r / 8) * 16 + (r % 8) * 2]);
-                            }
-                        }
-                        const uint16_t *xp = x + (size_t)t * K + 8 * j + 2 * p;
-                        acc[p] = a16_ftz(a16_ftz(acc[p] + w[1] * a16_float(xp[1])) + w[0] * a16_float(xp[0]));
-                    }
-                }
-                float p = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-                o = o + sg[grp * ROWS + r] * p;
-            }
-            c->out[(size_t)(m0 + t) * c->N + n0 + r] = o;
-        }
+        for (int r = 0; r < nn; r++)
+            c->out[(size_t)(m0 + t) * c->N + n0 + r] =
+                a16_portable_out(c, bits, wg, g, r, c->x + (size_t)(m0 + t) * (K / 2), 1);
 #endif
 }
 
@@ -127,11 +141,12 @@ static inline __attribute__((always_inline)) __m512bh a16_weights(const uint8_t 
  * leave the accumulators' latency bare. Each chain's sums are in the order of the file's docstring. */
 static inline __attribute__((always_inline)) void a16_tile8(const a16_ctx *c, int g, int m0, const int mt, const int R,
                                                             int pf) {
-    const int K = c->K, steps = K / 8, gsteps = c->group_size / 8;
+    const int K = c->K, steps = K / 8;
     const size_t step_bytes = c->bits == 4 ? 64 : 128, rg_bytes = (size_t)steps * step_bytes;
     const uint8_t *wg = c->w + g * rg_bytes;
     const uint32_t *xt = c->x + (size_t)m0 * (K / 2); /* the tile's pairs, [K / 2][mt] */
 #if KI_A16_BF16
+    const int gsteps = c->group_size / 8;
     const __m512i table = _mm512_loadu_si512(a16_table);
     const int cp = R * mt <= 4 ? 4 : R * mt <= 8 ? 2 : 1; /* chains at once: cp * R * mt accumulators, <= 16 */
     __m512 out[2][A16_TT], part[4][2][A16_TT];
@@ -191,42 +206,13 @@ static inline __attribute__((always_inline)) void a16_tile8(const a16_ctx *c, in
         for (int t = 0; t < mt; t++) _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, out[r][t]);
     }
 #else
-  for (int rg = g; rg < g + R; rg++) {
-    int n0 = rg * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
-    const uint8_t *wr = wg + (rg - g) * rg_bytes;
-    const float *sg = c->scale + (size_t)rg * c->groups * ROWS;
-    for (int t = 0; t < mt; t++)
-        for (int r = 0; r < nn; r++) {
-            float o = 0.0f;
-            for (int grp = 0; grp < c->groups; grp++) {
-                size_t zi = ((size_t)rg * c->groups + grp) * 32;
-                float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                for (int j = grp * gsteps; j < (grp + 1) * gsteps; j++) {
-                    const uint8_t *wb = wr + j * step_bytes;
-                    for (int p = 0; p < 4; p++) {
-                        float w[2];
-                        for (int par = 0; par < 2; par++) {
-                            if (c->bits == 4) {
-                                uint32_t word;
-                                memcpy(&word, wb + 4 * r, 4);
-                                int u = (word >> (16 * par + 4 * p)) & 0xF;
-                                w[par] = (float)(u + ((const int16_t *)c->zero)[zi + 2 * r] - 15);
-                            } else {
-                                int q = (int8_t)wb[32 * p + (r / 8) * 16 + (r % 8) * 2 + par];
-                                w[par] = (float)(q - ((const int32_t *)c->zero)[zi + (r / 8) * 16 + (r % 8) * 2]);
-                            }
-                        }
-                        uint32_t xp = xt[(size_t)(4 * j + p) * mt + t];
-                        acc[p] = a16_ftz(a16_ftz(acc[p] + w[1] * a16_float((uint16_t)(xp >> 16)))
-                                         + w[0] * a16_float((uint16_t)xp));
-                    }
-                }
-                float p = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-                o = o + sg[grp * ROWS + r] * p;
-            }
-            c->out[(size_t)(m0 + t) * c->N + n0 + r] = o;
-        }
-  }
+    for (int rg = g; rg < g + R; rg++) {
+        int n0 = rg * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+        for (int t = 0; t < mt; t++)
+            for (int r = 0; r < nn; r++)
+                c->out[(size_t)(m0 + t) * c->N + n0 + r] =
+                    a16_portable_out(c, c->bits, wg + (rg - g) * rg_bytes, rg, r, xt + t, mt);
+    }
 #endif
 }
 
