@@ -111,9 +111,9 @@ def both_ways(model, monkeypatch, **kwargs):
     return results
 
 
-@pytest.mark.parametrize("engine", CASES, indirect=True)
-def test_fused_layers_give_the_per_module_paths_bits(engine, monkeypatch):
-    model = engine.engine.runner.model
+def assert_fused_layers_give_the_per_module_paths_bits(model, monkeypatch):
+    """Both layers in one native call, and three decode steps' logits and KV caches at batch 1, 3 and 16 the same
+    bits as the per-module path's."""
     monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "1")
     steps = native_decode.plan(model)
     assert steps is not None and all(run is not None for _, run in steps) and len(steps) == 1  # both layers, one call
@@ -125,6 +125,11 @@ def test_fused_layers_give_the_per_module_paths_bits(engine, monkeypatch):
             assert torch.equal(a, b), f"batch {batch} step {step}: max diff {(a - b).abs().max().item()}"
         for (k, v), (rk, rv) in zip(fused_caches, ref_caches):
             assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+@pytest.mark.parametrize("engine", CASES, indirect=True)
+def test_fused_layers_give_the_per_module_paths_bits(engine, monkeypatch):
+    assert_fused_layers_give_the_per_module_paths_bits(engine.engine.runner.model, monkeypatch)
 
 
 @pytest.mark.parametrize("engine", ["qwen2-w8"], indirect=True)

@@ -6,13 +6,11 @@ test_cpu_native_decoder.py's harness."""
 from __future__ import annotations
 
 import pytest
-import torch
 from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, write_checkpoint
-from test_cpu_native_decoder import FAMILIES, both_ways
+from test_cpu_native_decoder import FAMILIES, assert_fused_layers_give_the_per_module_paths_bits
 
 from kubeinfer.engine import LLM
 from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
-from kubeinfer.engine.model_executor.models import native_decode
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
 
@@ -28,15 +26,5 @@ def test_fused_w4a8_layers_give_the_per_module_paths_bits(tmp_path, monkeypatch,
     llm = LLM(model_dir, max_model_len=128, num_kv_blocks=32)
     model = llm.engine.runner.model
     assert set(model.activation_schemes.values()) == {"int8 dynamic per token (w4a8_vnni)"}
-    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "1")
-    steps = native_decode.plan(model)
-    assert steps is not None and all(run is not None for _, run in steps) and len(steps) == 1  # both layers, one call
-    for batch in (1, 3, 16):
-        got = both_ways(model, monkeypatch, batch=batch)
-        (fused, fused_caches, calls), (ref, ref_caches, ref_calls) = got["1"], got["0"]
-        assert calls == 3 and ref_calls == 0, (calls, ref_calls)
-        for step, (a, b) in enumerate(zip(fused, ref)):
-            assert torch.equal(a, b), f"batch {batch} step {step}: max diff {(a - b).abs().max().item()}"
-        for (k, v), (rk, rv) in zip(fused_caches, ref_caches):
-            assert torch.equal(k, rk) and torch.equal(v, rv)
+    assert_fused_layers_give_the_per_module_paths_bits(model, monkeypatch)
     llm.shutdown()
