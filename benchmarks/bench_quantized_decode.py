@@ -182,25 +182,31 @@ def run_model(name: str, args) -> str:
                # opt-in: llama.cpp's arithmetic (Q8_0 activations) through the native VNNI kernels (cpu_native/)
                "engine W8A16, llama.cpp arithmetic": EngineSystem(made["w8a16"], args.tokens, "cpu_int8_vnni"),
                "engine W4A16, llama.cpp arithmetic": EngineSystem(made["w4a16"], args.tokens, "cpu_int4_vnni")}
-    peer_note = ""
-    if args.peer:
-        why_not = llama_cpp_peer.missing(args.llama_cpp_converter)
-        if why_not:
-            peer_note = llama_cpp_peer.HOW_TO_INSTALL.format(missing=why_not)
-            print(peer_note)
-        else:
-            f32 = llama_cpp_peer.convert(made["float32"], "f32", args.llama_cpp_converter, Path(".cache"))
-            if args.lm_head == "int8":
-                for kind in ("Q8_0", "Q4_0"):
-                    for output in ("Q8_0", "F32"):
-                        systems[f"llama.cpp {kind}, output {output.replace('F32', 'f32')}"] = LlamaCppSystem(
-                            llama_cpp_peer.quantize(f32, kind, output=output), args.tokens)
-            else:
-                systems["llama.cpp f32"] = LlamaCppSystem(f32, args.tokens)
-                for kind in ("Q8_0", "Q4_0"):
-                    systems[f"llama.cpp {kind}"] = LlamaCppSystem(llama_cpp_peer.quantize(f32, kind), args.tokens)
+    f32, peer_note = llama_cpp_f32(made, args)
+    if f32 is not None and args.lm_head == "int8":
+        for kind in ("Q8_0", "Q4_0"):
+            for output in ("Q8_0", "F32"):
+                systems[f"llama.cpp {kind}, output {output.replace('F32', 'f32')}"] = LlamaCppSystem(
+                    llama_cpp_peer.quantize(f32, kind, output=output), args.tokens)
+    elif f32 is not None:
+        systems["llama.cpp f32"] = LlamaCppSystem(f32, args.tokens)
+        for kind in ("Q8_0", "Q4_0"):
+            systems[f"llama.cpp {kind}"] = LlamaCppSystem(llama_cpp_peer.quantize(f32, kind), args.tokens)
     rates, products, kernels, loads = measure(name, systems, args)
     return table(name, rates, products, kernels, loads, peer_note, HEAD_PAIRS if args.lm_head == "int8" else None)
+
+
+def llama_cpp_f32(made: dict, args) -> tuple[Path | None, str]:
+    """With --peer: llama.cpp's f32 GGUF of the float32 checkpoint (its quantizations are made from it), or None and
+    the note saying what to install where llama.cpp is missing (printed); without: (None, "")."""
+    if not args.peer:
+        return None, ""
+    why_not = llama_cpp_peer.missing(args.llama_cpp_converter)
+    if why_not:
+        note = llama_cpp_peer.HOW_TO_INSTALL.format(missing=why_not)
+        print(note)
+        return None, note
+    return llama_cpp_peer.convert(made["float32"], "f32", args.llama_cpp_converter, Path(".cache")), ""
 
 
 def measure(name: str, systems: dict, args) -> tuple[dict, dict, dict, list]:

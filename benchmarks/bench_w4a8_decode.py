@@ -22,6 +22,7 @@ from bench_quantized_decode import (
     LlamaCppSystem,
     checkpoints,
     command_and_machine,
+    llama_cpp_f32,
     measure,
     table,
 )
@@ -66,15 +67,9 @@ def run(args) -> None:
                    "engine W4A8, before (fake-quantized, float32 weights)": W4A8System(path, args.tokens,
                                                                                        "fake_quant"),
                    "engine W4A16 (float32 model)": EngineSystem(made["w4a16"], args.tokens)}
-        peer_note = ""
-        if args.peer:
-            why_not = llama_cpp_peer.missing(args.llama_cpp_converter)
-            if why_not:
-                peer_note = llama_cpp_peer.HOW_TO_INSTALL.format(missing=why_not)
-                print(peer_note)
-            else:
-                f32 = llama_cpp_peer.convert(made["float32"], "f32", args.llama_cpp_converter, Path(".cache"))
-                systems["llama.cpp Q4_0"] = LlamaCppSystem(llama_cpp_peer.quantize(f32, "Q4_0"), args.tokens)
+        f32, peer_note = llama_cpp_f32(made, args)
+        if f32 is not None:
+            systems["llama.cpp Q4_0"] = LlamaCppSystem(llama_cpp_peer.quantize(f32, "Q4_0"), args.tokens)
         rates, products, kernels, loads = measure(name, systems, args)
         tables.append(table(name, rates, products, kernels, loads, peer_note, PAIRS))
     body = "\n".join([
