@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_builds import outputs_of_both_builds
 
 from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, ops
 
@@ -88,14 +89,8 @@ def test_portable_build_equals_the_avx512_build(monkeypatch):
     ones = torch.ones(16, 1)
     cases.append((x, (a16_method.pack(w, 8), 8, ops.pack_groups(ones, torch.float32),
                       a16_method.pack_zero(torch.zeros(16, 1, dtype=torch.int8), 8), 32, 16)))
-    outs = {}
-    for portable in ("0", "1"):
-        monkeypatch.setenv("KUBEINFER_CPU_NATIVE_PORTABLE", portable)
-        ops._state.clear()  # the next call loads the library this env asks for
-        assert ops.has_vnni() == (portable == "0")
-        outs[portable] = [product(x, args) for x, args, *_ in cases]
-    ops._state.clear()
-    assert all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))
+    native, portable = outputs_of_both_builds(monkeypatch, lambda: [product(x, args) for x, args, *_ in cases])
+    assert all(torch.equal(a, b) for a, b in zip(native, portable))
 
 
 def test_applies_only_where_the_layout_does():

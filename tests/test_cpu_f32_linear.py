@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from native_builds import outputs_of_both_builds
 
 from kubeinfer.engine.model_executor.layers.quantization.cpu_native import f32_ops, ops
 
@@ -69,13 +70,9 @@ def test_leading_dims_and_a_strided_input():
 
 def test_portable_build_equals_the_avx512_build(monkeypatch):
     """KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the plain C twin: the same bits."""
-    outs: dict[str, list[torch.Tensor]] = {}
-    for portable in ("0", "1"):
-        monkeypatch.setenv("KUBEINFER_CPU_NATIVE_PORTABLE", portable)
-        ops._state.clear()  # the next call loads the library this env asks for
-        outs[portable] = [f32_ops.f32_linear(*case(m, n, k, seed=2)) for m, n, k in SHAPES]
-    ops._state.clear()
-    for a, b in zip(outs["0"], outs["1"]):
+    native, portable = outputs_of_both_builds(
+        monkeypatch, lambda: [f32_ops.f32_linear(*case(m, n, k, seed=2)) for m, n, k in SHAPES], check_vnni=False)
+    for a, b in zip(native, portable):
         assert torch.equal(a, b)
 
 

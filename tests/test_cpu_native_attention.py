@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_builds import outputs_of_both_builds
 
 from kubeinfer.engine.model_executor.layers import cpu_attention
 from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata, TorchAttentionBackend
@@ -192,11 +193,6 @@ def test_portable_build_equals_the_avx512_build(monkeypatch):
     steps = [make_step(lengths, h, kv, d, torch.float32, window=window, seed=d + h)
              for lengths in ([1, 5, 16, 17, 33, 48], [300, 2]) for h, kv, d in ((8, 8, 64), (16, 8, 64), (12, 2, 128))
              for window in (None, 20)]
-    outs = {}
-    for portable in ("0", "1"):
-        monkeypatch.setenv("KUBEINFER_CPU_NATIVE_PORTABLE", portable)
-        ops._state.clear()  # the next call loads the library this env asks for
-        assert ops.has_vnni() == (portable == "0")
-        outs[portable] = [cpu_attention.decode(q, k, v, meta, 0.125) for q, k, v, meta in steps]
-    ops._state.clear()
-    assert all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))
+    native, portable = outputs_of_both_builds(
+        monkeypatch, lambda: [cpu_attention.decode(q, k, v, meta, 0.125) for q, k, v, meta in steps])
+    assert all(torch.equal(a, b) for a, b in zip(native, portable))

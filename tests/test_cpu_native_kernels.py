@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from native_builds import outputs_of_both_builds
 
 from kubeinfer.engine.model_executor.layers.quantization import activations
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
@@ -135,21 +136,14 @@ def test_activation_rounding_of_exact_halves():
 
 def test_portable_build_equals_the_vnni_build(monkeypatch):
     """KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the plain C twins; they give the same bits."""
-    native = {"w8a8": [], "q8": []}
-    for portable in ("0", "1"):
-        monkeypatch.setenv("KUBEINFER_CPU_NATIVE_PORTABLE", portable)
-        ops._state.clear()  # the next call loads the library this env asks for
-        assert ops.has_vnni() == (portable == "0")
-        for m, k, n in SHAPES[:4]:
-            x, w, scale = int8_case(m, k, n)
-            native["w8a8"].append(ops.w8a8_linear(x, TOKEN, ops.pack_int8(w), scale))
-        for case in CASES:
-            x, _, args = grouped_case(*case)
-            native["q8"].append(ops.q8_0_linear(x, *args))
-    ops._state.clear()
-    for outs in native.values():
-        half = len(outs) // 2
-        assert all(torch.equal(a, b) for a, b in zip(outs[:half], outs[half:]))
+    def products():
+        w8a8 = [ops.w8a8_linear(x, TOKEN, ops.pack_int8(w), scale)
+                for x, w, scale in (int8_case(m, k, n) for m, k, n in SHAPES[:4])]
+        q8 = [ops.q8_0_linear(x, *args) for x, _, args in (grouped_case(*case) for case in CASES)]
+        return w8a8 + q8
+
+    native, portable = outputs_of_both_builds(monkeypatch, products)
+    assert all(torch.equal(a, b) for a, b in zip(native, portable))
 
 
 def test_w8a8_engine_tokens_equal_int_mm(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_builds import outputs_of_both_builds
 from test_cpu_native_kernels import gguf_reference, grouped_case
 
 from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
@@ -51,11 +52,6 @@ def test_a_row_group_of_another_tile_is_seen():
 
 
 def test_portable_build_equals_the_vnni_build_across_tiles(monkeypatch):
-    outs = {}
-    for portable in ("0", "1"):
-        monkeypatch.setenv("KUBEINFER_CPU_NATIVE_PORTABLE", portable)
-        ops._state.clear()  # the next call loads the library this env asks for
-        assert ops.has_vnni() == (portable == "0")
-        outs[portable] = [ops.q8_0_linear(x, *args) for x, _, args in (case(*c) for c in TILE_CASES)]
-    ops._state.clear()
-    assert all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))
+    native, portable = outputs_of_both_builds(
+        monkeypatch, lambda: [ops.q8_0_linear(x, *args) for x, _, args in (case(*c) for c in TILE_CASES)])
+    assert all(torch.equal(a, b) for a, b in zip(native, portable))

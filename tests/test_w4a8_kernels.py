@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_builds import outputs_of_both_builds
 
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
 from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops, w4a8_ops
@@ -105,14 +106,8 @@ def test_a_token_s_output_does_not_depend_on_its_batch():
 
 
 def test_portable_build_equals_the_vnni_build(monkeypatch):
-    outs = {}
-    for portable in ("0", "1"):
-        monkeypatch.setenv("KUBEINFER_CPU_NATIVE_PORTABLE", portable)
-        ops._state.clear()  # the next call loads the library this env asks for
-        assert ops.has_vnni() == (portable == "0")
-        outs[portable] = [native(*int4_case(*shape)) for shape in SHAPES]
-    ops._state.clear()
-    assert all(torch.equal(a, b) for a, b in zip(outs["0"], outs["1"]))
+    vnni, portable = outputs_of_both_builds(monkeypatch, lambda: [native(*int4_case(*shape)) for shape in SHAPES])
+    assert all(torch.equal(a, b) for a, b in zip(vnni, portable))
 
 
 def test_layouts_the_kernel_does_not_take():
