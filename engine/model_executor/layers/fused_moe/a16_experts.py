@@ -46,7 +46,6 @@ class A16Experts:
             self.layout[which] = (tuple(f"{which}_{s}" for s in SUFFIXES),
                                   tuple(t[0].numel() * t.element_size() for t in packed.values()),
                                   n, k, groups, k if groups == 1 else weight.group_size)
-        self.kernel = a16_method._kernel()
 
     def product(self, moe: nn.Module, which: str, expert: int, rows: torch.Tensor, out: torch.Tensor,
                 bias: torch.Tensor | None) -> None:
@@ -61,7 +60,7 @@ class A16Experts:
         direct = out.dtype is torch.float32 and out.is_contiguous()
         target = out if direct else rows.new_empty(rows.shape[0], n)
         m = rows.shape[0]
-        if m and self.kernel(rows.data_ptr(), m, k, q, self.bits, s, z, groups, group, n, target.data_ptr()):
+        if m and a16_method.kernel()(rows.data_ptr(), m, k, q, self.bits, s, z, groups, group, n, target.data_ptr()):
             raise MemoryError("native A16 kernel: out of memory")
         if not direct:
             out.copy_(target)

@@ -71,7 +71,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int
 SIGNATURE = ([_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P], _I)  # ki_a16_linear's: ki_q8_0_linear's
 
 
-def _kernel():
+def kernel():
+    """ki_a16_linear of the loaded library (ops.kernel: looked up once per library; callers ask each call, so a
+    reloaded library, the portable twin in tests, is the one called)."""
     return ops.kernel("ki_a16_linear", *SIGNATURE)
 
 
@@ -79,7 +81,7 @@ def a16_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Te
                group_size: int, out_features: int) -> torch.Tensor:
     """x [..., K] times the packed weights; `scale` from ops.pack_groups (float32), `zero` from pack_zero; float32
     [..., N]."""
-    return ops.packed_linear(_kernel(), "A16", x, packed, bits, scale, zero, group_size, out_features)
+    return ops.packed_linear(kernel(), "A16", x, packed, bits, scale, zero, group_size, out_features)
 
 
 class A16Method(PackedIntMethod):
