@@ -1,5 +1,6 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real uvicorn server."""
 import threading
+import time
 
 import httpx
 import openai
@@ -108,7 +109,11 @@ def test_concurrent_requests_each_get_their_own_answer(client, offline):
     assert [results[i] for i in range(8)] == [offline_text(offline, p, 8)[0] for p in prompts]
 
 
-def test_client_disconnect_aborts_and_frees_kv_blocks(server, client):
+def test_client_disconnect_aborts_and_frees_kv_blocks(server, client, monkeypatch):
+    # Slow steps keep the 400 tokens from finishing (as "length") before the disconnect reaches the engine:
+    # the tiny model can generate them in under a second, less than a loaded CI machine may take to get there.
+    step = server.engine.step
+    monkeypatch.setattr(server.engine, "step", lambda: (time.sleep(0.03), step())[1])
     aborted_before = server.metric("vllm:request_success_total", 'finished_reason="abort"')
     stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
                                        extra_body=NO_EOS)
