@@ -30,6 +30,7 @@ class ExpertIntegers:
         self.model, self.quantization, self.get = model, quantization, get
         self.device, self.dtype, self.w8a8 = device, dtype, w8a8
         self.found: dict[str, dict[tuple[str, int], IntWeight]] = {}
+        self.inputs: dict[str, set] = {}  # {experts module: its experts' input activation schemes} (W8A8)
         self.chosen: dict[str, str] = {}  # {experts module: kernel}, the start-up log's
 
     def take(self, ours: str, key: str, f) -> dict | None:
@@ -44,6 +45,8 @@ class ExpertIntegers:
             return None
         weights = self.found.setdefault(module, {})
         weights[(projection, expert)] = weight
+        scheme_of = getattr(self.quantization, "input_activations", None) if self.w8a8 else None
+        self.inputs.setdefault(module, set()).add(scheme_of(key.rsplit(".", 1)[0]) if scheme_of else None)
         if len(weights) == 3 * self.model.get_submodule(module).num_experts:
             self._install(module, self.found.pop(module))
         return {f"{module}.{'down_proj' if projection == 'down_proj' else 'gate_up_proj'}": 1}
@@ -58,8 +61,11 @@ class ExpertIntegers:
         moe = self.model.get_submodule(name)
         kept = _rank_slices(moe, weights) if len(weights) == 3 * moe.num_experts else None
         kernel = "dequantized"
+        inputs = self.inputs.pop(name, set())
+        inputs = inputs.pop() if len(inputs) == 1 else None  # mixed: w8a8_experts refuses them by name
         if kept is not None:
-            kernels = {choose_expert_kernel(kept[which][0], self.device, self.dtype, self.w8a8) for which in kept}
+            kernels = {choose_expert_kernel(kept[which][0], self.device, self.dtype, self.w8a8, inputs)
+                       for which in kept}
             kernel = kernels.pop() if len(kernels) == 1 else "dequantized"
         fp8 = next(iter(weights.values())).fp8
         if kernel == "dequantized":

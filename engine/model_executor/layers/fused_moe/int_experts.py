@@ -45,15 +45,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..quantization.activations import ActivationScheme
 from ..quantization.linear_method import BF16_ACTIVATIONS, NATIVE, IntWeight, applies, choose_kernel, pack
+from . import a8_experts
 from .a16_experts import KERNELS as A16_KERNELS
 from .a16_experts import A16Experts
 
 PROJECTIONS = ("gate_up", "down")
 
 
-def choose_expert_kernel(sample: IntWeight, device: torch.device, dtype: torch.dtype, w8a8: bool) -> str:
-    """The dense layers' measured choice for one expert's weight; "dequantized" where no kept kernel serves it."""
+def choose_expert_kernel(sample: IntWeight, device: torch.device, dtype: torch.dtype, w8a8: bool,
+                         inputs: ActivationScheme | None = None) -> str:
+    """The dense layers' measured choice for one expert's weight; "dequantized" where no kept kernel serves it.
+    `inputs`: the experts' input activation scheme (a W8A8 checkpoint's): int8 dynamic per token takes the exact
+    integer products (a8_experts.py) where they apply."""
+    exact = a8_experts.choose(sample, inputs, device, dtype) if w8a8 else None
+    if exact is not None:
+        return exact
     kernel = choose_kernel(sample, device, dtype, w8a8)
     if kernel in NATIVE and kernel not in A16_KERNELS:  # llama.cpp's arithmetic serves dense layers only: torch's
         kernel = NATIVE[kernel] if applies(NATIVE[kernel], sample) else "dequantized"  # of the same width
@@ -80,10 +88,14 @@ class ExpertsIntMethod:
     def __init__(self, moe: nn.Module, weights: dict[str, IntWeight], kernel: str, dtype: torch.dtype,
                  device: torch.device | None = None) -> None:
         self.act_dtype = dtype
-        self.a16 = None
-        if kernel in A16_KERNELS:
+        self.a16 = self.a8 = None
+        if kernel in A16_KERNELS or kernel in a8_experts.KERNELS:
             device = moe.gate_up_proj.device if device is None else device
-            self.kernel, self.a16 = kernel, A16Experts(moe, weights, device)
+            self.kernel = kernel
+            if kernel in A16_KERNELS:
+                self.a16 = A16Experts(moe, weights, device)
+            else:
+                self.a8 = a8_experts.A8Experts(moe, weights, kernel, device)
             _drop_float_stacks(moe)
             return
         if kernel in BF16_ACTIVATIONS:
@@ -112,8 +124,9 @@ class ExpertsIntMethod:
                                  input_quant=moe.input_quant, quantized=quant)
         from .grouped import grouped_experts
 
+        input_quant = None if self.a8 is not None else moe.input_quant  # a8's products quantize their rows
         return grouped_experts(x, moe.gate_up_proj, moe.down_proj, topk_weights, topk_ids, moe.activation,
-                               moe.gate_up_proj_bias, moe.down_proj_bias, moe.input_quant,
+                               moe.gate_up_proj_bias, moe.down_proj_bias, input_quant,
                                products=lambda which, e, rows, out, bias: self.product(moe, which, e, rows, out, bias))
 
     def product(self, moe: nn.Module, which: str, expert: int, rows: torch.Tensor, out: torch.Tensor,
@@ -122,6 +135,8 @@ class ExpertsIntMethod:
         weight-only product."""
         if self.a16 is not None:
             return self.a16.product(moe, which, expert, rows, out, bias)
+        if self.a8 is not None:
+            return self.a8.product(moe, which, expert, rows, out, bias)
         a = rows.to(self.act_dtype)
         qweight = getattr(moe, f"{which}_qweight")[expert]
         if self.kernel == "cpu_int4":

@@ -139,7 +139,7 @@ def hold_int4(model: nn.Module, weights: dict, dtype: torch.dtype) -> dict:
     """The loader's int4 weights of a checkpoint with activation schemes that W4A8's exact product could take, held
     on their layers until `install` reads the layers' schemes (w4a8.py); returns the others. None held under
     KUBEINFER_W8A8_KERNEL=fake_quant."""
-    return weights if _wanted_kernel() == "fake_quant" else w4a8.hold(model, weights, dtype)
+    return weights if wanted_kernel() == "fake_quant" else w4a8.hold(model, weights, dtype)
 
 
 def _linear(model: nn.Module, name: str, module: str) -> nn.Linear:
@@ -196,7 +196,7 @@ def _int_mm_applies(layer: nn.Linear, scheme: ActivationScheme) -> bool:
     "cpu-native-vnni"). Not under bf16/fp16: there the reference rounds the dequantized
     weight and input to that dtype, which the exact int32 sums would not. KUBEINFER_W8A8_KERNEL: int8_vnni
     (default; torch._int_mm without the native library), int_mm, fake_quant (the reference's own float product)."""
-    wanted = _wanted_kernel()
+    wanted = wanted_kernel()
     return (wanted != "fake_quant" and device_of(layer).type == "cpu" and layer.weight.dtype == torch.float32
             and scheme.type == "int" and scheme.symmetric and scheme.dynamic and scheme.strategy == "token")
 
@@ -206,10 +206,10 @@ def _int4_kernel(layer: nn.Linear, scheme: ActivationScheme) -> str | None:
     the native library does not build, then w4a8_int_mm (torch._int_mm per weight group, the same bits)."""
     if not _int_mm_applies(layer, scheme):
         return None
-    return "w4a8_vnni" if _wanted_kernel() == "int8_vnni" and native_ops.available() else "w4a8_int_mm"
+    return "w4a8_vnni" if wanted_kernel() == "int8_vnni" and native_ops.available() else "w4a8_int_mm"
 
 
-def _wanted_kernel() -> str:
+def wanted_kernel() -> str:
     wanted = os.environ.get("KUBEINFER_W8A8_KERNEL", "int8_vnni")
     if wanted not in ("int8_vnni", "int_mm", "fake_quant"):
         raise QuantizationError(f"KUBEINFER_W8A8_KERNEL must be int8_vnni, int_mm or fake_quant; got {wanted!r}")
@@ -219,7 +219,7 @@ def _wanted_kernel() -> str:
 def _int8_kernel(inputs: int) -> str:
     """int8_vnni unless int_mm is asked for, the native library does not build (it warns once), or the inputs
     are too many for its int32 sums of (w + 128) * x (native_ops.MAX_INPUTS)."""
-    native = _wanted_kernel() == "int8_vnni" and inputs <= native_ops.MAX_INPUTS and native_ops.available()
+    native = wanted_kernel() == "int8_vnni" and inputs <= native_ops.MAX_INPUTS and native_ops.available()
     return "int8_vnni" if native else "int_mm"
 
 

@@ -51,6 +51,10 @@ class ExpertSchemes:
             gate_up, gate_up_static = _projection(name, moe, entries, GATE_UP)
             down, down_static = _projection(name, moe, entries, DOWN)
             down_range = _check_tensor_parallel(name, moe, down)
+            exact = getattr(moe.int_method, "a8", None)  # products that quantize their rows (fused_moe/a8_experts)
+            if exact is not None and (gate_up, down) != (exact.scheme, exact.scheme):
+                raise QuantizationError(f"{name}: the experts were packed for {exact.scheme.describe()} inputs, "
+                                        f"but their checkpoint says {_describe(gate_up, down)}")
             scales = {which: static for which, static in (("gate_up", gate_up_static), ("down", down_static))
                       if static is not None}
             moe.input_quant = ExpertInputQuant(gate_up, down, scales, down_range)

@@ -66,12 +66,18 @@ def linear(rows: torch.Tensor, scheme: ActivationScheme, packed: torch.Tensor, s
         return product(*quantized_tokens(rows, scheme, reduce_range), packed, scale, group_size, out_features)
     if not rows.is_contiguous():
         rows = rows.contiguous()
-    m, k = rows.shape
-    out = rows.new_empty(m, out_features)
-    if m:
-        _checked(_float_kernel()(rows.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), scale.shape[1],
-                                 group_size, out_features, out.data_ptr()), group_size, k)
+    out = rows.new_empty(rows.shape[0], out_features)
+    linear_into(rows, packed.data_ptr(), scale.data_ptr(), scale.shape[1], group_size, out)
     return out
+
+
+def linear_into(rows: torch.Tensor, packed: int, scale: int, groups: int, group_size: int, out: torch.Tensor) -> None:
+    """`linear`'s native call on float32 contiguous rows [M, K] into float32 contiguous `out` [M, N], the packed
+    weight and scales given by address (an expert's inside its layer's stack: fused_moe/a8_experts.py)."""
+    m, k = rows.shape
+    if m:
+        _checked(_float_kernel()(rows.data_ptr(), m, k, packed, scale, groups, group_size, out.shape[1],
+                                 out.data_ptr()), group_size, k)
 
 
 def product(q: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
