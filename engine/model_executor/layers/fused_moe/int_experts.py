@@ -25,8 +25,11 @@ exactly) and stacked over the experts for the kernel that multiplies them:
   and ~0.2 ms at 16; each A16 call ~2.4 us of call overhead (ctypes and the wrapper), too little (<10% of the
   layer) for a batched C entry. Dequantizing only the step's active experts to float32 and multiplying was
   slower than the float32 stacks in every run (22 / 185-189 ms in the first measurement; --dequantized-per-step).
-  Layouts no kept product takes (fp8 on a CPU; without the A16 build, asymmetric or grouped int8) and W8A8
-  checkpoints' experts (their activations are quantized exactly, which a bf16 rounding would undo) are
+  W4A8 and W8A8 int8 experts (int4 / int8 per channel, symmetric, with int8 dynamic per-token inputs) take the
+  dense layers' exact integer kernels instead (`w4a8_vnni` / `int8_vnni` and their torch._int_mm twins,
+  a8_experts.py), which quantize each expert's rows as the reference does.
+  Layouts no kept product takes (fp8 on a CPU; without the A16 build, asymmetric or grouped int8) and the other
+  W8A8 checkpoints' experts (their activations are quantized exactly, which a bf16 rounding would undo) are
   dequantized at load into the float stacks, as the dense layers are; so is everything under
   KUBEINFER_QUANT_KERNEL=dequantized. KUBEINFER_QUANT_KERNEL forces the experts' kernel as the dense layers'
   (a kernel that does not take the layout: dequantized); llama.cpp's arithmetic (`cpu_int*_vnni`) serves dense
