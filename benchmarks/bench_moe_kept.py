@@ -11,13 +11,21 @@
    W8A16 (channel) and W4A16 (groups of 128) checkpoints of it: the weight bytes the engine holds and decode
    tok/s at batch 1 and 16, kept (the default), kept through torch's products (forced: dense layers too) and
    KUBEINFER_QUANT_KERNEL=dequantized, interleaved rounds, best and median.
+3. W8A8 int8 (per channel) and W4A8 (int4, groups of 128) experts, int8 dynamic per-token inputs, before / after
+   (fused_moe/a8_experts.py): the same layer as 1., before (what ran: the float32 stacks dequantized at load
+   through the grouped product, the inputs fake-quantized per token by input_quant.py) against each active
+   expert's rows through the dense integer kernel (`int8_vnni` / `w4a8_vnni`, and the torch._int_mm twins); and
+   the whole engine on W8A8 / W4A8 checkpoints of 2.'s model, the experts' kernel chosen (default) or as before
+   (a8_experts.choose off: dequantized, fake-quantized inputs; the dense layers on their integer kernels in both).
+   --a8-only runs only these.
 
     python benchmarks/bench_moe_kept.py [--rounds 20] [--repeats 3] [--tokens 16] [--dequantized-per-step]
-        [--skip-layer] [--skip-engine]
+        [--skip-layer] [--skip-engine] [--a8-only]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -32,8 +40,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from bench_quantized_decode import EngineSystem  # noqa: E402
 from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_checkpoint  # noqa: E402
 
+from kubeinfer.engine.model_executor.layers.fused_moe import a8_experts  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.activation import silu_and_mul  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts  # noqa: E402
+from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import ExpertsIntMethod  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
 from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, ops  # noqa: E402
@@ -46,6 +56,9 @@ MODEL = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, interme
 SCHEMES = {"w8a16": ("pack-quantized", 8, "int", "channel", True, None),
            "w4a16": ("pack-quantized", 4, "int", "group", True, 128)}
 TORCH_KERNEL = {"w8a16": "cpu_int8_bf16", "w4a16": "cpu_int4_bf16"}  # torch's products, forced
+A8_SCHEMES = {"w8a8": ("int-quantized", 8, "int", "channel", True, None, True),
+              "w4a8": ("pack-quantized", 4, "int", "group", True, 128, True)}
+A8_KERNELS = {"w8a8": ("int8_vnni", "int_mm"), "w4a8": ("w4a8_vnni", "w4a8_int_mm")}
 
 
 def quantized(w: torch.Tensor, bits: int) -> IntWeight:
@@ -82,6 +95,12 @@ def layer_rows(rounds: int, dequantized_per_step: bool) -> list[str]:
                 torch.mm(rows, one.dequantize().t(), out=out)
             return grouped_experts(x, gate_up, down, w, ids, silu_and_mul, products=product)
         runners[f"int{bits} kept, active experts dequantized per step"] = active_dequantized
+    return timed(runners, rounds, g, lambda name: "float32 stacks (dequantized at load)")
+
+
+def timed(runners: dict, rounds: int, g: torch.Generator, base_of) -> list[str]:
+    """The table of medians at 1 / 16 / 64 tokens, interleaved rounds; each cell's ratio: its `base_of(name)`
+    column's time over its own."""
     lines = ["| tokens | " + " | ".join(runners) + " |", "|---|" + "---|" * len(runners)]
     for tokens in (1, 16, 64):
         x = torch.randn(tokens, H, generator=g)
@@ -95,30 +114,82 @@ def layer_rows(rounds: int, dequantized_per_step: bool) -> list[str]:
                     runners[name](x, weights, ids)
                     times[name].append(time.perf_counter() - start)
         median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        base = median["float32 stacks (dequantized at load)"]
-        lines.append(f"| {tokens} | " + " | ".join(f"{ms:.2f} ms ({base / ms:.2f}x)" for ms in median.values()) + " |")
+        lines.append(f"| {tokens} | " + " | ".join(f"{ms:.2f} ms ({median[base_of(name)] / ms:.2f}x)"
+                                                   for name, ms in median.items()) + " |")
         print(lines[-1], f"load {os.getloadavg()[0]:.1f}")
     return lines
 
 
-def engine_rows(repeats: int, tokens: int) -> list[str]:
-    torch.set_num_threads(2)
-    if ops.available():
-        ops.set_threads(ops.default_threads())  # the engine's own (layer_rows set one)
+def a8_layer_rows(rounds: int) -> list[str]:
+    """3.'s layer: per scheme, before (float32 stacks, inputs fake-quantized) and its integer kernels."""
+    torch.set_num_threads(1)
+    ops.set_threads(1)
+    g = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(E, 2 * INTER, H, generator=g) * 0.02, torch.randn(E, H, INTER, generator=g) * 0.02
+    token = a8_experts.TOKEN
+    runners = {}
+    for scheme, bits in (("w8a8", 8), ("w4a8", 4)):
+        ints = {"gate_up": quantized(gate_up, bits), "down": quantized(down, bits)}
+        before = FusedMoE(E, H, INTER)
+        before.gate_up_proj.data, before.down_proj.data = ints["gate_up"].dequantize(), ints["down"].dequantize()
+        before.input_quant = ExpertInputQuant(token, token, {})
+        runners[f"{scheme} before (float32 stacks, fake-quantized inputs)"] = before.forward
+        for kernel in A8_KERNELS[scheme]:
+            moe = FusedMoE(E, H, INTER)
+            moe.int_method = ExpertsIntMethod(moe, ints, kernel, torch.float32)
+            moe.input_quant = ExpertInputQuant(token, token, {})  # as the loader installs it (the products' own)
+            runners[f"{scheme} `{kernel}`"] = moe.forward
+    return timed(runners, rounds, g, lambda name: next(n for n in runners if n.startswith(name.split()[0])))
+
+
+def checkpoint(scheme: str, args: tuple) -> Path:
+    """2.'s random Qwen3-MoE, and its checkpoint by the compressed-tensors package for `scheme` (made once)."""
     root = Path(".cache")
     float_dir = root / "bench-qwen3-moe-kept"
     if not (float_dir / "config.json").exists():
         build_random_model(float_dir, "qwen3_moe", tokenizer=False, initializer_range=0.02, **MODEL)
+    path = root / f"bench-qwen3-moe-kept-{scheme}"
+    if not (path / "config.json").exists():
+        config = ct_scheme(*args, ignore=("re:.*mlp.gate$",))
+        write_checkpoint(float_dir, path, ct_compress(float_weights(float_dir), config), config)
+    return path
+
+
+def engine_rows(repeats: int, tokens: int) -> list[str]:
     systems = {}
     for scheme, args in SCHEMES.items():
-        path = root / f"bench-qwen3-moe-kept-{scheme}"
-        if not (path / "config.json").exists():
-            config = ct_scheme(*args, ignore=("re:.*mlp.gate$",))
-            write_checkpoint(float_dir, path, ct_compress(float_weights(float_dir), config), config)
+        path = checkpoint(scheme, args)
         systems[f"{scheme} kept (default)"] = EngineSystem(path, tokens)
         if a16_method.fast():  # else the default is torch's already
             systems[f"{scheme} kept, torch's (forced)"] = EngineSystem(path, tokens, kernel=TORCH_KERNEL[scheme])
         systems[f"{scheme} dequantized"] = EngineSystem(path, tokens, kernel="dequantized")
+    return engine_table(systems, repeats)
+
+
+def a8_engine_rows(repeats: int, tokens: int) -> list[str]:
+    """3.'s engines: the experts' integer kernels (default) and as before (a8_experts.choose off)."""
+    systems = {}
+    for scheme, args in A8_SCHEMES.items():
+        path = checkpoint(scheme, args)
+        systems[f"{scheme} (default)"] = EngineSystem(path, tokens)
+        with _experts_as_before():
+            systems[f"{scheme} before (experts dequantized, inputs fake-quantized)"] = EngineSystem(path, tokens)
+    return engine_table(systems, repeats)
+
+
+@contextlib.contextmanager
+def _experts_as_before():
+    choose, a8_experts.choose = a8_experts.choose, lambda *args: None
+    try:
+        yield
+    finally:
+        a8_experts.choose = choose
+
+
+def engine_table(systems: dict, repeats: int) -> list[str]:
+    torch.set_num_threads(2)
+    if ops.available():
+        ops.set_threads(ops.default_threads())  # the engine's own (layer_rows set one)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, MODEL["vocab_size"], (32,), generator=gen).tolist() for _ in range(16)]
     for system in systems.values():
@@ -156,11 +227,16 @@ def main() -> None:
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--dequantized-per-step", action="store_true",
                         help="also the active experts dequantized to float32 each step (slow: 10-100x the others)")
+    parser.add_argument("--a8-only", action="store_true", help="only the W8A8 / W4A8 experts' tables (3.)")
     args = parser.parse_args()
-    if not args.skip_layer:
+    if not args.skip_layer and not args.a8_only:
         print("\n".join(layer_rows(args.rounds, args.dequantized_per_step)))
-    if not args.skip_engine:
+    if not args.skip_layer and ops.available():
+        print("\n".join(a8_layer_rows(args.rounds)))
+    if not args.skip_engine and not args.a8_only:
         print("\n".join(engine_rows(args.repeats, args.tokens)))
+    if not args.skip_engine and ops.available():
+        print("\n".join(a8_engine_rows(args.repeats, args.tokens)))
 
 
 if __name__ == "__main__":
