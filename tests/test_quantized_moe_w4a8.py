@@ -15,6 +15,7 @@ ct_moe_reference). One expert's product is bit-equal to the dense W4A8 / W8A8 me
 from __future__ import annotations
 
 import pytest
+import test_quantized_moe_w8a8
 import torch
 from native_builds import outputs_of_both_builds
 from quant_checkpoints import (
@@ -42,7 +43,7 @@ from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import dense as dense_product
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build")
-float_dirs = __import__("test_quantized_moe_w8a8").float_dirs  # its random models (hidden 64), module-scoped
+float_dirs = test_quantized_moe_w8a8.float_dirs  # its random models (hidden 64), module-scoped
 CPU = torch.device("cpu")
 TOKEN = ActivationScheme("int", "token", True, True)
 TOKEN_ARGS = dict(type="int", strategy="token", dynamic=True, symmetric=True)

@@ -116,13 +116,13 @@ class A8Experts:
             else:
                 _int8_into(rows, weight, scale, target)
         else:
-            target = self._reference_product(params, names, expert, rows, group, n, reduce_range)
+            target = self._dense_entry_product(params, names, expert, rows, group, n, reduce_range)
         if not direct:
             out.copy_(target)
         if bias is not None:
             out.add_(bias)
 
-    def _reference_product(self, params, names, expert: int, rows: torch.Tensor, group: int, n: int, reduce_range):
+    def _dense_entry_product(self, params, names, expert: int, rows: torch.Tensor, group: int, n: int, reduce_range):
         """The dense layers' own entry points on this expert's views: the torch._int_mm twins, and the native
         kernels under tensor parallelism (their Python quantization takes the whole row's range)."""
         weight, scale = (params[name][expert] for name in names)
