@@ -14,7 +14,10 @@
  * whole unit at 48-528 positions, one thread, cache-warm), each position's K and V rows prefetched as its
  * tile is gathered (from memory: ~0.9x the time at 48 positions, ~0.8x at 528).
  * Cache element kinds: float32, bfloat16, and one byte through a 256-entry table (fp8 e4m3 / e5m2: the table
- * holds each byte's exact float value, so widening equals torch's cast). */
+ * holds each byte's exact float value, so widening equals torch's cast). A bf16 or fp8 cache takes the same
+ * 16-position scores with AVX-512, its 16 K rows widened into a tile first, and its V rows are widened once per
+ * position for the whole query group (each query's sums in the same order as one query at a time: the same
+ * bits), not once per query. */
 
 #define KA_LANES 16
 
@@ -68,9 +71,9 @@ static inline __attribute__((always_inline)) __m512 ka_fold1(__m512 a, __m512 b)
  * after the softmax. A unit's rows are 2 x 256 bytes (D 64) scattered by the block table, too few in a row
  * for the hardware prefetcher: without, the loads wait on memory one row at a time. */
 static inline __attribute__((always_inline)) void ka_prefetch(const attn_ctx *c, long row, const int D) {
-    const char *k = (const char *)((const float *)c->k_cache + (size_t)row * D);
-    const char *v = (const char *)((const float *)c->v_cache + (size_t)row * D);
-    for (int at = 0; at < D * 4; at += 64) __builtin_prefetch(k + at), __builtin_prefetch(v + at);
+    const int bytes = D * (c->kind == 0 ? 4 : c->kind == 1 ? 2 : 1);
+    const char *k = c->k_cache + (size_t)row * bytes, *v = c->v_cache + (size_t)row * bytes;
+    for (int at = 0; at < bytes; at += 64) __builtin_prefetch(k + at), __builtin_prefetch(v + at);
 }
 
 /* s[j * n + i] = ka_dot(q + j * D, rows[i], D) * scale for i < m <= 16 and each of the group's j: each float32
@@ -112,6 +115,17 @@ static inline __attribute__((always_inline)) const float *ka_row(const attn_ctx 
     return buf;
 }
 
+/* Query j of the group (KV head g, sequence b): its D sums divided by its softmax sum, in q's type. */
+static inline __attribute__((always_inline)) void ka_store(const attn_ctx *c, const float *a, int b, int g, int group,
+                                                           int j, float sum, const int D) {
+    size_t o = ((size_t)b * c->H + (size_t)g * group + j) * D;
+    for (int d = 0; d < D; d++) {
+        float x = a[d] / sum;
+        if (c->q_bf16) ((uint16_t *)c->out)[o + d] = f32_to_bf16(x);
+        else ((float *)c->out)[o + d] = x;
+    }
+}
+
 /* Positions p of [start, len) in order, t = p - start, `row` the cache row (slot * Hkv + head g) of p: a block's
  * slots are consecutive, so the block table is read, and p divided by the block size, once per block. */
 #define FOR_EACH_POSITION(c, table, start, len, t, row)                                                        \
@@ -135,12 +149,13 @@ static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int u
         }
         return;
     }
-    float *mem = malloc(sizeof(float) * ((size_t)group * (D + n) + D));
+    const int tile = KI_VNNI && c->kind != 0 ? KA_LANES : 1; /* rows widened for the 16-position scores */
+    float *mem = malloc(sizeof(float) * ((size_t)group * (D + n) + (size_t)tile * D));
     if (!mem) {
         atomic_store(&c->failed, 1);
         return;
     }
-    float *qf = mem, *buf = qf + (size_t)group * D, *s = buf + D;
+    float *qf = mem, *buf = qf + (size_t)group * D, *s = buf + (size_t)tile * D;
     for (int j = 0; j < group; j++) {
         size_t at = (size_t)b * c->q_stride + ((size_t)g * group + j) * D;
         for (int d = 0; d < D; d++)
@@ -148,13 +163,14 @@ static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int u
     }
     const int64_t *table = c->tables + (size_t)b * c->table_stride;
 #if KI_VNNI
-    if (c->kind == 0 && D % KA_LANES == 0) { /* float32 cache: 16 positions at a time, the same sums */
+    if (D % KA_LANES == 0) { /* 16 positions at a time, the same sums (a bf16 / fp8 cache: widened into buf) */
         const float *rows[KA_LANES];
         int m = 0;
         long t0 = 0;
         FOR_EACH_POSITION(c, table, start, len, t, row) {
             if (m == 0) t0 = t;
-            rows[m++] = (const float *)c->k_cache + (size_t)row * D;
+            rows[m] = ka_row(c, c->k_cache, row, buf + (size_t)m * D, D);
+            m++;
             ka_prefetch(c, row, D);
             if (m == KA_LANES || t + 1 == n) {
                 ka_scores16(qf, group, rows, m, D, c->scale, s + t0, n);
@@ -188,19 +204,27 @@ static inline __attribute__((always_inline)) void attn_unit_d(attn_ctx *c, int u
             for (int l = 0; l < w; l++) lane[l] += lane[l + w];
         sum[j] = lane[0];
     }
-    for (int j = 0; j < group; j++) { /* per query: its D sums stay in registers where D is a constant */
-        float a[D];
-        for (int d = 0; d < D; d++) a[d] = 0.0f;
+    if (c->kind == 0 || group == 1) {
+        for (int j = 0; j < group; j++) { /* per query: its D sums stay in registers where D is a constant */
+            float a[D];
+            for (int d = 0; d < D; d++) a[d] = 0.0f;
+            FOR_EACH_POSITION(c, table, start, len, t, row) {
+                const float *v = ka_row(c, c->v_cache, row, buf, D), w = s[j * n + t];
+                for (int d = 0; d < D; d++) a[d] += w * v[d];
+            }
+            ka_store(c, a, b, g, group, j, sum[j], D);
+        }
+    } else { /* a widened V row serves the whole group; each query's sums in the same order */
+        float a[group * D];
+        for (int d = 0; d < group * D; d++) a[d] = 0.0f;
         FOR_EACH_POSITION(c, table, start, len, t, row) {
-            const float *v = ka_row(c, c->v_cache, row, buf, D), w = s[j * n + t];
-            for (int d = 0; d < D; d++) a[d] += w * v[d];
+            const float *v = ka_row(c, c->v_cache, row, buf, D);
+            for (int j = 0; j < group; j++) {
+                const float w = s[j * n + t];
+                for (int d = 0; d < D; d++) a[j * D + d] += w * v[d];
+            }
         }
-        size_t o = ((size_t)b * c->H + (size_t)g * group + j) * D;
-        for (int d = 0; d < D; d++) {
-            float x = a[d] / sum[j];
-            if (c->q_bf16) ((uint16_t *)c->out)[o + d] = f32_to_bf16(x);
-            else ((float *)c->out)[o + d] = x;
-        }
+        for (int j = 0; j < group; j++) ka_store(c, a + (size_t)j * D, b, g, group, j, sum[j], D);
     }
     free(mem);
 }
