@@ -81,6 +81,21 @@ def test_fp8_cache_widens_each_byte_exactly(dtype, cache_dtype):
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, meta, 0.125), **TOL[dtype])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_bytes_widen_to_torchs_bits(cache_dtype, monkeypatch):
+    """Every byte value (NaNs, infinities, subnormals, signed zeros): a one-position context returns its V row
+    (softmax of one score is 1), so the output is the byte widened, bit for bit as torch's cast; both builds."""
+    from native_builds import outputs_of_both_builds
+
+    q, k_cache, v_cache, meta = make_step([1] * 4, 4, 4, 64, torch.float32, cache_dtype, seed=4)
+    rows = [int(meta.slot_mapping[i]) for i in range(4)]
+    v_cache.view(-1, 4, 64)[rows] = torch.arange(256, dtype=torch.uint8).repeat(4).view(4, 4, 64).view(cache_dtype)
+    k_cache.view(-1, 4, 64)[rows] = torch.zeros(4, 4, 64).to(cache_dtype)
+    want = v_cache.view(-1, 4, 64)[rows].to(torch.float32) + 0.0  # (-0.0: the weighted sum's 0.0 + 1 * -0.0)
+    for out in outputs_of_both_builds(monkeypatch, lambda: cpu_attention.decode(q, k_cache, v_cache, meta, 0.125)):
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
 def test_strided_queries_are_read_in_place():
     """q arrives as a view of the fused qkv rows (its rows further apart than H * D)."""
     q, k_cache, v_cache, meta = make_step(LENGTHS, 16, 8, 64, torch.float32, seed=3)
