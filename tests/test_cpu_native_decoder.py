@@ -5,9 +5,9 @@ attention its own C call): the fused layers make the same calls in the same orde
 logits and the KV caches they write must be the same bits, at batch 1, 3 and 16, int8 and int4 weights (llama.cpp's
 arithmetic), with and without a qkv bias, sliding windows (every layer's, or one layer's of two), Qwen3's q/k
 norms; bfloat16, fp8 e4m3 and e5m2 caches (--kv-cache-dtype), the step's K/V rounded in C as to_cache_dtype
-rounds them (checked over every magnitude, both builds); a layer that does not qualify between fused ones. Then the steps that must not take it: a prefill row in
-the step, a LoRA step (in the engine too), the native layers off; and
-the engine's greedy tokens are the same either way."""
+rounds them (checked over every magnitude, both builds); a layer that does not qualify between fused ones. Then
+the steps that must not take it: a prefill row in the step, a LoRA step (in the engine too), the native layers
+off; and the engine's greedy tokens are the same either way."""
 from __future__ import annotations
 
 import pytest
@@ -138,7 +138,8 @@ def test_fused_layers_give_the_per_module_paths_bits(engine, monkeypatch):
     assert_fused_layers_give_the_per_module_paths_bits(engine.engine.runner.model, monkeypatch)
 
 
-@pytest.mark.parametrize(("engine", "cache_dtype"), [("qwen2-w8a16", torch.bfloat16), ("qwen3-w4a16", torch.float8_e4m3fn),
+@pytest.mark.parametrize(("engine", "cache_dtype"), [("qwen2-w8a16", torch.bfloat16),
+                                                    ("qwen3-w4a16", torch.float8_e4m3fn),
                                                     ("mistral-w4", torch.float8_e5m2)], indirect=["engine"])
 def test_fused_layers_on_16_and_8_bit_caches_give_the_per_module_paths_bits(engine, cache_dtype, monkeypatch):
     """--kv-cache-dtype bfloat16 / fp8_e4m3 / fp8_e5m2: the fused call writes and reads the same cache bytes."""

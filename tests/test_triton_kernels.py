@@ -202,7 +202,8 @@ def test_fp8_cache_step_matches_the_torch_backend(device, q_dtype, cache_dtype):
     out = get_attention_backend("triton").forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
     assert torch.equal(k_cache.cpu().view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(v_cache.cpu().view(torch.uint8), want_v.view(torch.uint8))
-    assert k_cache.dtype == cache_dtype and torch.isfinite(want_k.float()).all() and torch.isfinite(want_v.float()).all()
+    assert k_cache.dtype == cache_dtype
+    assert torch.isfinite(want_k.float()).all() and torch.isfinite(want_v.float()).all()
     want = reference_attention(q.float(), want_k.float(), want_v.float(), b["tables"], b["starts"], None,
                                head_dim ** -0.5)
     torch.testing.assert_close(out.cpu().double(), want, **tolerance(q_dtype))
@@ -223,7 +224,8 @@ def test_bf16_cache_write_rounds_every_magnitude_as_torch(device, dtype):
     caches = [torch.zeros(tokens // 16, 16, heads, dim, dtype=torch.bfloat16, device=device) for _ in range(2)]
     write_kv_cache(k.to(device), (-k).to(device), *caches, torch.arange(tokens, device=device))
     for cache, x in zip(caches, (k, -k)):
-        assert torch.equal(cache.cpu().view(tokens, heads, dim).view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+        got = cache.cpu().view(tokens, heads, dim)
+        assert torch.equal(got.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("device", DEVICES)

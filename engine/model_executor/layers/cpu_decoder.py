@@ -4,7 +4,8 @@
 alive here) and the step's scratch (grown to the largest batch seen, reused). `Layers.run` takes only the step's
 pointers: the input and residual, positions, each layer's K/V caches and the step's metadata per window. The caches
 are float32, bfloat16 or fp8 (e4m3 / e5m2), all of one type; the C side rounds the step's K/V rows to it as
-kv_cache_dtype.to_cache_dtype does. Which layers qualify, and when a step may take this path, is models/native_decode.py's business."""
+kv_cache_dtype.to_cache_dtype does. Which layers qualify, and when a step may take this path, is
+models/native_decode.py's business."""
 from __future__ import annotations
 
 import ctypes

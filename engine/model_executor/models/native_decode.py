@@ -130,7 +130,8 @@ def plan(model) -> list | None:
 
 def all_layers_native(model) -> bool:
     """Whether every decoder layer qualifies for the native call, the switches on: a decode step then runs its
-    attention in C (the fused call; or, with LoRA, the per-module path's same native attention), and model_runner keeps torch on one thread however long the contexts."""
+    attention in C (the fused call; or, with LoRA, the per-module path's same native attention), and model_runner
+    keeps torch on one thread however long the contexts."""
     if getattr(model, "native_decode_types", None) is None or not ops.available():
         return False
     steps = plan(model)
