@@ -7,7 +7,7 @@ GGML_TYPE_F16): the `bfloat16` rows are the like-for-like ones (two bytes an ele
 Every system runs --repeats rounds, interleaved within each round (bench_quantized_decode.measure); the best
 round is reported with the median beside it, and the load average while measured.
 
-    python benchmarks/bench_kv_cache_dtype.py --model large --peer llama.cpp [--prompt-len 32] [--tokens 32]
+    python benchmarks/bench_kv_cache_dtype.py --model large --peer llama.cpp [--prompt-len 32,256] [--tokens 32]
 """
 from __future__ import annotations
 
@@ -44,9 +44,10 @@ def peer_cache_type() -> str:
     return f"{names.get(params.type_k, params.type_k)} / {names.get(params.type_v, params.type_v)}"
 
 
-def table(rates: dict, loads: list, name: str, peer: bool) -> str:
+def table(rates: dict, loads: list, name: str, peer: bool, prompt_len: int) -> str:
     best = {key: max(v) for key, v in rates.items()}
-    lines = [f"**{name}** (load average {min(loads):.1f}-{max(loads):.1f} on 2 cores while measured)", "",
+    lines = [f"**{name}, {prompt_len}-token prompts** (load average {min(loads):.1f}-{max(loads):.1f} on 2 cores while "
+             "measured)", "",
              "| system | batch 1 tok/s (best / median) | ms per step | batch 16 tok/s (best / median) | ms per step |",
              "|---|---|---|---|---|"]
     for label in dict.fromkeys(label for label, _ in rates):
@@ -73,29 +74,33 @@ def table(rates: dict, loads: list, name: str, peer: bool) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="large", choices=list(bqd.MODELS))
-    parser.add_argument("--prompt-len", type=int, default=bqd.PROMPT_LEN, help="prompt tokens per request")
+    parser.add_argument("--prompt-len", default=str(bqd.PROMPT_LEN), help="prompt tokens per request, comma-separated")
     parser.add_argument("--tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per system, interleaved")
     parser.add_argument("--peer", choices=("llama.cpp",), help="also run llama.cpp f32 and Q4_0 (f16 cache)")
     parser.add_argument("--llama-cpp-converter", default=llama_cpp_peer.default_converter(),
                         help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_CONVERTER)")
     args = parser.parse_args()
-    bqd.PROMPT_LEN = args.prompt_len  # measure() and llama.cpp's contexts read it
     made = bqd.checkpoints(args.model, "int8")
     args.lm_head = "int8"
     f32_gguf, peer_note = bqd.llama_cpp_f32(made, args)
-    rates, _, _, loads = bqd.measure(args.model, systems(made, f32_gguf, args.tokens), args)
+    tables = []
+    for prompt_len in [int(n) for n in args.prompt_len.split(",")]:
+        bqd.PROMPT_LEN = prompt_len  # measure() and llama.cpp's contexts read it
+        rates, _, _, loads = bqd.measure(args.model, systems(made, f32_gguf, args.tokens), args)
+        tables.append(table(rates, loads, args.model, f32_gguf is not None, prompt_len))
     body = "\n".join([
         f"Command: `python benchmarks/bench_kv_cache_dtype.py --model {args.model} --prompt-len {args.prompt_len} "
         f"--tokens {args.tokens} --repeats {args.repeats}" + (f" --peer {args.peer}" if args.peer else "") + "`. "
         + bqd.command_and_machine(args, "").split(". ", 1)[1],
-        f"{args.prompt_len}-token prompts, {args.tokens} tokens greedy; aggregate decode tokens/s from the last first "
-        f"token to the last token; {args.repeats} rounds, systems interleaved; best and median round. The engine's "
+        f"{args.prompt_len}-token prompts (one table each), {args.tokens} tokens greedy; aggregate decode tokens/s "
+        f"from the last first token to the last token; {args.repeats} rounds, systems interleaved; best and median "
+        "round. The engine's "
         "W4A16 checkpoint: int4 groups of 128 and lm_head W8A16 per channel (compressed-tensors package), the "
         "default A16 products, the fused native decoder layers for every cache type; the float32 model: its "
         "per-module path with the native decode attention. llama.cpp: its default context parameters, K/V cache "
         + (f"{peer_cache_type()} (llama_context_default_params)." if f32_gguf is not None else "(not run)."), "",
-        table(rates, loads, args.model, f32_gguf is not None)] + ([f"- {peer_note}"] if peer_note else []))
+        *[t + "\n" for t in tables]] + ([f"- {peer_note}"] if peer_note else []))
     update_results("kv-cache-16bit", "KV cache type: decode at batch 1 and 16 with a float32, bfloat16 and fp8 "
                    "cache, against llama.cpp's f16 cache (CPU)", body)
 
