@@ -4,7 +4,7 @@
 library (e.g. the cached one of an earlier revision) timed in the same rounds, interleaved, its outputs checked
 bit-equal to this one's. Best of --rounds rounds of 10 calls each.
 
-    python benchmarks/bench_decode_attention.py [--ctx 64,512] [--threads 1] [--base-lib BASE] [--no-write]
+    python benchmarks/bench_decode_attention.py [--ctx 64,512] [--threads 1] [--base-lib BASE [--base-fp8-kind-2]]
 """
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ CACHES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8 e4m3": torc
 
 def call(lib, q, k_cache, v_cache, meta, out) -> None:
     dtype = k_cache.dtype
-    kind = 0 if dtype == torch.float32 else 1 if dtype == torch.bfloat16 else 2
-    lut = torch.arange(256, dtype=torch.uint8).view(dtype).float() if kind == 2 else None
+    kind = 0 if dtype == torch.float32 else 1 if dtype == torch.bfloat16 else 2 if lib.kinds == 2 or \
+        dtype == torch.float8_e4m3fn else 3  # (an older library's kind 2 is any fp8)
+    lut = torch.arange(256, dtype=torch.uint8).view(dtype).float() if kind >= 2 else None
     tables = meta.block_tables
     status = lib.ki_decode_attention(q.data_ptr(), q.stride(0), 0, None, None, 0, None, k_cache.data_ptr(),
                                      v_cache.data_ptr(), kind, None if lut is None else lut.data_ptr(),
@@ -46,11 +47,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--base-lib")
+    parser.add_argument("--base-fp8-kind-2", action="store_true",
+                        help="the base build takes kind 2 for both fp8 types (before e5m2 had kind 3)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     libs = kernel_ab.libraries(args.base_lib, {"ki_decode_attention": SIGNATURE})
-    for lib in libs.values():
+    for key, lib in libs.items():
         lib.ki_init(args.threads, -1)
+        lib.kinds = 2 if key == "base" and args.base_fp8_kind_2 else 3
     loads, rows = [os.getloadavg()[0]], []
     for ctx in [int(c) for c in args.ctx.split(",")]:
         for name, dtype in CACHES.items():

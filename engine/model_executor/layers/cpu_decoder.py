@@ -12,13 +12,13 @@ import ctypes
 
 import torch
 
-from .cpu_attention import byte_values
+from .cpu_attention import CACHE_KINDS, byte_values
 from .quantization.cpu_native import ops
 from .quantization.cpu_native.a16_method import A16Method
 from .quantization.w4a8 import W4A8Method
 
 P, INT, LONG, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-CACHE_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # decoder_layer.c's
+CACHE_TYPES = CACHE_KINDS  # decoder_layer.c's cache types: ki_decode_attention's kinds
 
 
 class Proj(ctypes.Structure):

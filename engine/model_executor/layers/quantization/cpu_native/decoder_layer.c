@@ -95,8 +95,8 @@ size_t ki_decoder_scratch_floats(const ki_layer *L) {
 /* Layers [0, n) of a decode step of T tokens (one a sequence). x [T, hidden]: the first layer's input; res: the
  * residual before it (NULL at the model's first layer: the residual is x). Writes the last layer's output to
  * x_out and the residual to res_out (both [T, hidden], neither x nor res). caches: 2n pointers (each layer's K
- * then V cache, [blocks, block_size, Hkv, D] of cache_type: 0 float32, 1 bf16, 2 fp8 e4m3, 3 fp8 e5m2; lut: the
- * 8-bit types' byte values, as ki_decode_attention takes them); views: the step's metadata per window; scratch: T times
+ * then V cache, [blocks, block_size, Hkv, D] of cache_type: 0 float32, 1 bf16, 2 fp8 e4m3, 3 fp8 e5m2, as
+ * ki_decode_attention's kinds; lut: the 8-bit types' byte values, as it takes them); views: the step's metadata per window; scratch: T times
  * the max of ki_decoder_scratch_floats, 64-byte aligned. Returns 0; -1 out of memory; -2 a position outside the
  * rotary tables (nothing of that layer's attention done). */
 int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char *const *caches, int block_size,
@@ -140,7 +140,7 @@ int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char 
             kw = kc, vw = vc, kv_stride = (long)kvd;
         }
         if (ki_decode_attention((const char *)q, q_stride, 0, kw, vw, kv_stride, m->slots, caches[2 * l],
-                                caches[2 * l + 1], cache_type > 2 ? 2 : cache_type, lut, m->tables, m->table_stride,
+                                caches[2 * l + 1], cache_type, lut, m->tables, m->table_stride,
                                 m->lens, T, H, Hkv, D, block_size, m->window, L->scale, (char *)att))
             return -1;
         if (kd_project(&L->o, att, T, o)) return -1;
