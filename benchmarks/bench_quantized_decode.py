@@ -92,12 +92,12 @@ def checkpoints(name: str, lm_head: str = "float32") -> dict[str, Path]:
 class EngineSystem:
     """One engine (max_num_seqs 16) that runs a round at any batch size up to 16."""
 
-    def __init__(self, path: Path, tokens: int, kernel: str | None = None) -> None:
+    def __init__(self, path: Path, tokens: int, kernel: str | None = None, kv_cache_dtype: str = "auto") -> None:
         if kernel:
             os.environ["KUBEINFER_QUANT_KERNEL"] = kernel
         try:
             self.llm = LLM(str(path), max_num_seqs=max(BATCHES), enable_prefix_caching=False,
-                           num_kv_blocks=64 * max(BATCHES))
+                           num_kv_blocks=64 * max(BATCHES), kv_cache_dtype=kv_cache_dtype)
         finally:
             os.environ.pop("KUBEINFER_QUANT_KERNEL", None)
         self.tokens, self.rounds = tokens, 0

@@ -6,7 +6,7 @@ import copy
 import importlib.util
 from dataclasses import dataclass
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's CacheDType spellings
 # KV cache memory when the user gives no block count and the device is a CPU (vLLM's CPU default is 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
 
@@ -17,7 +17,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None
     quantization: str | None = None  # vLLM's --quantization: must name the checkpoint's quantization_config method
-    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto (the model dtype) or an 8-bit KV_CACHE_DTYPES
+    kv_cache_dtype: str = "auto"  # vLLM's --kv-cache-dtype: auto (the model dtype), bfloat16 or 8-bit
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None

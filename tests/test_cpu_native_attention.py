@@ -81,6 +81,21 @@ def test_fp8_cache_widens_each_byte_exactly(dtype, cache_dtype):
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, meta, 0.125), **TOL[dtype])
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_bytes_widen_to_torchs_bits(cache_dtype, monkeypatch):
+    """Every byte value (NaNs, infinities, subnormals, signed zeros): a one-position context returns its V row
+    (softmax of one score is 1), so the output is the byte widened, bit for bit as torch's cast; both builds."""
+    from native_builds import outputs_of_both_builds
+
+    q, k_cache, v_cache, meta = make_step([1] * 4, 4, 4, 64, torch.float32, cache_dtype, seed=4)
+    rows = [int(meta.slot_mapping[i]) for i in range(4)]
+    v_cache.view(-1, 4, 64)[rows] = torch.arange(256, dtype=torch.uint8).repeat(4).view(4, 4, 64).view(cache_dtype)
+    k_cache.view(-1, 4, 64)[rows] = torch.zeros(4, 4, 64).to(cache_dtype)
+    want = v_cache.view(-1, 4, 64)[rows].to(torch.float32) + 0.0  # (-0.0: the weighted sum's 0.0 + 1 * -0.0)
+    for out in outputs_of_both_builds(monkeypatch, lambda: cpu_attention.decode(q, k_cache, v_cache, meta, 0.125)):
+        assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+
+
 def test_strided_queries_are_read_in_place():
     """q arrives as a view of the fused qkv rows (its rows further apart than H * D)."""
     q, k_cache, v_cache, meta = make_step(LENGTHS, 16, 8, 64, torch.float32, seed=3)
@@ -113,6 +128,7 @@ def _backend_step(monkeypatch, native: bool, q, k, v, k_cache, v_cache, meta):
 
 
 CASES = {"f32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
+         "f32-bf16": (torch.float32, torch.bfloat16),  # --kv-cache-dtype bfloat16 under the CPU's float32 models
          "f32-e5m2": (torch.float32, torch.float8_e5m2), "bf16-e4m3": (torch.bfloat16, torch.float8_e4m3fn)}
 
 
@@ -186,13 +202,27 @@ def test_engine_greedy_matches_transformers_and_the_torch_path(family, model_dir
     assert tokens["0"] == want
 
 
-def test_portable_build_equals_the_avx512_build(monkeypatch):
-    """The AVX-512 build scores 16 positions at a time, folding their lane trees together (float32 caches with D
-    a multiple of 16): the same additions as the portable build's plain C, so the same bits; partial tiles,
-    windows, groups of 1-6 query heads, D 64 and 128."""
-    steps = [make_step(lengths, h, kv, d, torch.float32, window=window, seed=d + h)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["f32", "bf16", "e4m3", "e5m2"])
+def test_portable_build_equals_the_avx512_build(monkeypatch, cache_dtype):
+    """The AVX-512 build scores 16 positions at a time, folding their lane trees together (D a multiple of 16; a
+    bf16 or fp8 cache's rows widened into a tile first): the same additions as the portable build's plain C, so
+    the same bits; partial tiles, windows, groups of 1-6 query heads, D 64 and 128."""
+    steps = [make_step(lengths, h, kv, d, torch.float32, cache_dtype, window=window, seed=d + h)
              for lengths in ([1, 5, 16, 17, 33, 48], [300, 2]) for h, kv, d in ((8, 8, 64), (16, 8, 64), (12, 2, 128))
              for window in (None, 20)]
     native, portable = outputs_of_both_builds(
         monkeypatch, lambda: [cpu_attention.decode(q, k, v, meta, 0.125) for q, k, v, meta in steps])
     assert all(torch.equal(a, b) for a, b in zip(native, portable))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["f32", "bf16", "e4m3", "e5m2"])
+def test_a_query_group_gives_each_query_alones_bits(cache_dtype):
+    """A bf16 or fp8 cache's V rows are widened once for the whole group of query heads sharing a KV head: each
+    query's output the same bits as with its own copy of the KV head (a group of one, one query at a time)."""
+    q, k_cache, v_cache, meta = make_step([1, 17, 40, 300], 12, 3, 64, torch.float32, cache_dtype, seed=9)
+    grouped = cpu_attention.decode(q, k_cache, v_cache, meta, 0.125)
+    alone = cpu_attention.decode(q, k_cache.repeat_interleave(4, dim=2).contiguous(),
+                                 v_cache.repeat_interleave(4, dim=2).contiguous(), meta, 0.125)
+    assert torch.equal(grouped, alone)

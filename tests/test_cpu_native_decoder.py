@@ -4,9 +4,10 @@ The reference is the per-module native path (KUBEINFER_CPU_FUSED_LAYERS=0: each 
 attention its own C call): the fused layers make the same calls in the same order, so several decode steps'
 logits and the KV caches they write must be the same bits, at batch 1, 3 and 16, int8 and int4 weights (llama.cpp's
 arithmetic), with and without a qkv bias, sliding windows (every layer's, or one layer's of two), Qwen3's q/k
-norms; a layer that does not qualify between fused ones. Then the steps that must not take it: a prefill row in
-the step, a LoRA step (in the engine too), the native layers off; and
-the engine's greedy tokens are the same either way."""
+norms; bfloat16, fp8 e4m3 and e5m2 caches (--kv-cache-dtype), the step's K/V rounded in C as to_cache_dtype
+rounds them (checked over every magnitude, both builds); a layer that does not qualify between fused ones. Then
+the steps that must not take it: a prefill row in the step, a LoRA step (in the engine too), the native layers
+off; and the engine's greedy tokens are the same either way."""
 from __future__ import annotations
 
 import pytest
@@ -17,6 +18,7 @@ from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.model_executor.layers import cpu_decoder
 from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata
 from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import to_cache_dtype
 from kubeinfer.engine.model_executor.models import native_decode
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
@@ -70,16 +72,19 @@ def spied(monkeypatch) -> list[int]:
     return calls
 
 
-def decode_steps(model, batch: int, steps: int = 3, prefill: int = 0, lora=None, seed: int = 0):
-    """Logits of `steps` decode steps of `batch` sequences over random caches and scattered block tables (a
-    prompt of `prefill` tokens after them, when given), each step's tokens the last one's argmax; and the caches."""
+def decode_steps(model, batch: int, steps: int = 3, prefill: int = 0, lora=None, seed: int = 0,
+                 cache_dtype: torch.dtype = torch.float32):
+    """Logits of `steps` decode steps of `batch` sequences over random caches (of `cache_dtype`) and scattered block
+    tables (a prompt of `prefill` tokens after them, when given), each step's tokens the last one's argmax; and the
+    caches."""
     gen = torch.Generator().manual_seed(seed)
     spec = model.spec
     lengths = torch.randint(1, 40, (batch,), generator=gen).tolist()
     seqs = lengths + ([prefill] if prefill else [])
     max_blocks = -(-(max(seqs) + steps) // BLOCK)
     tables = torch.randperm(len(seqs) * max_blocks, generator=gen).view(len(seqs), max_blocks)
-    caches = [tuple(torch.randn(len(seqs) * max_blocks, BLOCK, spec.num_kv_heads, spec.head_dim, generator=gen)
+    caches = [tuple(to_cache_dtype(torch.randn(len(seqs) * max_blocks, BLOCK, spec.num_kv_heads, spec.head_dim,
+                                               generator=gen), cache_dtype)
                     for _ in range(2)) for _ in range(spec.num_layers)]
     ids = torch.randint(3, 96, (batch + prefill,), generator=gen)
     out = []
@@ -111,25 +116,63 @@ def both_ways(model, monkeypatch, **kwargs):
     return results
 
 
-def assert_fused_layers_give_the_per_module_paths_bits(model, monkeypatch):
-    """Both layers in one native call, and three decode steps' logits and KV caches at batch 1, 3 and 16 the same
-    bits as the per-module path's."""
+def assert_fused_layers_give_the_per_module_paths_bits(model, monkeypatch, cache_dtype: torch.dtype = torch.float32):
+    """Both layers in one native call, and three decode steps' logits and KV caches (of `cache_dtype`) at batch 1, 3
+    and 16 the same bits as the per-module path's."""
     monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "1")
     steps = native_decode.plan(model)
     assert steps is not None and all(run is not None for _, run in steps) and len(steps) == 1  # both layers, one call
     for batch in (1, 3, 16):
-        got = both_ways(model, monkeypatch, batch=batch)
+        got = both_ways(model, monkeypatch, batch=batch, cache_dtype=cache_dtype)
         (fused, fused_caches, calls), (ref, ref_caches, ref_calls) = got["1"], got["0"]
         assert calls == 3 and ref_calls == 0, (calls, ref_calls)
         for step, (a, b) in enumerate(zip(fused, ref)):
             assert torch.equal(a, b), f"batch {batch} step {step}: max diff {(a - b).abs().max().item()}"
         for (k, v), (rk, rv) in zip(fused_caches, ref_caches):
-            assert torch.equal(k, rk) and torch.equal(v, rv)
+            assert k.dtype == cache_dtype and torch.equal(k.view(torch.uint8), rk.view(torch.uint8))
+            assert torch.equal(v.view(torch.uint8), rv.view(torch.uint8))
 
 
 @pytest.mark.parametrize("engine", CASES, indirect=True)
 def test_fused_layers_give_the_per_module_paths_bits(engine, monkeypatch):
     assert_fused_layers_give_the_per_module_paths_bits(engine.engine.runner.model, monkeypatch)
+
+
+@pytest.mark.parametrize(("engine", "cache_dtype"), [("qwen2-w8a16", torch.bfloat16),
+                                                    ("qwen3-w4a16", torch.float8_e4m3fn),
+                                                    ("mistral-w4", torch.float8_e5m2)], indirect=["engine"])
+def test_fused_layers_on_16_and_8_bit_caches_give_the_per_module_paths_bits(engine, cache_dtype, monkeypatch):
+    """--kv-cache-dtype bfloat16 / fp8_e4m3 / fp8_e5m2: the fused call writes and reads the same cache bytes."""
+    assert_fused_layers_give_the_per_module_paths_bits(engine.engine.runner.model, monkeypatch, cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_k_and_v_round_to_the_cache_as_torch_in_both_builds(cache_dtype, monkeypatch):
+    """decoder_layer.c's rounding of K/V against to_cache_dtype (torch's cast, fp8 clamped) over every magnitude
+    float32 has: subnormals of each type, ties, carries into the exponent, signed zeros, saturation, inf."""
+    import ctypes
+
+    from native_builds import outputs_of_both_builds
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(1 << 16, generator=gen) * torch.logspace(-45, 38, 1 << 16)
+    bits = torch.randint(0, 0x7F800000, (3, 1 << 12), generator=gen, dtype=torch.int32)  # finite magnitudes
+    ties = torch.cat([row >> drop << drop | 1 << (drop - 1) for row, drop in zip(bits, (16, 20, 21))])  # halfway
+    ties = torch.cat([ties, ties | -0x80000000])  # bf16's, e4m3's and e5m2's, each sign
+    special = torch.tensor([0.0, -0.0, 448.0, 464.0, 465.0, -1e5, 57344.0, 61440.0, 1.97, 2.0 ** -10, 2.0 ** -17,
+                            3.4e38, float("inf"), float("-inf")])
+    x = torch.cat([x, ties.view(torch.float32), special])
+    kind = cpu_decoder.CACHE_TYPES[cache_dtype]
+
+    def rounded():
+        out = torch.empty(x.shape, dtype=cache_dtype)
+        ops.kernel("ki_round_to_cache", [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p], None)(
+            x.data_ptr(), x.numel(), kind, out.data_ptr())
+        return out.view(torch.uint8)
+
+    want = to_cache_dtype(x, cache_dtype).view(torch.uint8)
+    for got in outputs_of_both_builds(monkeypatch, rounded):
+        assert torch.equal(got, want), (got != want).nonzero()[:8]
 
 
 @pytest.mark.parametrize("engine", ["qwen2-w8"], indirect=True)

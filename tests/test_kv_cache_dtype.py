@@ -3,7 +3,13 @@ one byte with per-tensor scales (the checkpoint's k_scale / v_scale, else 1.0 as
 path and in the Triton kernels (tests/test_triton_kernels.py). Accuracy against the model-dtype cache is
 measured on a tiny random model (initializer_range 0.3: chaotic, near-tied logits, the hard case) over 32
 prompts, first generated token and its log-probability: e4m3 measured 28/32 equal tokens and at most 0.45
-nats apart, e5m2 (two mantissa bits fewer) 23/32 and 1.33; the bounds below leave a little room."""
+nats apart, e5m2 (two mantissa bits fewer) 23/32 and 1.33; the bounds below leave a little room.
+
+`bfloat16` stores K and V in bf16 under any model dtype (vLLM's CacheDType has `bfloat16`, no `float16`): a tiny
+random llama in float32 against transformers in float32 over 32 prompts, 8 greedy tokens each (the decode steps
+read the bf16 cache through the native decode attention): 24/32 prompts' continuations equal transformers', and
+each generated token's log-probability at most 0.28 nats from transformers' on the same tokens (a float32 cache:
+32/32 and 2.5e-5 nats)."""
 import random
 from types import SimpleNamespace
 
@@ -18,6 +24,7 @@ from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata, 
 from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import ScaledKVBackend
 
 BOUNDS = {"fp8": (0.8, 0.6), "fp8_e4m3": (0.8, 0.6), "fp8_e5m2": (0.6, 1.6)}  # (share of equal tokens, nats)
+BF16_BOUNDS = (0.65, 0.4)  # measured 24/32 and 0.28 nats (see above)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +62,53 @@ def test_cache_is_one_byte_per_element_and_holds_twice_bf16s_blocks(float_dir):
     assert fp8.num_kv_blocks == 2 * bf16.num_kv_blocks
     assert {k.dtype for k, _ in fp8.runner.kv_caches} == {torch.float8_e4m3fn}
     assert fp8.runner.kv_bytes_per_block(fp8.spec, 16, torch.float8_e4m3fn) * fp8.num_kv_blocks <= 1 << 20
+
+
+def test_bf16_cache_keeps_greedy_tokens_and_logprobs_near_transformers(tmp_path):
+    from test_engine_correctness import hf_greedy
+    from transformers import AutoModelForCausalLM
+
+    from kubeinfer.testing.random_model import build_random_model
+
+    model_dir = build_random_model(tmp_path / "llama", "llama", tokenizer=False, seed=16, **SHAPE)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    rng, steps = random.Random(0), 8
+    prompts = [[rng.randrange(1, 200) for _ in range(rng.randrange(8, 90))] for _ in range(32)]
+    llm = LLM(str(model_dir), max_model_len=128, num_kv_blocks=256, kv_cache_dtype="bfloat16")
+    assert {k.dtype for k, _ in llm.engine.runner.kv_caches} == {torch.bfloat16}
+    assert llm.engine.runner.dtype == torch.float32
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1))
+    equal, apart = 0, 0.0
+    with torch.no_grad():
+        for prompt, out in zip(prompts, outs):
+            tokens = out.outputs[0].token_ids
+            equal += hf_greedy(hf, prompt, steps) == tokens
+            ref = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+            apart = max([apart] + [abs(ref[i, t].item() - step[t].logprob)
+                                   for i, (t, step) in enumerate(zip(tokens, out.outputs[0].logprobs))])
+    share, nats = BF16_BOUNDS
+    assert equal / len(prompts) >= share and apart <= nats, (equal, apart)
+    assert apart > 1e-3  # the cache really was bf16: a float32 one is within 2.5e-5
+
+
+def test_bf16_cache_holds_twice_float32s_blocks_and_says_so(float_dir, caplog):
+    import logging
+
+    from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import ScaledKVBackend
+
+    budget = dict(kv_cache_memory_bytes=1 << 20, max_num_seqs=256, max_model_len=128)
+    f32 = LLM(str(float_dir), **budget).engine
+    with caplog.at_level(logging.INFO, logger="kubeinfer.engine.core.llm_engine"):
+        bf16 = LLM(str(float_dir), kv_cache_dtype="bfloat16", **budget).engine
+    assert {k.dtype for k, _ in f32.runner.kv_caches} == {torch.float32}
+    assert {k.dtype for p in bf16.runner.kv_caches for k in p} == {torch.bfloat16}
+    assert bf16.num_kv_blocks == 2 * f32.num_kv_blocks
+    assert bf16.runner.kv_bytes_per_block(bf16.spec, 16, torch.bfloat16) * bf16.num_kv_blocks <= 1 << 20
+    spec = bf16.spec
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2  # two bytes each
+    assert f"KV cache bfloat16 {per_token} bytes per token, {bf16.num_kv_blocks} blocks" in caplog.text
+    assert not any(isinstance(m.backend, ScaledKVBackend) for m in bf16.runner.model.modules() if hasattr(m, "backend"))
 
 
 def test_start_up_log_states_weights_and_kv_bytes(float_dir, caplog):
@@ -144,9 +198,11 @@ def test_scaled_fp8_attention_equals_attention_on_the_rounded_kv(dtype, legacy_c
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_bad_kv_cache_dtype_is_refused_naming_the_choices(float_dir):
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2; got 'int8'"):
-        LLM(str(float_dir), kv_cache_dtype="int8")
+@pytest.mark.parametrize("name", ["int8", "float16"])  # float16: not one of vLLM's CacheDType names either
+def test_bad_kv_cache_dtype_is_refused_naming_the_choices(float_dir, name):
+    with pytest.raises(ValueError, match=f"kv_cache_dtype must be one of auto, bfloat16, fp8, fp8_e4m3, fp8_e5m2; "
+                                         f"got '{name}'"):
+        LLM(str(float_dir), kv_cache_dtype=name)
 
 
 def test_serve_flag_and_metric_label():
@@ -158,14 +214,17 @@ def test_serve_flag_and_metric_label():
     parser = argparse.ArgumentParser()
     add_serve_arguments(parser)
     assert parser.parse_args(["m", "--kv-cache-dtype", "fp8_e5m2"]).kv_cache_dtype == "fp8_e5m2"
+    assert parser.parse_args(["m", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
     assert parser.parse_args(["m"]).kv_cache_dtype == "auto"
-    engine = SimpleNamespace(config=SimpleNamespace(block_size=16, kv_cache_dtype="fp8"), num_kv_blocks=7,
+    with pytest.raises(SystemExit):
+        parser.parse_args(["m", "--kv-cache-dtype", "float16"])
+    engine = SimpleNamespace(config=SimpleNamespace(block_size=16, kv_cache_dtype="bfloat16"), num_kv_blocks=7,
                              block_manager=SimpleNamespace(usage=0.0))
     metrics = SimpleNamespace(model_name="m", async_engine=SimpleNamespace(engine=engine, num_running=0, num_waiting=0))
     families = _StateCollector(metrics).collect()
     info = next(f for f in families if f.name == "vllm:cache_config_info")  # the families before it need no more
     (sample,) = info.samples
-    assert sample.labels == {"model_name": "m", "block_size": "16", "num_gpu_blocks": "7", "cache_dtype": "fp8"}
+    assert sample.labels == {"model_name": "m", "block_size": "16", "num_gpu_blocks": "7", "cache_dtype": "bfloat16"}
 
 
 @pytest.mark.parametrize("capability, name, refused", [((8, 0), "fp8", True), ((8, 0), "fp8_e4m3", True),

@@ -174,11 +174,13 @@ def test_backend_step_writes_then_attends(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("q_dtype", DTYPES)
-@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize(("q_dtype", "cache_dtype"), [(q, c) for q in DTYPES for c in (torch.float8_e4m3fn,
+                                                                                      torch.float8_e5m2)]
+                         + [(torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16)])
 def test_fp8_cache_step_matches_the_torch_backend(device, q_dtype, cache_dtype):
     """An 8-bit KV cache (--kv-cache-dtype fp8): the kernel stores the bytes torch's saturating cast stores
-    (k beyond the type's range included), then attends over the widened cache as SDPA does."""
+    (k beyond the type's range included), then attends over the widened cache as SDPA does. A bfloat16 cache
+    (--kv-cache-dtype bfloat16) under a float32 or float16 model: likewise, rounded as torch's cast."""
     from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata, write_kv_cache as torch_write
     from kubeinfer.engine.model_executor.layers.attention_selector import get_attention_backend
 
@@ -190,7 +192,8 @@ def test_fp8_cache_step_matches_the_torch_backend(device, q_dtype, cache_dtype):
     gen = torch.Generator().manual_seed(4)
     k = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device).to(q_dtype)
     v = torch.randn(len(slots), kv_heads, head_dim, generator=gen).to(device).to(q_dtype)
-    k[0, 0, 0], v[1, 1, 1] = 1e5, -1e5  # past e4m3's 448 and e5m2's 57344: saturated, not inf or nan
+    if cache_dtype.itemsize == 1:
+        k[0, 0, 0], v[1, 1, 1] = 1e5, -1e5  # past e4m3's 448 and e5m2's 57344: saturated, not inf or nan
     meta = AttentionMetadata.build(slots, b["starts"], [ctx for ctx, _ in SEQUENCES], b["tables"], NUM_DECODES, None,
                                    device)
     want_k, want_v = k_cache.clone().cpu(), v_cache.clone().cpu()
@@ -199,10 +202,30 @@ def test_fp8_cache_step_matches_the_torch_backend(device, q_dtype, cache_dtype):
     out = get_attention_backend("triton").forward(q, k, v, k_cache, v_cache, meta, head_dim ** -0.5)
     assert torch.equal(k_cache.cpu().view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(v_cache.cpu().view(torch.uint8), want_v.view(torch.uint8))
+    assert k_cache.dtype == cache_dtype
     assert torch.isfinite(want_k.float()).all() and torch.isfinite(want_v.float()).all()
     want = reference_attention(q.float(), want_k.float(), want_v.float(), b["tables"], b["starts"], None,
                                head_dim ** -0.5)
     torch.testing.assert_close(out.cpu().double(), want, **tolerance(q_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bf16_cache_write_rounds_every_magnitude_as_torch(device, dtype):
+    """--kv-cache-dtype bfloat16 under a float32 or float16 model: the write kernel's bytes are torch's cast's
+    (round to nearest even, carries, subnormals, signed zeros, inf), not the interpreter's truncation."""
+    from kubeinfer.engine.model_executor.layers.triton_attention import write_kv_cache
+
+    gen = torch.Generator().manual_seed(6)
+    tokens, heads, dim = 256, 2, 64
+    k = torch.randn(tokens, heads, dim, generator=gen) * torch.logspace(-42, 38, tokens)[:, None, None]
+    k[0, 0, :6] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 3.3895e38, -0.0, float("inf"), 1.9999])
+    k = k.to(dtype)
+    caches = [torch.zeros(tokens // 16, 16, heads, dim, dtype=torch.bfloat16, device=device) for _ in range(2)]
+    write_kv_cache(k.to(device), (-k).to(device), *caches, torch.arange(tokens, device=device))
+    for cache, x in zip(caches, (k, -k)):
+        got = cache.cpu().view(tokens, heads, dim)
+        assert torch.equal(got.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -30,8 +30,9 @@ def variants():
 
     attn = dict(GROUP=4, GROUP_PAD=4, BLOCK_N=64, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, UPCAST=False,
                 SOFTCAP=False, SINKS=False)
+    write = dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, BLOCK_SIZE=16)
     return [
-        (ta._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128, BLOCK_SIZE=16, FP8_MAX=0.0)),
+        (ta._write_kv_kernel, dict(write, FP8_MAX=0.0, TO_BF16=False)),
         (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=4)),  # decode
         (ta._paged_attention_kernel, dict(attn, BLOCK_M=64, BLOCK_Q=16)),  # prefill
         (ta._paged_attention_kernel, dict(attn, GROUP=7, GROUP_PAD=8, BLOCK_M=64, BLOCK_Q=8)),
@@ -50,9 +51,15 @@ def variants():
         # --kv-cache-dtype fp8 / fp8_e5m2: 8-bit caches written (saturating) and read by the attention kernels
         *[(kernel, constexprs, {"k_cache_ptr": fp8, "v_cache_ptr": fp8})
           for fp8, limit in (("*fp8e4nv", 448.0), ("*fp8e5", 57344.0))
-          for kernel, constexprs in ((ta._write_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, HEADS_PAD=8, DIM_PAD=128,
-                                                                BLOCK_SIZE=16, FP8_MAX=limit)),
+          for kernel, constexprs in ((ta._write_kv_kernel, dict(write, FP8_MAX=limit, TO_BF16=False)),
                                      (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=4)))],
+        # --kv-cache-dtype bfloat16 under a float16 or float32 model: rounded by _bf16_bits, widened as it is read
+        *[(kernel, constexprs, {**pointers, "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"})
+          for model in ("*fp16", "*fp32")
+          for kernel, constexprs, pointers in (
+              (ta._write_kv_kernel, dict(write, FP8_MAX=0.0, TO_BF16=True), {"k_ptr": model, "v_ptr": model}),
+              (ta._paged_attention_kernel, dict(attn, BLOCK_M=16, BLOCK_Q=4, UPCAST=model == "*fp32"),
+               {"q_ptr": model, "out_ptr": model}))],
         # kept-quantized int8 / int4 weights (layers/quantization/triton_int_matmul.py)
         # kept-quantized int8 / int4 / fp8 (e4m3 bits as bytes) weights (layers/quantization/triton_int_matmul.py)
         # (ONE_GROUP: the tile inside one group, the exact integers multiplied and the sums scaled; groups of 8 span

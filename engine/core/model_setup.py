@@ -21,6 +21,7 @@ from ..model_executor.layers.quantization.kv_cache_dtype import (
     check_kv_cache_dtype,
     checkpoint_kv_scales,
     install_kv_scales,
+    scaled,
 )
 from ..model_executor.model_loader import ModelFiles, inspect_model_dir
 from ..model_executor.model_runner import ModelRunner
@@ -78,9 +79,10 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
             draft_runner = ModelRunner(draft, device=device, dtype=dtype, max_model_len=max_model_len,
                                        block_size=config.block_size, attention_backend=backend)
         for built, source in ((runner, files), (draft_runner, draft)):
-            if built is not None and kv_dtype != dtype:  # an 8-bit cache, with the checkpoint's scales if any
+            if built is not None and kv_dtype != dtype:  # bf16, or 8 bits with the checkpoint's scales if any
                 built.cache_dtype = kv_dtype
-                install_kv_scales(built.model, checkpoint_kv_scales(source.weight_files))
+                if scaled(kv_dtype):
+                    install_kv_scales(built.model, checkpoint_kv_scales(source.weight_files))
         return runner
 
     spec = spec.for_rank(0, config.world_size)  # a rank's KV cache holds its own KV heads

@@ -17,7 +17,12 @@ from ..distributed.step_channel import StepReceiver
 from ..lora.pool import LoRAPool
 from ..model_executor.cuda_graphs import capture_cuda_graph, replay_eagerly
 from ..model_executor.layers.attention_selector import check_attention_backend
-from ..model_executor.layers.quantization.kv_cache_dtype import cache_dtype, checkpoint_kv_scales, install_kv_scales
+from ..model_executor.layers.quantization.kv_cache_dtype import (
+    cache_dtype,
+    checkpoint_kv_scales,
+    install_kv_scales,
+    scaled,
+)
 from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
 from ..model_executor.model_runner import ModelRunner
 
@@ -71,9 +76,10 @@ def build_rank_runner(config: EngineConfig, plan: RankPlan, device: torch.device
                          attention_backend=check_attention_backend(config.attention_backend, device), lora_pool=pool,
                          tp_rank=plan.rank, tp_size=plan.world_size)
     kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
-    if kv_dtype != dtype:  # rank 0's 8-bit cache: the same dtype and the checkpoint's per-layer scales here
+    if kv_dtype != dtype:  # rank 0's cache type here too, and for 8 bits the checkpoint's per-layer scales
         runner.cache_dtype = kv_dtype
-        install_kv_scales(runner.model, checkpoint_kv_scales(files.weight_files))
+        if scaled(kv_dtype):
+            install_kv_scales(runner.model, checkpoint_kv_scales(files.weight_files))
     return runner
 
 

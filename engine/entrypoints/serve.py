@@ -29,6 +29,7 @@ logger = logging.getLogger("kubeinfer.serve")
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """vLLM's flag names, so deployment manifests carry over."""
+    from ..config import KV_CACHE_DTYPES
     from .openai.reasoning_parsers import REASONING_PARSERS
     from .openai.tool_parsers import PARSERS as TOOL_CALL_PARSERS
 
@@ -46,9 +47,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fp8, compressed-tensors, awq (awq_marlin), gptq (gptq_marlin): must name the checkpoint's "
                              "method (read from config.json when left out); fp8 on a float checkpoint quantizes it at "
                              "load (per channel)")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
-                        help="KV cache elements: auto (the model dtype) or 8-bit float with per-tensor scales (the "
-                             "checkpoint's k_scale/v_scale, else 1.0): twice a bf16 cache's blocks in the same memory")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV cache elements: auto (the model dtype), bfloat16 (whatever the model dtype: twice a "
+                             "float32 cache's blocks) or 8-bit float with per-tensor scales (the checkpoint's "
+                             "k_scale/v_scale, else 1.0): twice a bf16 cache's blocks in the same memory")
     parser.add_argument("--attention-backend", choices=("torch", "triton"), default=None,
                         help="attention kernels (default: triton on CUDA when installed, torch on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None)

@@ -19,7 +19,7 @@ import torch
 from .quantization.cpu_native import ops
 from .quantization.kv_cache_dtype import to_cache_dtype
 
-CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 2}
+CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # attention.c's
 QUERY_TYPES = (torch.float32, torch.bfloat16)
 _state: dict = {}
 
@@ -36,7 +36,7 @@ def _kernel():
                                               ctypes.c_float, p], i)
 
 
-def _byte_values(dtype: torch.dtype) -> torch.Tensor:
+def byte_values(dtype: torch.dtype) -> torch.Tensor:
     """[256] float32: the value of each byte of a one-byte cache type (its exact widening)."""
     if dtype not in _state:
         _state[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
@@ -76,7 +76,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, 
         if slots.dtype != torch.long or not slots.is_contiguous() or k.shape[0] != batch:
             raise ValueError("native decode attention: one int64 slot per new K/V row")
     kind = CACHE_KINDS[k_cache.dtype]
-    lut = _byte_values(k_cache.dtype) if kind == 2 else None
+    lut = byte_values(k_cache.dtype) if kind >= 2 else None
     out = torch.empty(batch, heads, head_dim, dtype=q.dtype)
     window = meta.sliding_window or 0
     status = _kernel()(q.data_ptr(), q.stride(0), int(q.dtype == torch.bfloat16),

@@ -2,19 +2,23 @@
 
 `Layers` holds a run of consecutive layers' descriptors (their weights' pointers, prepared once; the tensors kept
 alive here) and the step's scratch (grown to the largest batch seen, reused). `Layers.run` takes only the step's
-pointers: the input and residual, positions, each layer's K/V caches and the step's metadata per window. Which
-layers qualify, and when a step may take this path, is models/native_decode.py's business."""
+pointers: the input and residual, positions, each layer's K/V caches and the step's metadata per window. The caches
+are float32, bfloat16 or fp8 (e4m3 / e5m2), all of one type; the C side rounds the step's K/V rows to it as
+kv_cache_dtype.to_cache_dtype does. Which layers qualify, and when a step may take this path, is
+models/native_decode.py's business."""
 from __future__ import annotations
 
 import ctypes
 
 import torch
 
+from .cpu_attention import CACHE_KINDS, byte_values
 from .quantization.cpu_native import ops
 from .quantization.cpu_native.a16_method import A16Method
 from .quantization.w4a8 import W4A8Method
 
 P, INT, LONG, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+CACHE_TYPES = CACHE_KINDS  # decoder_layer.c's cache types: ki_decode_attention's kinds
 
 
 class Proj(ctypes.Structure):
@@ -36,7 +40,7 @@ class Layer(ctypes.Structure):
 def _kernel(name: str):
     """The library's `name` with its signature (ops.kernel: looked up once per loaded library)."""
     signatures = {"ki_decoder_scratch_floats": ([P], ctypes.c_size_t),
-                  "ki_decoder_layers": ([P, INT, P, P, INT, P, P, P, INT, P, P, P], INT)}
+                  "ki_decoder_layers": ([P, INT, P, P, INT, INT, P, P, P, P, INT, P, P, P], INT)}
     return ops.kernel(name, *signatures[name])
 
 
@@ -77,18 +81,21 @@ class Layers:
         self._view_array = (View * len(views))()
 
     def caches(self, kv_caches: list, first: int) -> tuple | None:
-        """(pointer array, block size) of this run's caches, or None where one is not a contiguous float32
-        [blocks, block size, Hkv, D] cache; rebuilt only when the list or its first tensor changes (the engine keeps
-        one list)."""
+        """(pointer array, block size, cache type, byte values or None) of this run's caches, or None where one is
+        not a contiguous [blocks, block size, Hkv, D] cache of one of CACHE_TYPES, the run's caches all of one;
+        rebuilt only when the list or its first tensor changes (the engine keeps one list)."""
         key = (id(kv_caches), kv_caches[first][0].data_ptr())
         if key != self._caches_key:
             pairs = kv_caches[first:first + self.count]
-            block = pairs[0][0].shape[1]
-            if any(c.dtype != torch.float32 or not c.is_contiguous() or c.dim() != 4 or c.shape[1] != block
+            block, dtype = pairs[0][0].shape[1], pairs[0][0].dtype
+            if dtype not in CACHE_TYPES or any(
+                   c.dtype != dtype or not c.is_contiguous() or c.dim() != 4 or c.shape[1] != block
                    or tuple(c.shape[2:]) != shape or not c.is_cpu
                    for p, shape in zip(pairs, self.kv_shapes) for c in p):
                 return None
-            self._caches = ((P * (2 * self.count))(*(c.data_ptr() for p in pairs for c in p)), block)
+            lut = byte_values(dtype) if dtype.itemsize == 1 else None
+            self._caches = ((P * (2 * self.count))(*(c.data_ptr() for p in pairs for c in p)), block,
+                            CACHE_TYPES[dtype], lut)
             self._caches_key = key
         return self._caches
 
@@ -112,7 +119,8 @@ class Layers:
             view.table_stride, view.window = tables.stride(0), meta.sliding_window or 0
         x_out, res_out = torch.empty_like(x), torch.empty_like(x)
         layers_fn = _kernel("ki_decoder_layers")
-        status = layers_fn(self.layers, self.count, views, caches[0], caches[1], x.data_ptr(), _ptr(residual),
+        status = layers_fn(self.layers, self.count, views, caches[0], caches[1], caches[2], _ptr(caches[3]),
+                           x.data_ptr(), _ptr(residual),
                            positions.data_ptr(), tokens, base, x_out.data_ptr(), res_out.data_ptr())
         if status == -2:
             raise IndexError("rotary: a position outside the model's max positions")

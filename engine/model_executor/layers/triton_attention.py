@@ -48,10 +48,21 @@ def _fp8_bits(x, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
 
 
 @triton.jit
+def _bf16_bits(x):
+    """float32 x to bfloat16 bits, rounded to nearest even as torch's cast rounds (--kv-cache-dtype bfloat16 under
+    a float32 or float16 model), by integer ops: the interpreter's own cast truncates. A NaN stays a NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return tl.where(nan, (bits >> 16) | 0x40, rounded).to(tl.uint16)
+
+
+@triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-                     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr = 0.0):
+                     DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr = 0.0,
+                     TO_BF16: tl.constexpr = False):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     if slot < 0:
@@ -72,6 +83,9 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
             k, v = _fp8_bits(k, 2, 15), _fp8_bits(v, 2, 15)
         k = k.to(k_cache_ptr.dtype.element_ty, bitcast=True)
         v = v.to(v_cache_ptr.dtype.element_ty, bitcast=True)
+    if TO_BF16:  # a bf16 cache under a wider model: rounded as torch's cast
+        k = _bf16_bits(k.to(tl.float32)).to(k_cache_ptr.dtype.element_ty, bitcast=True)
+        v = _bf16_bits(v.to(tl.float32)).to(v_cache_ptr.dtype.element_ty, bitcast=True)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -88,7 +102,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], FP8_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.element_size() == 1 else 0.0)
+        BLOCK_SIZE=k_cache.shape[1],
+        FP8_MAX=float(torch.finfo(k_cache.dtype).max) if k_cache.element_size() == 1 else 0.0,
+        TO_BF16=k_cache.dtype == torch.bfloat16 and k.dtype != torch.bfloat16)
 
 
 @triton.jit

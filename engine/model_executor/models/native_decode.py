@@ -8,8 +8,9 @@ silu, every projection through A16Method (the float32 default, cpu_int8_a16 / cp
 (KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni) or W4A8Method's native kernel (w4a8_vnni: W4A8
 checkpoints), tensor parallel size 1; Qwen3's q/k norms included.
 Consecutive such layers are one call; the others run their forward.
-Which steps, checked each step: decodes only (one token a sequence), no LoRA adapter in it, float32 activations
-and KV caches, the native layers on (`ops.layers_enabled()`: KUBEINFER_CPU_NATIVE_LAYERS) and
+Which steps, checked each step: decodes only (one token a sequence), no LoRA adapter in it, float32 activations,
+KV caches of float32, bfloat16 or fp8 (e4m3 / e5m2; --kv-cache-dtype, checkpoint scales of 1.0: a scaled
+backend does not qualify), the native layers on (`ops.layers_enabled()`: KUBEINFER_CPU_NATIVE_LAYERS) and
 KUBEINFER_CPU_FUSED_LAYERS not 0 (default 1; 0 keeps the per-module path, for A/B measurements). Anything else
 returns None and the model runs its layers one module at a time."""
 from __future__ import annotations
@@ -129,8 +130,8 @@ def plan(model) -> list | None:
 
 def all_layers_native(model) -> bool:
     """Whether every decoder layer qualifies for the native call, the switches on: a decode step then runs its
-    attention in C (the fused call; or, without float32 caches or with LoRA, the per-module path's same native
-    attention), and model_runner keeps torch on one thread however long the contexts."""
+    attention in C (the fused call; or, with LoRA, the per-module path's same native attention), and model_runner
+    keeps torch on one thread however long the contexts."""
     if getattr(model, "native_decode_types", None) is None or not ops.available():
         return False
     steps = plan(model)

@@ -1,12 +1,14 @@
-"""The KV cache's element type (`--kv-cache-dtype`, vLLM's names): `auto` keeps the model dtype; `fp8` and
-`fp8_e4m3` store float8_e4m3fn, `fp8_e5m2` float8_e5m2: one byte per element, so the same memory holds twice
-the blocks of a bf16 cache (four times a float32 one's).
+"""The KV cache's element type (`--kv-cache-dtype`, vLLM's names): `auto` keeps the model dtype; `bfloat16`
+stores bfloat16 whatever the model dtype (rounded to nearest even, as torch's cast: twice a float32 cache's
+blocks in the same memory; llama.cpp's default f16 cache is as wide); `fp8` and `fp8_e4m3` store
+float8_e4m3fn, `fp8_e5m2` float8_e5m2: one byte per element, so the same memory holds twice the blocks of a
+bf16 cache (four times a float32 one's).
 
-Per-tensor scales, as vLLM applies them: each layer's K and V are stored as k / k_scale and v / v_scale
-(saturating at the type's largest value) and read back times the scale. The scales come from the checkpoint
-when it has them (`self_attn.k_scale` / `v_scale`, as llm-compressor's `kv_cache_scheme` and vLLM write them,
-or `k_proj.output_scale` / `v_proj.output_scale`, ModelOpt's); otherwise they are 1.0, vLLM's default when
-it does not calculate them (`calculate_kv_scales` off). Scales are folded where they cost nothing: k_scale
+Per-tensor scales (8-bit caches only: vLLM reads k_scale / v_scale for fp8 alone), as vLLM applies them: each
+layer's K and V are stored as k / k_scale and v / v_scale (saturating at the type's largest value) and read back
+times the scale. The scales come from the checkpoint when it has them (`self_attn.k_scale` / `v_scale`, as
+llm-compressor's `kv_cache_scheme` and vLLM write them, or `k_proj.output_scale` / `v_proj.output_scale`,
+ModelOpt's); otherwise they are 1.0, vLLM's default when it does not calculate them (`calculate_kv_scales` off). Scales are folded where they cost nothing: k_scale
 into the attention's score scale, v_scale into its output (softmax(q.k*s).v*s_v); the backends only see an
 8-bit cache, which they widen to the queries' type as they read it."""
 from __future__ import annotations
@@ -16,13 +18,19 @@ from pathlib import Path
 
 import torch
 
-KV_CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+KV_CACHE_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                         "fp8_e5m2": torch.float8_e5m2}
 SCALE_KEY = re.compile(r"\.layers\.(\d+)\.self_attn\.(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
 
 
 def cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's torch dtype for a checked `kv_cache_dtype` name (EngineConfig checks the name)."""
     return model_dtype if name == "auto" else KV_CACHE_TORCH_DTYPES[name]
+
+
+def scaled(dtype: torch.dtype) -> bool:
+    """Whether a cache of this type takes the checkpoint's per-tensor K/V scales: the 8-bit ones."""
+    return dtype.itemsize == 1
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,7 +6,9 @@
  * per-head q / k norms (Qwen3), ki_rotary, ki_decode_attention (the step's K/V written first), ki_q8_0_linear
  * (o_proj) plus bias, ki_rms_norm (post norm, the residual add), ki_q8_0_linear (gate_up) plus bias,
  * ki_silu_mul, ki_q8_0_linear (down) plus bias. A bias is added as torch's `out + bias` (one float add).
- * What saves time is only what is no longer between them: ~40 us of Python a layer at batch 1. */
+ * What saves time is only what is no longer between them: ~40 us of Python a layer at batch 1.
+ * A cache in another type than float32 (bf16, fp8 e4m3 / e5m2): the step's K/V rows are rounded to it first, as
+ * kv_cache_dtype.to_cache_dtype rounds them in the per-module path (kd_to_cache), so the cache gets the same bytes. */
 
 typedef struct {
     const uint8_t *w;
@@ -46,21 +48,59 @@ static int kd_project(const ki_proj *p, const float *x, int T, float *out) {
 
 static inline size_t kd_round(size_t n) { return (n + 15) & ~(size_t)15; } /* 64-byte aligned regions */
 
+/* One float in an 8-bit float of M mantissa bits and exponent bias B, as torch's cast after to_cache_dtype's clamp
+ * to the type's largest finite value: round to nearest even, subnormals included; a NaN is 0x7F with its sign
+ * (torch's, both types). Plain float and integer arithmetic: the same bits in both builds. */
+static inline uint8_t kd_fp8(float x, int M, int B, float limit) {
+    x = x > limit ? limit : x < -limit ? -limit : x; /* (a NaN compares false: kept) */
+    union { float f; uint32_t u; } v = {.f = x};
+    const uint8_t sign = (uint8_t)(v.u >> 24) & 0x80u;
+    v.u &= 0x7FFFFFFFu;
+    if (v.u > 0x7F800000u) return sign | 0x7Fu;
+    if (v.u < (uint32_t)(128 - B) << 23) { /* below the smallest normal: in units of the smallest subnormal */
+        union { float f; uint32_t u; } unit = {.u = (uint32_t)(127 + 23 - (B - 1 + M)) << 23};
+        union { float f; uint32_t u; } sum = {.f = v.f + unit.f}; /* the float add rounds to nearest even */
+        return sign | (uint8_t)(sum.u - unit.u);
+    }
+    const int shift = 23 - M;
+    v.u += ((v.u >> shift) & 1u) + (1u << (shift - 1)) - 1u;
+    return sign | (uint8_t)((v.u >> shift) - ((uint32_t)(127 - B) << M));
+}
+
+/* T rows of n floats (`stride` apart) in the cache's type (1 bf16, 2 fp8 e4m3, 3 fp8 e5m2), packed rows in dst. */
+static void kd_to_cache(const float *src, long stride, int T, int n, int type, char *dst) {
+    for (int t = 0; t < T; t++) {
+        const float *row = src + (size_t)t * stride;
+        if (type == 1) {
+            uint16_t *out = (uint16_t *)dst + (size_t)t * n;
+            for (int i = 0; i < n; i++) out[i] = f32_to_bf16(row[i]);
+        } else {
+            uint8_t *out = (uint8_t *)dst + (size_t)t * n;
+            for (int i = 0; i < n; i++)
+                out[i] = type == 2 ? kd_fp8(row[i], 3, 7, 448.0f) : kd_fp8(row[i], 2, 15, 57344.0f);
+        }
+    }
+}
+
+/* n floats in a cache type (1 bf16, 2 fp8 e4m3, 3 fp8 e5m2) as the layers round K/V: for tests against torch. */
+void ki_round_to_cache(const float *src, int n, int type, char *dst) { kd_to_cache(src, n, 1, n, type, dst); }
+
 /* Floats of scratch a layer needs per token (decoder_scratch in cpu_decoder.py sizes it as the max of these). */
 size_t ki_decoder_scratch_floats(const ki_layer *L) {
     size_t qd = (size_t)L->H * L->D, kvd = (size_t)L->Hkv * L->D;
     return kd_round(L->hidden) + kd_round(L->qkv.N) + kd_round(qd) + 2 * kd_round(kvd) + kd_round(qd)
-           + kd_round(L->hidden) + kd_round(L->gate_up.N) + kd_round(L->inter);
+           + kd_round(L->hidden) + kd_round(L->gate_up.N) + kd_round(L->inter) + kd_round(kvd);
 }
 
 /* Layers [0, n) of a decode step of T tokens (one a sequence). x [T, hidden]: the first layer's input; res: the
  * residual before it (NULL at the model's first layer: the residual is x). Writes the last layer's output to
  * x_out and the residual to res_out (both [T, hidden], neither x nor res). caches: 2n pointers (each layer's K
- * then V cache, float32 [blocks, block_size, Hkv, D]); views: the step's metadata per window; scratch: T times
+ * then V cache, [blocks, block_size, Hkv, D] of cache_type: 0 float32, 1 bf16, 2 fp8 e4m3, 3 fp8 e5m2, as
+ * ki_decode_attention's kinds; lut: the 8-bit types' byte values, as it takes them); views: the step's metadata per window; scratch: T times
  * the max of ki_decoder_scratch_floats, 64-byte aligned. Returns 0; -1 out of memory; -2 a position outside the
  * rotary tables (nothing of that layer's attention done). */
 int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char *const *caches, int block_size,
-                      const float *x, const float *res, const int64_t *pos, int T, float *scratch, float *x_out,
+                      int cache_type, const float *lut, const float *x, const float *res, const int64_t *pos, int T, float *scratch, float *x_out,
                       float *res_out) {
     for (int l = 0; l < n; l++) {
         const ki_layer *L = &layers[l];
@@ -69,6 +109,7 @@ int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char 
         float *h = scratch, *qkv = h + T * kd_round(hidden), *qn = qkv + T * kd_round(qkv_n);
         float *kn = qn + T * kd_round(qd), *vn = kn + T * kd_round(kvd), *att = vn + T * kd_round(kvd);
         float *o = att + T * kd_round(qd), *gu = o + T * kd_round(hidden), *act = gu + T * kd_round(L->gate_up.N);
+        char *kc = (char *)(act + T * kd_round(L->inter)); /* K then V rows in the cache's type (<= 2 bytes each) */
         const float *in = l ? x_out : x, *r = l ? res_out : res;
         if (r) {
             ki_rms_norm(in, hidden, hidden, r, res_out, L->in_norm, h, T, 1, hidden, L->in_eps, 0);
@@ -91,9 +132,16 @@ int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char 
             return -2; /* q and k side by side in each row: one pass over H + Hkv heads */
         }
         const ki_view *m = &views[L->view];
-        if (ki_decode_attention((const char *)q, q_stride, 0, (const char *)k, (const char *)v, kv_stride, m->slots,
-                                caches[2 * l], caches[2 * l + 1], 0, NULL, m->tables, m->table_stride, m->lens, T, H,
-                                Hkv, D, block_size, m->window, L->scale, (char *)att))
+        const char *kw = (const char *)k, *vw = (const char *)v;
+        if (cache_type) { /* cpu_attention.decode's to_cache_dtype: packed rows, Hkv * D elements apart */
+            char *vc = kc + (size_t)T * kvd * (cache_type == 1 ? 2 : 1);
+            kd_to_cache(k, kv_stride, T, (int)kvd, cache_type, kc);
+            kd_to_cache(v, kv_stride, T, (int)kvd, cache_type, vc);
+            kw = kc, vw = vc, kv_stride = (long)kvd;
+        }
+        if (ki_decode_attention((const char *)q, q_stride, 0, kw, vw, kv_stride, m->slots, caches[2 * l],
+                                caches[2 * l + 1], cache_type, lut, m->tables, m->table_stride,
+                                m->lens, T, H, Hkv, D, block_size, m->window, L->scale, (char *)att))
             return -1;
         if (kd_project(&L->o, att, T, o)) return -1;
         ki_rms_norm(o, hidden, hidden, res_out, res_out, L->post_norm, h, T, 1, hidden, L->post_eps, 0);
