@@ -95,8 +95,6 @@ def test_bf16_cache_keeps_greedy_tokens_and_logprobs_near_transformers(tmp_path)
 def test_bf16_cache_holds_twice_float32s_blocks_and_says_so(float_dir, caplog):
     import logging
 
-    from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import ScaledKVBackend
-
     budget = dict(kv_cache_memory_bytes=1 << 20, max_num_seqs=256, max_model_len=128)
     f32 = LLM(str(float_dir), **budget).engine
     with caplog.at_level(logging.INFO, logger="kubeinfer.engine.core.llm_engine"):
@@ -108,7 +106,6 @@ def test_bf16_cache_holds_twice_float32s_blocks_and_says_so(float_dir, caplog):
     spec = bf16.spec
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2  # two bytes each
     assert f"KV cache bfloat16 {per_token} bytes per token, {bf16.num_kv_blocks} blocks" in caplog.text
-    assert not any(isinstance(m.backend, ScaledKVBackend) for m in bf16.runner.model.modules() if hasattr(m, "backend"))
 
 
 def test_start_up_log_states_weights_and_kv_bytes(float_dir, caplog):
@@ -124,8 +121,8 @@ def test_start_up_log_states_weights_and_kv_bytes(float_dir, caplog):
 
 
 def test_checkpoint_kv_scales_are_applied(float_dir, tmp_path):
-    """k_scale / v_scale in the checkpoint (llm-compressor's kv_cache_scheme names) wrap each layer's backend;
-    a float checkpoint carrying them still loads."""
+    """k_scale / v_scale in the checkpoint (llm-compressor's kv_cache_scheme names) wrap each layer's backend
+    under an 8-bit cache, not under auto or bfloat16; a float checkpoint carrying them still loads."""
     import shutil
 
     model_dir = tmp_path / "scaled"
@@ -140,6 +137,9 @@ def test_checkpoint_kv_scales_are_applied(float_dir, tmp_path):
     assert all(isinstance(b, ScaledKVBackend) and (b.k_scale, b.v_scale) == pytest.approx((0.05, 0.02)) for b in backends)
     plain = LLM(str(model_dir), max_model_len=64, num_kv_blocks=16).engine.runner.model  # auto: no scaling
     assert not isinstance(plain.model.layers[0].self_attn.backend, ScaledKVBackend)
+    bf16 = LLM(str(model_dir), max_model_len=64, num_kv_blocks=16, kv_cache_dtype="bfloat16").engine.runner
+    assert {k.dtype for k, _ in bf16.kv_caches} == {torch.bfloat16}  # vLLM reads the scales for fp8 caches only
+    assert not any(isinstance(layer.self_attn.backend, ScaledKVBackend) for layer in bf16.model.model.layers)
 
 
 class OverflowingE4m3Cast(TorchFunctionMode):
