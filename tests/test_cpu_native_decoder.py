@@ -236,6 +236,40 @@ def test_engine_greedy_tokens_equal_either_way(engine, monkeypatch):
     assert tokens["1"] == tokens["0"]
 
 
+def test_checkpoint_kv_scales_keep_the_per_module_path(checkpoints, monkeypatch, tmp_path):
+    """An fp8 cache with the checkpoint's k_scale / v_scale (not 1.0): the fused call has no scales, so no layer
+    takes it and the steps run per module (ScaledKVBackend applies the scales); the same checkpoint without them
+    takes it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import ScaledKVBackend
+
+    monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", KERNEL["w4a16"])
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "1")
+    scaled = tmp_path / "scaled"
+    shutil.copytree(checkpoints["qwen3-w4a16"], scaled)
+    (file,) = scaled.glob("*.safetensors")
+    weights = load_file(str(file))
+    for layer in range(SHAPE["num_layers"]):
+        weights[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.05)
+        weights[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.02)
+    save_file(weights, str(file), metadata={"format": "pt"})
+    prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    calls = spied(monkeypatch)
+    for name, path in (("plain", checkpoints["qwen3-w4a16"]), ("scaled", scaled)):
+        llm = LLM(str(path), max_model_len=128, num_kv_blocks=32, kv_cache_dtype="fp8")
+        model = llm.engine.runner.model
+        assert all(isinstance(layer.self_attn.backend, ScaledKVBackend) == (name == "scaled")
+                   for layer in model.model.layers)
+        before = calls[0]
+        llm.generate(prompts, params)
+        assert (calls[0] > before) == (name == "plain"), name
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("engine", ["qwen2-w4+lora"], indirect=True)
 def test_lora_steps_take_the_per_module_path(engine, checkpoints, monkeypatch, tmp_path):
     from lora_helpers import ADAPTERS, make_peft_adapter
