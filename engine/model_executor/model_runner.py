@@ -40,7 +40,7 @@ class ModelRunner:
                              f"the features of each architecture); LoRA runs on {with_lora}")
         self.device = device
         self.lora_pool = lora_pool
-        self.dtype = self.cache_dtype = dtype  # the KV cache's may be 8 bits (set before allocate_kv_cache)
+        self.dtype = self.cache_dtype = dtype  # the KV cache's may be bf16 or 8 bits (set before allocate_kv_cache)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.backend = get_attention_backend(attention_backend)

@@ -4,8 +4,9 @@ A step's decode rows attend in one C call per layer: each (sequence, KV head) pa
 reads its context in place through the block table (no gather of the context, no mask), softmax in float32. It
 replaces the torch path's gathers, SDPA and two_cores split for decodes when `ops.layers_enabled()` (the library
 is built and KUBEINFER_CPU_NATIVE_LAYERS is not 0) and the case is one it computes: queries in float32 or
-bfloat16, a float32, bfloat16 or fp8 (e4m3 / e5m2, read through a table of each byte's value, so widened as
-torch widens it) cache, no softcap, no sinks. Anything else keeps the torch path (attention.py).
+bfloat16, a float32, bfloat16 or fp8 (e4m3 / e5m2: a table of each byte's value, or with AVX-512 bit arithmetic
+to the same values, so widened as torch widens it) cache, no softcap, no sinks. Anything else keeps the torch path
+(attention.py).
 
 In a step of decodes only, the same call first writes the step's K/V rows into their slots (the two
 index_copy_ of write_kv_cache): the rows are cast to the cache's type by the same function first

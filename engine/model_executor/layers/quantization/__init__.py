@@ -3,7 +3,7 @@ serves it, and how `--quantization NAME` (vLLM's flag) is checked against it. Pl
 formats' weight handling lives in one module each (fp8.py, compressed_tensors.py, awq.py, gptq.py), each a
 config class with `auxiliary(key)`, `weight_key(key)` and `read(key, tensor, get)` for the loader;
 linear_method.py holds the per-layer quant methods (kept-quantized products) and kv_cache_dtype.py the
-FP8 KV cache's names and scales."""
+KV cache's types (--kv-cache-dtype: bfloat16, fp8) and the fp8 caches' scales."""
 from __future__ import annotations
 
 from .errors import QuantizationError

@@ -8,15 +8,15 @@
  * thread: a sequence's output has the same bits whatever the batch around it and however units are chunked.
  *
  * Plain C that gcc vectorizes (-O3 -march=native): dot products in 16 lanes summed in a fixed tree, exp by a
- * polynomial (expf is a libm call per element). One exception, with AVX-512 (KI_VNNI) and a float32 cache: the
+ * polynomial (expf is a libm call per element). One exception, with AVX-512 (KI_VNNI) and D a multiple of 16: the
  * scores of 16 positions at a time, their 16 trees folded together across vectors (ka_scores16), the same
  * additions of the same pairs, so the same bits as the plain C the portable build runs (1.3x faster for the
  * whole unit at 48-528 positions, one thread, cache-warm), each position's K and V rows prefetched as its
  * tile is gathered (from memory: ~0.9x the time at 48 positions, ~0.8x at 528).
  * Cache element kinds: float32, bfloat16, and fp8 e4m3 / e5m2 through a 256-entry table (each byte's exact float
- * value, so widening equals torch's cast); with AVX-512 the fp8 bytes are widened 16 at a time by bit arithmetic
- * (e4m3) and the half-precision conversion (e5m2 is a float16's top byte) to the table's very values, 3-5x
- * faster than the lookups. A bf16 or fp8 cache takes the same
+ * value, so widening equals torch's cast); with AVX-512 and D a multiple of 16 the fp8 bytes are widened 16 at a
+ * time by bit arithmetic (e4m3) and the half-precision conversion (e5m2 is a float16's top byte) to the table's
+ * very values, 3-5x faster than the lookups. A bf16 or fp8 cache takes the same
  * 16-position scores with AVX-512, its 16 K rows widened into a tile first, and its V rows are widened once per
  * position for the whole query group (each query's sums in the same order as one query at a time: the same
  * bits), not once per query. */
@@ -69,8 +69,8 @@ static inline __attribute__((always_inline)) __m512 ka_fold1(__m512 a, __m512 b)
     return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* The float32 K and V rows of a position asked for ahead of use: K's read at the end of its tile of 16, V's
- * after the softmax. A unit's rows are 2 x 256 bytes (D 64) scattered by the block table, too few in a row
+/* The K and V rows of a position (any cache type) asked for ahead of use: K's read at the end of its tile of 16,
+ * V's after the softmax. A unit's rows are 2 x 256 bytes (D 64) scattered by the block table, too few in a row
  * for the hardware prefetcher: without, the loads wait on memory one row at a time. */
 static inline __attribute__((always_inline)) void ka_prefetch(const attn_ctx *c, long row, const int D) {
     const int bytes = D * (c->kind == 0 ? 4 : c->kind == 1 ? 2 : 1);
