@@ -301,9 +301,9 @@ def test_a_misspelt_switch_fails_the_start(checkpoints, monkeypatch, switch):
 
 @pytest.mark.parametrize("engine", ["mistral-w4"], indirect=True)
 def test_decode_steps_past_the_context_bound_keep_torch_on_one_thread(engine, monkeypatch):
-    """Every layer in the native call: a decode step over any context is a small step (torch on one thread; on two
-    it spun against the native pool), a prompt's step past the bound is not, nor a decode with the fused layers
-    off (attention may then be torch's)."""
+    """Every layer's attention in C (the fused call, or the per-module path's native attention): a decode step
+    over any context is a small step (torch on one thread; on two it spun against the native pool), a prompt's
+    step past the bound is not, nor a decode with the native layers off (attention is then torch's)."""
     from kubeinfer.engine.model_executor.layers import cpu_blas
 
     seen, real = [], cpu_blas.small_step
@@ -311,8 +311,30 @@ def test_decode_steps_past_the_context_bound_keep_torch_on_one_thread(engine, mo
     monkeypatch.setattr(cpu_blas, "MAX_CONTEXT_TOKENS", 1)  # every step past it
     assert engine.engine.runner.model.openblas_small_steps
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    for switch, decodes in (("1", True), ("0", False)):
-        monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", switch)
+    switches = ((None, True), ("KUBEINFER_CPU_FUSED_LAYERS", True), ("KUBEINFER_CPU_NATIVE_LAYERS", False))
+    for switch, decodes in switches:
+        if switch:
+            monkeypatch.setenv(switch, "0")  # the fused layers off, then the native layers as well
         seen.clear()
         engine.generate([{"prompt_token_ids": list(range(10, 16))}] * 2, params)
         assert seen == [False] + [decodes] * 2, switch  # the prompts' step, then two decode steps
+
+
+@pytest.mark.parametrize("engine", ["mistral-w4"], indirect=True)
+def test_a_capped_or_sink_attention_keeps_long_decode_steps_on_torchs_threads(engine, monkeypatch):
+    """Scores capped (Gemma 2) or sinks (gpt-oss) run the torch attention: not native, so no small step past the
+    bound."""
+    from kubeinfer.engine.model_executor.models import native_decode
+
+    model = engine.engine.runner.model
+    monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", "0")
+    model.__dict__.pop("_decode_attention_native", None)
+    assert native_decode.decode_attention_native(model)
+    for name, value in (("softcap", 30.0), ("sinks", torch.zeros(1))):
+        attn = model.model.layers[1].self_attn
+        monkeypatch.setattr(attn, name, value, raising=False)
+        model.__dict__.pop("_decode_attention_native", None)
+        assert not native_decode.decode_attention_native(model), name
+        monkeypatch.undo()
+        monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", "0")
+    model.__dict__.pop("_decode_attention_native", None)

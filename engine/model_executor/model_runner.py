@@ -191,14 +191,15 @@ class ModelRunner:
 
     def _openblas_step(self, inputs: StepInputs) -> bool:
         """A small step on the CPU in float32 (decodes, drafts to verify, a short prompt chunk) whose attention
-        is small too, or runs in the native layers (a decode step whose every layer is one native call: torch has
-        nothing large left, and on two threads it spun against the native pool, argmax 6 ms a step at batch 16
-        and 512 tokens): projections through OpenBLAS and torch on one thread (layers/cpu_blas.py)."""
+        is small too, or runs in C (a decode step whose every layer's attention is native: torch has nothing large
+        left, and on two threads it spun against the native pool, argmax 6 ms a step at batch 16 and 512 tokens;
+        a float32 model's batch-16 step at 256-token prompts took 2x as long): projections through OpenBLAS and
+        torch on one thread (layers/cpu_blas.py)."""
         return (getattr(self.model, "openblas_small_steps", False)
                 and len(inputs.input_ids) <= cpu_blas.MAX_STEP_TOKENS
                 and (sum(inputs.context_lens) <= cpu_blas.MAX_CONTEXT_TOKENS
                      or (inputs.num_decodes == len(inputs.context_lens)
-                         and native_decode.all_layers_native(self.model))))
+                         and native_decode.decode_attention_native(self.model))))
 
     def _forward_and_sample(self, batch: ScheduledBatch, inputs: StepInputs, sampling_seqs: list[Sequence]
                             ) -> tuple[list[Sequence], SampleResult]:

@@ -12,8 +12,10 @@ MAX_STEP_TOKENS tokens) runs torch on one thread (its small per-layer ops gain n
 hands each projection to OpenBLAS, which uses every core. Attention is what one torch thread cannot
 carry: larger steps, and steps over more than MAX_CONTEXT_TOKENS tokens of context in all, keep
 torch's threads and its own matmuls (48 sequences at ~200 tokens ran 15% slower through OpenBLAS; at
-~60 tokens, 17% faster), except a decode step whose every layer runs in the native call (attention in C on the
-native pool: models/native_decode.py), small whatever its context. Only float32 (numpy has no bfloat16).
+~60 tokens, 17% faster), except a decode step whose every layer's attention runs in C on the native pool
+(the fused call or the per-module path's native attention: native_decode.decode_attention_native), small whatever
+its context (a float32 model at batch 16 and 256-token prompts: 1.9x tok/s; RESULTS "long-context-f32-steps").
+Only float32 (numpy has no bfloat16).
 
 Torch's part of a small step may use the second core without a second pool (two_cores.py: int products
 and the decode attention of 4+ sequences in two halves, the second on a helper thread that sleeps between

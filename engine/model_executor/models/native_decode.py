@@ -138,6 +138,24 @@ def all_layers_native(model) -> bool:
     return bool(steps) and all(run is not None for _, run in steps) and ops.layers_enabled() and switched_on()
 
 
+def decode_attention_native(model) -> bool:
+    """Whether a decode step's attention runs in C in every layer: all layers in the native call, or every
+    attention module on the torch backend (not a scaled one) without a score cap or sinks, in float32 or
+    bfloat16, the native layers on (cpu_attention.usable's conditions that hold for the whole model). Then
+    model_runner keeps torch on one thread however long the contexts: nothing large is left to torch."""
+    if all_layers_native(model):
+        return True
+    if not (ops.available() and ops.layers_enabled()):
+        return False
+    if "_decode_attention_native" not in model.__dict__:
+        attentions = [m for m in model.modules() if "backend" in vars(m)]  # a scaled backend is no subclass
+        model.__dict__["_decode_attention_native"] = bool(attentions) and all(
+            type(m.backend).forward is TorchAttentionBackend.forward and not getattr(m, "softcap", None)
+            and getattr(m, "sinks", None) is None for m in attentions) and next(
+            model.parameters()).dtype in (torch.float32, torch.bfloat16)
+    return model.__dict__["_decode_attention_native"]
+
+
 def _meta_ok(meta, tokens: int) -> bool:
     tables, lens, slots = meta.block_tables, meta.context_lens_tensor, meta.slot_mapping
     return (tables.dtype == torch.long and tables.stride(1) == 1 and lens.dtype == torch.long and lens.is_contiguous()
