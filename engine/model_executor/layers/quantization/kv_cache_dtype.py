@@ -8,9 +8,10 @@ Per-tensor scales (8-bit caches only: vLLM reads k_scale / v_scale for fp8 alone
 layer's K and V are stored as k / k_scale and v / v_scale (saturating at the type's largest value) and read back
 times the scale. The scales come from the checkpoint when it has them (`self_attn.k_scale` / `v_scale`, as
 llm-compressor's `kv_cache_scheme` and vLLM write them, or `k_proj.output_scale` / `v_proj.output_scale`,
-ModelOpt's); otherwise they are 1.0, vLLM's default when it does not calculate them (`calculate_kv_scales` off). Scales are folded where they cost nothing: k_scale
-into the attention's score scale, v_scale into its output (softmax(q.k*s).v*s_v); the backends only see an
-8-bit cache, which they widen to the queries' type as they read it."""
+ModelOpt's); otherwise they are 1.0, vLLM's default when it does not calculate them (`calculate_kv_scales` off).
+Scales are folded where they cost nothing: k_scale into the attention's score scale, v_scale into its output
+(softmax(q.k*s).v*s_v); the backends only see an 8-bit cache, which they widen to the queries' type as they read
+it."""
 from __future__ import annotations
 
 import re
