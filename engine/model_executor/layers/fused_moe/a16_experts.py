@@ -11,6 +11,8 @@ Parameters on the FusedMoE, per projection (gate_up, down): `{which}_qweight` [E
 7 - zero; int8: int32), zeros held for symmetric weights too (as the dense A16 layers hold them)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -29,23 +31,32 @@ def pack(weight: IntWeight) -> dict[str, torch.Tensor]:
     return {suffix: torch.stack([p[i] for p in per_expert]).contiguous() for i, suffix in enumerate(SUFFIXES)}
 
 
+def register_stacks(moe: nn.Module, weights: dict[str, IntWeight], pack: Callable[[IntWeight], dict],
+                    device: torch.device) -> dict[str, tuple]:
+    """Each projection's expert stacks, `pack(weight)` ({suffix: [E, ...]}), registered on the layer as parameters
+    `{which}_{suffix}` (memory accounting and .to() see them). Returns the products' layout: which -> (parameter
+    names, bytes per expert of each, out rows N, inputs K, groups, group size), each expert's block found by its
+    byte offset in the stacks."""
+    layout = {}
+    for which, weight in weights.items():
+        n, k = weight.values.shape[1:]
+        groups = weight.scale.shape[-1]
+        packed = pack(weight)
+        for suffix, tensor in packed.items():
+            moe.register_parameter(f"{which}_{suffix}", nn.Parameter(tensor.to(device), requires_grad=False))
+        layout[which] = (tuple(f"{which}_{s}" for s in packed), tuple(t[0].numel() * t.element_size()
+                                                                       for t in packed.values()),
+                         n, k, groups, k if groups == 1 else weight.group_size)
+    return layout
+
+
 class A16Experts:
     """One MoE layer's experts packed for ki_a16_linear (registered on the layer as parameters: memory accounting
     and .to() see them); `product` is grouped.py's per-expert product."""
 
     def __init__(self, moe: nn.Module, weights: dict[str, IntWeight], device: torch.device) -> None:
         self.bits = weights["gate_up"].bits
-        # which: (parameter names, bytes per expert of each, out rows N, inputs K, groups, group size)
-        self.layout: dict[str, tuple] = {}
-        for which, weight in weights.items():
-            n, k = weight.values.shape[1:]
-            groups = weight.scale.shape[-1]
-            packed = pack(weight)
-            for suffix, tensor in packed.items():
-                moe.register_parameter(f"{which}_{suffix}", nn.Parameter(tensor.to(device), requires_grad=False))
-            self.layout[which] = (tuple(f"{which}_{s}" for s in SUFFIXES),
-                                  tuple(t[0].numel() * t.element_size() for t in packed.values()),
-                                  n, k, groups, k if groups == 1 else weight.group_size)
+        self.layout = register_stacks(moe, weights, pack, device)
 
     def product(self, moe: nn.Module, which: str, expert: int, rows: torch.Tensor, out: torch.Tensor,
                 bias: torch.Tensor | None) -> None:

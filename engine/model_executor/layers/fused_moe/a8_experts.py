@@ -36,10 +36,10 @@ from ..quantization import w8a8
 from ..quantization.activations import ActivationScheme, int8_linear
 from ..quantization.cpu_native import ops, w4a8_ops
 from ..quantization.linear_method import NATIVE, IntWeight
+from .a16_experts import register_stacks
 
 KERNELS = ("w4a8_vnni", "w4a8_int_mm", "int8_vnni", "int_mm")
 TOKEN = ActivationScheme("int", "token", True, True)  # the only input scheme these products take
-SUFFIXES = ("qweight", "scale")
 
 
 def choose(sample: IntWeight, inputs: ActivationScheme | None, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -82,17 +82,7 @@ class A8Experts:
 
     def __init__(self, moe: nn.Module, weights: dict[str, IntWeight], kernel: str, device: torch.device) -> None:
         self.kernel, self.scheme = kernel, TOKEN  # w8a8_experts checks the checkpoint's schemes against it
-        # which: (parameter names, bytes per expert of each, out rows N, inputs K, groups, group size)
-        self.layout: dict[str, tuple] = {}
-        for which, weight in weights.items():
-            n, k = weight.values.shape[1:]
-            groups = weight.scale.shape[-1]
-            packed = pack(weight, kernel)
-            for suffix, tensor in packed.items():
-                moe.register_parameter(f"{which}_{suffix}", nn.Parameter(tensor.to(device), requires_grad=False))
-            self.layout[which] = (tuple(f"{which}_{s}" for s in SUFFIXES),
-                                  tuple(t[0].numel() * t.element_size() for t in packed.values()),
-                                  n, k, groups, k if groups == 1 else weight.group_size)
+        self.layout = register_stacks(moe, weights, lambda weight: pack(weight, kernel), device)
 
     def product(self, moe: nn.Module, which: str, expert: int, rows: torch.Tensor, out: torch.Tensor,
                 bias: torch.Tensor | None) -> None:
