@@ -159,9 +159,14 @@ def test_a16_experts_are_batch_invariant(monkeypatch, bits, group, asym):
     monkeypatch.delenv("KUBEINFER_QUANT_KERNEL", raising=False)
     moe, kernel = kept_layer(stacks(bits, group, asym, experts=8))
     assert kernel == f"cpu_int{bits}_a16"
+    assert_batch_invariant(moe, experts=8)
+
+
+def assert_batch_invariant(moe, experts: int) -> None:
+    """Each of 16 tokens (hidden 256, top 2 of `experts`) gets the same bits from the layer alone as in the batch."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(16, 256, generator=g)
-    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(16)])
+    ids = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(16)])
     weights = torch.softmax(torch.randn(16, 2, generator=g), -1)
     batch = moe(x, weights, ids)
     for t in range(16):

@@ -28,7 +28,7 @@ from quant_checkpoints import (
     hf_greedy,
     write_checkpoint,
 )
-from test_quantized_moe_a16 import expert, stacks
+from test_quantized_moe_a16 import assert_batch_invariant, expert, stacks
 from test_quantized_moe_w8a8 import ROUTERS, ct_moe_checkpoint, ct_moe_reference, quantize_expert_inputs
 from test_quantized_w4a8 import MAX_GAP, MEAN_GAP, first_logprob_gaps, hf_w4a8
 from torch import nn
@@ -211,14 +211,7 @@ def test_the_kernel_is_looked_up_at_each_product_and_both_builds_agree(monkeypat
                                                  (4, 128, "w4a8_int_mm")])
 def test_a8_experts_are_batch_invariant(monkeypatch, bits, group, kernel):
     """A token's output of the layer is the same bits alone as in a batch of 16 (whatever experts the others pick)."""
-    moe = kept_layer(int_stacks(bits, group, experts=8), kernel)
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(16, 256, generator=g)
-    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(16)])
-    weights = torch.softmax(torch.randn(16, 2, generator=g), -1)
-    batch = moe(x, weights, ids)
-    for t in range(16):
-        assert torch.equal(moe(x[t:t + 1], weights[t:t + 1], ids[t:t + 1])[0], batch[t]), t
+    assert_batch_invariant(kept_layer(int_stacks(bits, group, experts=8), kernel), experts=8)
 
 
 ASYM_TOKEN = ActivationScheme("int", "token", True, False)
