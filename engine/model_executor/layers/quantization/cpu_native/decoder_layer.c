@@ -96,12 +96,12 @@ size_t ki_decoder_scratch_floats(const ki_layer *L) {
  * residual before it (NULL at the model's first layer: the residual is x). Writes the last layer's output to
  * x_out and the residual to res_out (both [T, hidden], neither x nor res). caches: 2n pointers (each layer's K
  * then V cache, [blocks, block_size, Hkv, D] of cache_type: 0 float32, 1 bf16, 2 fp8 e4m3, 3 fp8 e5m2, as
- * ki_decode_attention's kinds; lut: the 8-bit types' byte values, as it takes them); views: the step's metadata per window; scratch: T times
- * the max of ki_decoder_scratch_floats, 64-byte aligned. Returns 0; -1 out of memory; -2 a position outside the
- * rotary tables (nothing of that layer's attention done). */
+ * ki_decode_attention's kinds; lut: the 8-bit types' byte values, as it takes them); views: the step's metadata
+ * per window; scratch: T times the max of ki_decoder_scratch_floats, 64-byte aligned. Returns 0; -1 out of
+ * memory; -2 a position outside the rotary tables (nothing of that layer's attention done). */
 int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char *const *caches, int block_size,
-                      int cache_type, const float *lut, const float *x, const float *res, const int64_t *pos, int T, float *scratch, float *x_out,
-                      float *res_out) {
+                      int cache_type, const float *lut, const float *x, const float *res, const int64_t *pos, int T,
+                      float *scratch, float *x_out, float *res_out) {
     for (int l = 0; l < n; l++) {
         const ki_layer *L = &layers[l];
         const int hidden = L->hidden, H = L->H, Hkv = L->Hkv, D = L->D, qkv_n = L->qkv.N;
