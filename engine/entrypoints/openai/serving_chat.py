@@ -139,7 +139,9 @@ class ChatFormat:
         delta: dict = {}
         content, new_content = completion.text, None
         if self.reasoning is not None:  # thinking as it comes; the answer after it is the content
-            reasoning_stream = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning))
+            reasoning_stream = self.reasoning_streams.get(index)
+            if reasoning_stream is None:  # made once per choice, not once per delta
+                reasoning_stream = self.reasoning_streams[index] = ReasoningStream(self.reasoning)
             reasoning, new_content = reasoning_stream.feed(text, finished)  # reads only the new text
             if reasoning:
                 delta["reasoning"] = delta["reasoning_content"] = reasoning
