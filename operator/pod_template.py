@@ -23,9 +23,12 @@ CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem
                       "capabilities": {"drop": ["ALL"]}}
 POD_SECURITY = {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
                 "seccompProfile": {"type": "RuntimeDefault"}}
-# A failed start's last words (the engine writes them to /dev/termination-log; else the log's tail) reach
-# the pod's status, where the operator reads them into the model's conditions.
-TERMINATION_MESSAGE = {"terminationMessagePolicy": "FallbackToLogsOnError"}
+# A failed start's last words reach the pod's status, where the operator reads them into the model's conditions
+# (which every reader of the namespace sees). The engine's are only its own fatal error, which it writes to
+# /dev/termination-log: never its log's tail, which can quote tenants' requests (issue #44). The fetch init
+# containers (hf, aws) write no such file and see no request: their log's tail says why a download failed.
+TERMINATION_MESSAGE = {"terminationMessagePolicy": "File"}
+FETCH_TERMINATION_MESSAGE = {"terminationMessagePolicy": "FallbackToLogsOnError"}
 # Set by the LeaderWorkerSet controller in every container of a group; the kubelet expands $(VAR) in args.
 LEADER_ADDRESS, WORKER_INDEX = "$(LWS_LEADER_ADDRESS)", "$(LWS_WORKER_INDEX)"
 
@@ -177,7 +180,7 @@ def pod_template(spec: InferenceModelSpec, config: OperatorConfig, worker: bool 
         "enableServiceLinks": False,
         "securityContext": POD_SECURITY,
         "terminationGracePeriodSeconds": math.ceil(drain) + config.pre_stop_seconds + 10,
-        "initContainers": [{**c, **TERMINATION_MESSAGE} for c in staged.init_containers],
+        "initContainers": [{**c, **FETCH_TERMINATION_MESSAGE} for c in staged.init_containers],
         "containers": [container],
         "volumes": staged.volumes,
         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",

@@ -1,6 +1,7 @@
 """What the operator needs to know about one engine pod, read from the pod object."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,8 +11,16 @@ from kubeinfer.operator.names import ADAPTERS_ANNOTATION, ROLE_LABEL
 STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
                  "InvalidImageName", "CreateContainerError")
 # How much of a container's termination message a condition carries: the engine's own start-up error fits
-# whole; a log tail (terminationMessagePolicy FallbackToLogsOnError) keeps its first and last lines.
+# whole; a fetch container's log tail (terminationMessagePolicy FallbackToLogsOnError) keeps its first and
+# last lines.
 MESSAGE_HEAD, MESSAGE_TAIL = 300, 700
+# A termination message is a container's text, copied into conditions every reader of the namespace sees and
+# prints: the characters a terminal acts on (escape sequences, carriage returns, backspaces, C1 controls, bidi
+# overrides) are dropped, whole escape sequences first (a coloured log keeps its words). Newlines and tabs stay:
+# a message's lines still read as lines.
+_ESCAPE_SEQUENCE = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)?|[@-Z\\-_])")
+_TERMINAL_CONTROLS = dict.fromkeys([*range(0x00, 0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0),
+                                    *range(0x202a, 0x202f), *range(0x2066, 0x206a)])
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,10 @@ def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions") or [] if c.get("type") == kind), {})
 
 
+def printable(text: str) -> str:
+    return _ESCAPE_SEQUENCE.sub("", text).translate(_TERMINAL_CONTROLS)
+
+
 def excerpt(text: str, head: int = MESSAGE_HEAD, tail: int = MESSAGE_TAIL) -> str:
     """`text` cut to head + tail characters around an ellipsis: a traceback's last line is its point."""
     text = text.strip()
@@ -48,7 +61,7 @@ def last_words(item: dict[str, Any]) -> str | None:
     for key in ("state", "lastState"):
         ended = (item.get(key) or {}).get("terminated") or {}
         if ended and ended.get("exitCode") != 0:
-            said = excerpt(ended.get("message") or "")
+            said = excerpt(printable(ended.get("message") or ""))
             why = said or ended.get("reason") or "no message"
             return f"exit code {ended.get('exitCode')}: {why}"
     return None

@@ -126,3 +126,22 @@ def test_placed_only_when_every_assigned_pod_serves_the_adapter():
     unknown = adapters_condition(SPEC, PLACEMENT, Observed({"p1": ("a", "b")}, {"p2": "ConnectTimeout"}))
     assert (unknown.status, unknown.reason) == (False, "Unobserved") and "ConnectTimeout" in unknown.message
     assert adapters_condition(SPEC, PLACEMENT, None).status is False  # not observed is not placed
+
+
+# -- issue #44 finding 8: a termination message reaches the conditions without terminal controls -------------
+def test_a_termination_message_loses_its_terminal_controls_but_keeps_its_lines():
+    from kubeinfer.operator.pods import last_words
+
+    said = "kubeinfer serve: bad\x1b]0;owned\x07\x1b[2J\r\nsecond\tline\x08\x9b\u202egnp.exe\x00"
+    words = last_words({"lastState": {"terminated": {"exitCode": 1, "message": said}}})
+    assert words == "exit code 1: kubeinfer serve: bad\nsecond\tlinegnp.exe"  # escape sequences gone whole
+    assert not any(ord(c) < 32 and c not in "\n\t" or 0x7f <= ord(c) < 0xa0 for c in words)
+
+
+def test_a_long_termination_message_keeps_its_1000_character_excerpt():
+    from kubeinfer.operator.pods import MESSAGE_HEAD, MESSAGE_TAIL, last_words
+
+    said = "\x1b[31m" * 10_000 + "first " + "x" * 100_000 + " the point"
+    words = last_words({"state": {"terminated": {"exitCode": 2, "message": said}}})
+    assert words.startswith("exit code 2: first ") and words.endswith(" the point") and "\x1b" not in words
+    assert len(words) <= len("exit code 2: ") + MESSAGE_HEAD + MESSAGE_TAIL + 5

@@ -256,3 +256,36 @@ def test_the_keys_come_from_the_environment_the_chart_sets(monkeypatch):
     assert config.engine_api_key == "gateway-side" and not config.trust_priority_headers
     assert (config.guard.max_body_bytes, config.guard.max_concurrent_requests) == (16 << 20, 8192)
     assert (serve.max_request_body_bytes, serve.header_read_timeout, serve.body_read_timeout) == (16 << 20, 10.0, 60.0)
+
+
+# -- issue #44 finding 6: a Responses body is charged by what the engine honours there -------------------------
+def test_a_responses_body_is_charged_its_max_output_tokens_not_a_decoy_max_tokens():
+    """The engine ignores max_tokens (and n) on /v1/responses: a max_tokens of 1 beside max_output_tokens made
+    the charge 2 tokens for a 100,000-token request."""
+    from kubeinfer.gateway.handlers.request_info import parse_request
+
+    decoy = {"model": "m", "input": "hi", "max_tokens": 1, "n": 1, "max_output_tokens": 100_000}
+    request = parse_request(json.dumps(decoy).encode(), {})
+    assert request.estimated_tokens == 1 + 100_000 and request.max_tokens == 100_000
+    assert estimate_request_tokens({**decoy, "n": 50}) == 1 + 100_000  # no n on /v1/responses
+    assert estimate_request_tokens({"model": "m", "input": "hi", "max_tokens": 1}) == 1 + 256  # the default
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert estimate_request_tokens(chat) == 1 + 1  # chat does honour max_tokens
+
+
+def test_every_responses_input_item_is_counted():
+    """400k characters of function_call arguments were estimated as 257 tokens."""
+    arguments = json.dumps({"text": "a" * 400_000})
+    body = {"model": "m", "max_output_tokens": 10, "input": [
+        {"role": "user", "content": "x" * 40},
+        {"type": "function_call", "call_id": "c1", "name": "n" * 40, "arguments": arguments},
+        {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "o" * 40}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "r" * 40}]},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t" * 4000}]},  # not fed back
+    ]}
+    chars = 40 + 40 + len(arguments) + 40 + 40
+    assert estimate_request_tokens(body) == chars // 4 + 1 + 10
+    chat = {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                              "function": {"name": "f", "arguments": arguments}}]}]}
+    assert estimate_request_tokens(chat) == (1 + len(arguments)) // 4 + 1 + 10

@@ -63,3 +63,19 @@ def test_an_unwritable_override_does_not_hide_the_error(tmp_path, monkeypatch):
     monkeypatch.setenv(PATH_ENV, str(tmp_path / "no-such-dir" / "log"))
     with pytest.raises(SystemExit, match="kubeinfer serve: bad"), termination_message_on_failure():
         raise SystemExit("kubeinfer serve: bad")
+
+
+def test_only_the_fatal_error_is_written_never_the_log(tmp_path, monkeypatch, caplog):
+    """With terminationMessagePolicy File (the operator's pods) the file is all the kubelet reads: what the engine
+    logged while serving (request text among it) never reaches it, and an engine that exits without an exception
+    (it died while serving: `serve` returns 1) leaves no message at all."""
+    import logging
+
+    monkeypatch.setenv(PATH_ENV, str(tmp_path / "log"))
+    with termination_message_on_failure():
+        logging.getLogger("kubeinfer.test").warning("a tenant's prompt: the launch codes are 0000")
+    assert not (tmp_path / "log").exists()
+    with pytest.raises(RuntimeError), termination_message_on_failure():
+        logging.getLogger("kubeinfer.test").warning("a tenant's prompt: the launch codes are 0000")
+        raise RuntimeError("the engine could not start")
+    assert (tmp_path / "log").read_text() == "kubeinfer serve: RuntimeError: the engine could not start"

@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..core.async_engine import AsyncEngine
 from ..core.outputs import RequestOutput
+from .openai.protocol_base import IGNORED_FIELDS
 
 disable_created_metrics()  # the *_created series only add noise to every scrape
 
@@ -121,6 +122,8 @@ class _StateCollector:
         yield counter("kubeinfer:grammar_compiles", "Grammars compiled (cache misses).", compiler.compiles if compiler else 0)
         yield counter("kubeinfer:grammar_compile_seconds", "Time spent compiling grammars.",
                       compiler.compile_seconds if compiler else 0.0)
+        yield counter("kubeinfer:request_fields_ignored", "Unknown request body fields ignored (named in a warning).",
+                      IGNORED_FIELDS.total)
         yield from _spec_decode_counters(engine.speculator, name)
         if engine.kv_events is not None:  # --kv-events-config: batches sent, and dropped rather than stall a step
             publisher = engine.kv_events.publisher

@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 
 from ..flowcontrol.deadline import deadline_of
-from ..flowcontrol.token_estimate import estimate_request_tokens
+from ..flowcontrol.token_estimate import completion_budget, estimate_request_tokens
 from ..scheduling.picker import RoutingError, RoutingRequest
 from .engine_body import wants_usage_added
 
@@ -88,9 +88,8 @@ def parse_request(raw_body: bytes, headers: Mapping[str, str], model_priorities:
             raise RoutingError(400, f"{PRIORITY_HEADER} must be an integer, got {header[:32]!r}")
         priority = int(header)
     priority = clamp_priority(priority)
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", body.get("max_output_tokens")))
     return RoutingRequest(model=model, prompt=prompt_text(body), sheddable=priority < 0, priority=priority,
-                          max_tokens=max_tokens if isinstance(max_tokens, int) and max_tokens > 0 else None,
+                          max_tokens=completion_budget(body),
                           deadline=deadline_of(headers), estimated_tokens=estimate_request_tokens(body),
                           add_usage=wants_usage_added(body),
                           body=body if keep_body else None)

@@ -2,6 +2,8 @@
 anywhere in a handler and rendered by the app's exception handler."""
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 
 RETRY_AFTER_SECONDS = 1
@@ -20,7 +22,22 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
 
+# Messages quote what the client sent (a field name, a type, a model name): quoted words are cut short and the
+# whole message bounded, so that an error never echoes megabytes of the body back (or into a proxy's log).
+MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, QUOTED_WORD_CHARS = 1000, 128, 64
+_LONG_WORD = re.compile(r"\S{200,}")
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def bounded_message(message: str) -> str:
+    return clip(_LONG_WORD.sub(lambda word: clip(word.group(), QUOTED_WORD_CHARS), message), MAX_MESSAGE_CHARS)
+
+
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    message, param = bounded_message(message), param if param is None else clip(param, MAX_PARAM_CHARS)
     body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 

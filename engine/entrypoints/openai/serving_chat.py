@@ -137,12 +137,16 @@ class ChatFormat:
     def chunk(self, request_id, index, text, completion, token_from, text_from) -> dict | None:
         finished, finish_reason = bool(completion.finish_reason), completion.finish_reason
         delta: dict = {}
-        content = completion.text
+        content, new_content = completion.text, None
         if self.reasoning is not None:  # thinking as it comes; the answer after it is the content
-            stream = self.reasoning_streams.setdefault(index, ReasoningStream(self.reasoning))
-            reasoning, content = stream.update(completion.text, finished)
+            reasoning_stream = self.reasoning_streams.get(index)
+            if reasoning_stream is None:  # made once per choice, not once per delta
+                reasoning_stream = self.reasoning_streams[index] = ReasoningStream(self.reasoning)
+            reasoning, new_content = reasoning_stream.feed(text, finished)  # reads only the new text
             if reasoning:
                 delta["reasoning"] = delta["reasoning_content"] = reasoning
+            if self.tools is not None:
+                content = reasoning_stream.content
         logprobs = None
         if self.tools is not None:  # content and calls as tool_stream reads them from the reply so far
             stream = self.tool_streams.setdefault(index, ToolStream(self.tools))
@@ -150,9 +154,12 @@ class ChatFormat:
             if stream.called and finish_reason == "stop":
                 finish_reason = "tool_calls"
         else:
-            sent = self.content_sent.get(index, 0)
-            if len(content) > sent:
-                delta["content"], self.content_sent[index] = content[sent:], len(content)
+            if new_content is None:
+                sent = self.content_sent.get(index, 0)
+                new_content = content[sent:]
+                self.content_sent[index] = max(sent, len(content))
+            if new_content:
+                delta["content"] = new_content
             logprobs = self._logprobs(completion, token_from)
         if not delta and not finished and logprobs is None:
             return None
