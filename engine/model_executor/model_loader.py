@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import FUSED_WEIGHTS, ModelSpec
+from .checkpoint_shapes import check_int_weight
 from .expert_int_weights import ExpertIntegers
 from .int_weights import rank_int_weight
 from .layers import deferred_weight, native_lm_head
@@ -223,11 +224,13 @@ def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], 
     whole = {}
     for name, slices in integers.items():
         if len(slices) == expected[name]:
-            parts = [slices[k] for k in sorted(slices, key=lambda s: s or 0)]
+            rows, cols = params[name].shape
+            order = sorted(slices, key=lambda s: s or 0)
+            for shard in order if len(order) > 1 else ():  # each slice's columns and grids before they are joined
+                check_int_weight(f"{name} (slice {shard})", slices[shard], None, cols)
+            parts = [slices[k] for k in order]
             weight = parts[0] if len(parts) == 1 else linear_method.IntWeight.cat(parts)
-            if tuple(weight.values.shape) != tuple(params[name].shape):
-                raise ModelLoadError(f"weight {name} has shape {tuple(weight.values.shape)}, the config implies "
-                                     f"{tuple(params[name].shape)}")
+            check_int_weight(name, weight, rows, cols)  # before any kernel packs it (checkpoint_shapes.py)
             whole[name] = weight
         else:
             params[name] = deferred_weight.allocated(model.get_submodule(name.removesuffix(".weight")))
