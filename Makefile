@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
+.PHONY: setup test test-all test-asan bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
 
 setup: $(STAMP)
 
@@ -24,6 +24,16 @@ test: setup
 
 test-all: setup clients-venv
 	$(VENV)/bin/pytest -q
+
+# The native CPU kernels built with AddressSanitizer (cpu_native/build.py, KUBEINFER_CPU_NATIVE_SANITIZE; cached apart)
+# under the crafted-checkpoint suite and the kernels' own tests: python preloads the ASan runtime; any report fails the
+# run (ASan exits non-zero). Leaks are not checked (CPython's own would drown the kernels').
+ASAN_TESTS := tests/test_checkpoint_native_shapes.py tests/test_cpu_native_bounds.py tests/test_cpu_native_kernels.py \
+              tests/test_cpu_a16_kernel.py tests/test_q8_0_tiles.py tests/test_w4a8_kernels.py tests/test_cpu_f32_linear.py \
+              tests/test_cpu_native_decoder.py tests/test_cpu_native_attention.py tests/test_w4a8_decoder.py
+test-asan: setup
+	KUBEINFER_CPU_NATIVE_SANITIZE=address LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
+	ASAN_OPTIONS=detect_leaks=0 $(VENV)/bin/pytest -q -p no:cacheprovider $(ASAN_TESTS)
 
 # Client programs that pin their own dependencies (guidellm), in a virtual environment of their own,
 # for the client-compatibility tests (tests/test_client_compat.py) and the guidellm benchmark.

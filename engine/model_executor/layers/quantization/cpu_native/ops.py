@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from ..activations import ActivationScheme, dynamic_qparams, quantize
+from . import build
 from .build import load
 
 ROWS, BLOCK = 16, 32
@@ -91,6 +92,8 @@ def library():
     """The loaded library, or None (the reason logged once as a warning)."""
     if "lib" not in _state:
         lib, why = load()
+        if lib is None and build.sanitizer():  # a sanitized run that silently used torch's kernels would prove nothing
+            raise RuntimeError(f"KUBEINFER_CPU_NATIVE_SANITIZE is set but the sanitized library did not load: {why}")
         if lib is None:
             logger.warning("native CPU int8 kernels unavailable, using torch's: %s", why)
         else:
