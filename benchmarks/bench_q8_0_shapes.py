@@ -46,8 +46,10 @@ def weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple:
 
 def call(lib, x, w, n, out) -> None:
     packed, bits, scale, offset, groups, group = w
-    lib.ki_q8_0_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), bits, scale.data_ptr(),
-                       offset.data_ptr(), groups, group, n, out.data_ptr())
+    nb = ops.nbytes  # each buffer's length after its pointer (the kernel's argument checks)
+    lib.ki_q8_0_linear(x.data_ptr(), nb(x), x.shape[0], x.shape[1], packed.data_ptr(), nb(packed), bits,
+                       scale.data_ptr(), nb(scale), offset.data_ptr(), nb(offset), groups, group, n, out.data_ptr(),
+                       nb(out))
 
 
 def compile_variant(defines: str, where: Path):

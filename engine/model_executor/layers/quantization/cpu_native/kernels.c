@@ -47,6 +47,10 @@ static inline int ki_fits(long have, long a, long b, long elem) {
     return need <= have;
 }
 
+/* 64-byte aligned memory of at least `bytes`: C11's aligned_alloc takes only sizes that are a multiple of the
+ * alignment (AddressSanitizer refuses others; glibc happens to accept them). */
+static inline void *ki_alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 /* Rows padded to whole groups of 16 (the packed layouts' row groups). */
 static inline long ki_padded_rows(int N) { return ((long)N + ROWS - 1) / ROWS * ROWS; }
 
@@ -291,7 +295,7 @@ int ki_w8a8(const int8_t *q, long q_bytes, const float *sx, long sx_bytes, int M
         || !ki_fits(out_bytes, M, N, 4))
         return KI_EBOUNDS;
     int Kp = (K + BLOCK - 1) / BLOCK * BLOCK;
-    int8_t *qp = aligned_alloc(64, (size_t)M * Kp + 64);
+    int8_t *qp = ki_alloc64((size_t)M * Kp + 64);
     int32_t *bias = malloc(sizeof(int32_t) * (size_t)(M > 0 ? M : 1));
     if (!qp || !bias) {
         free(qp), free(bias);

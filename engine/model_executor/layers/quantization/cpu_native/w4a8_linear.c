@@ -223,7 +223,7 @@ int ki_w4a8(const int8_t *q, long q_bytes, const float *sx, long sx_bytes, int M
     if (groups < 1 || (groups > 1 && (group_size < BLOCK || group_size % BLOCK || (groups - 1) * bpg * BLOCK >= Kp
                                       || groups * bpg * BLOCK < Kp)))
         return -2;
-    int8_t *qp = aligned_alloc(64, (size_t)M * Kp + 64);
+    int8_t *qp = ki_alloc64((size_t)M * Kp + 64);
     int32_t *s = malloc(sizeof(int32_t) * ((size_t)M * groups + 1));
     if (!qp || !s) {
         free(qp), free(s);
