@@ -1,15 +1,15 @@
 """Crafted checkpoints whose tensors disagree with their config never reach native code (issue 44, finding 1): each
 format that reaches the CPU's native products (compressed-tensors W8A16, W4A16 asymmetric, W8A8 int8, W4A8, fp8;
-GPTQ int4), under each kernel the switches force (KUBEINFER_QUANT_KERNEL, KUBEINFER_W8A8_KERNEL), with one tensor
-wrong (an expert's down_proj rows or columns, gate_proj's columns, a dense projection's rows, a scale grid's rows
-or group count, zero points, g_idx) is a load-time ModelLoadError naming the tensor. The same checkpoint unchanged
-loads under the same switches (so each case would reach the kernel). A one-layer Qwen3-MoE of hidden 64: each load
-takes ~20 ms."""
+GPTQ and AWQ int4), under each kernel the switches force (KUBEINFER_QUANT_KERNEL, KUBEINFER_W8A8_KERNEL), with one
+tensor wrong (an expert's down_proj rows or columns, gate_proj's columns, up_proj's rows, a dense projection's rows
+or columns, a scale grid's rows or group count, zero points, g_idx) is a load-time ModelLoadError naming the tensor.
+The same checkpoint unchanged loads under the same switches (so each case would reach the kernel). A one-layer
+Qwen3-MoE of hidden 64: each load takes ~20 ms."""
 from __future__ import annotations
 
 import pytest
 import torch
-from quant_checkpoints import ct_compress, ct_scheme, float_weights, gptq_pack, write_checkpoint
+from quant_checkpoints import awq_pack, ct_compress, ct_scheme, float_weights, gptq_pack, write_checkpoint
 
 from kubeinfer.engine import LLM
 from kubeinfer.engine.model_executor.model_files import ModelLoadError
@@ -40,6 +40,10 @@ def _gptq(weights: dict) -> tuple[dict, dict]:
     return out, config
 
 
+def _awq(weights: dict) -> tuple[dict, dict]:
+    return awq_pack(weights, 32)
+
+
 # format: (writer, {kernel switch: value} per kernel, scale key, zero key or None, zero axis of the groups)
 FORMATS = {
     "w8a16": (_ct("pack-quantized", 8, "int", "channel", True, None),
@@ -52,12 +56,22 @@ FORMATS = {
              ["w8a8:int8_vnni", "w8a8:int_mm"], "weight_scale", None),
     "fp8": (_ct("float-quantized", 8, "float", "channel", True, None), [""], "weight_scale", None),
     "gptq": (_gptq, ["", "cpu_int4_a16", "cpu_int4_vnni"], "scales", "qzeros"),
+    "awq": (_awq, ["", "cpu_int4_a16", "cpu_int4_vnni"], "scales", "qzeros"),
 }
+GROUPS_FIRST = ("gptq", "awq")  # their grids are [groups, out]
 
 
 def _resized(key: str, shape: tuple[int, int]):
     def change(weights: dict) -> None:
         weights[key] = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 0.3
+    return change
+
+
+def _every_expert(projections: tuple[str, ...], shape: tuple[int, int]):
+    """The issue's checkpoint: every expert alike (one expert apart was already refused, unnamed, by the stacking)."""
+    def change(weights: dict) -> None:
+        for key in [k for k in weights if ".experts." in k and k.endswith(tuple(f"{p}.weight" for p in projections))]:
+            _resized(key, shape)(weights)
     return change
 
 
@@ -67,13 +81,15 @@ def _grid(fmt: str, which: str, cut):
     def change(tensors: dict) -> None:
         scale_key, zero_key = FORMATS[fmt][2], FORMATS[fmt][3]
         name = f"{EXPERT}.0.down_proj.{scale_key if which == 'scale' else zero_key}"
-        axis = 0 if fmt == "gptq" else 1  # gptq's grids are [groups, out]
+        axis = 0 if fmt in GROUPS_FIRST else 1
         tensors[name] = cut(tensors[name], axis)
     return change
 
 
 # case: (stage "float" (before the format writes it) or "written", change, the tensor the error names)
 CASES = {
+    "every_down_rows": ("float", _every_expert(("down_proj",), (128, 64)), f"{EXPERT}.0.down_proj"),
+    "every_gate_up_cols": ("float", _every_expert(("gate_proj", "up_proj"), (64, 128)), f"{EXPERT}.0.gate_proj"),
     "down_rows": ("float", _resized(f"{EXPERT}.0.down_proj.weight", (128, 64)), f"{EXPERT}.0.down_proj"),
     "down_cols": ("float", _resized(f"{EXPERT}.2.down_proj.weight", (64, 128)), f"{EXPERT}.2.down_proj"),
     "gate_up_cols": ("float", _resized(f"{EXPERT}.1.gate_proj.weight", (64, 128)), f"{EXPERT}.1.gate_proj"),
