@@ -5,7 +5,8 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all test-asan bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
+.PHONY: test-asan
+.PHONY: setup test test-all bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
 
 setup: $(STAMP)
 
@@ -31,8 +32,9 @@ test-all: setup clients-venv
 # a report on stderr). Leaks are not checked (CPython's own would drown the kernels').
 ASAN_LOG ?= /tmp/kubeinfer-asan
 ASAN_TESTS := tests/test_checkpoint_native_shapes.py tests/test_cpu_native_bounds.py tests/test_cpu_native_kernels.py \
-              tests/test_cpu_a16_kernel.py tests/test_q8_0_tiles.py tests/test_w4a8_kernels.py tests/test_cpu_f32_linear.py \
-              tests/test_cpu_native_decoder.py tests/test_cpu_native_attention.py tests/test_w4a8_decoder.py
+              tests/test_cpu_a16_kernel.py tests/test_q8_0_tiles.py tests/test_w4a8_kernels.py \
+              tests/test_cpu_f32_linear.py tests/test_cpu_native_decoder.py tests/test_cpu_native_attention.py \
+              tests/test_w4a8_decoder.py
 test-asan: setup
 	rm -rf $(ASAN_LOG) && mkdir -p $(ASAN_LOG)
 	KUBEINFER_CPU_NATIVE_SANITIZE=address LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
