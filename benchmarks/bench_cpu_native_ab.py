@@ -66,9 +66,9 @@ def products(libs: dict, calls: int) -> None:
                 for kind, (w, bits, s, o, groups, size) in weights.items():
                     for tag, lib in libs.items():
                         start = time.perf_counter()
-                        nb = ops.nbytes
-                        lib.ki_q8_0_linear(x.data_ptr(), nb(x), tokens, cols, w.data_ptr(), nb(w), bits, s.data_ptr(),
-                                           nb(s), o.data_ptr(), nb(o), groups, size, out_f, out.data_ptr(), nb(out))
+                        lib.ki_q8_0_linear(x.data_ptr(), x.nbytes, tokens, cols, w.data_ptr(), w.nbytes, bits,
+                                           s.data_ptr(), s.nbytes, o.data_ptr(), o.nbytes, groups, size, out_f,
+                                           out.data_ptr(), out.nbytes)
                         key = (kind, tag)
                         best[key] = min(best.get(key, 1.0), time.perf_counter() - start)
             print(f"{threads} threads, {tokens:2d} tokens: " + "  ".join(

@@ -24,7 +24,6 @@ from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops, 
 SHAPES = (("qkv", 1024, 2048), ("o", 1024, 1024), ("gate_up", 1024, 8192), ("down", 4096, 1024))
 GROUP = 128
 SIGNATURES = {"ki_w4a8_f32": w4a8_ops.SIGNATURES["ki_w4a8_f32"], "ki_w8a8": ops.W8A8_SIGNATURE}  # with buffer lengths
-nb = ops.nbytes
 
 
 def w4a8_case(name: str, k: int, n: int) -> kernel_ab.Case:
@@ -34,8 +33,9 @@ def w4a8_case(name: str, k: int, n: int) -> kernel_ab.Case:
         weights = kernel_ab.copies(packed, copies)
 
         def product(lib, x, i, out):
-            status = lib.ki_w4a8_f32(x.data_ptr(), nb(x), x.shape[0], k, weights[i].data_ptr(), nb(weights[i]),
-                                     scale.data_ptr(), nb(scale), scale.shape[1], GROUP, n, out.data_ptr(), nb(out))
+            status = lib.ki_w4a8_f32(x.data_ptr(), x.nbytes, x.shape[0], k, weights[i].data_ptr(), weights[i].nbytes,
+                                     scale.data_ptr(), scale.nbytes, scale.shape[1], GROUP, n, out.data_ptr(),
+                                     out.nbytes)
             assert status == 0, status
         return product
     return kernel_ab.Case(name, f"[{n}, {k}]", k, n, operands)
@@ -55,8 +55,8 @@ def w8a8_case(name: str, k: int, n: int) -> kernel_ab.Case:
                 quantized[m] = (torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=tokens),
                                 torch.rand(m, generator=tokens))
             q, sx = quantized[m]
-            status = lib.ki_w8a8(q.data_ptr(), nb(q), sx.data_ptr(), nb(sx), m, k, weights[i].data_ptr(),
-                                 nb(weights[i]), scale.data_ptr(), nb(scale), n, out.data_ptr(), nb(out))
+            status = lib.ki_w8a8(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, m, k, weights[i].data_ptr(),
+                                 weights[i].nbytes, scale.data_ptr(), scale.nbytes, n, out.data_ptr(), out.nbytes)
             assert status == 0, status
         return product
     return kernel_ab.Case(name, f"[{n}, {k}]", k, n, operands)

@@ -66,7 +66,7 @@ def _w8a8(n: int):
     def run(x, out):
         q, sx = torch.empty(M, K, dtype=torch.int8), torch.empty(M)
         ops.quantize_token_int8(x, q, sx)
-        ops.w8a8_into(q, sx, packed.data_ptr(), ops.nbytes(packed), row_scale.data_ptr(), ops.nbytes(row_scale),
+        ops.w8a8_into(q, sx, packed.data_ptr(), packed.nbytes, row_scale.data_ptr(), row_scale.nbytes,
                       out if n == N else torch.empty(M, n)[:, :n])
     return run
 
@@ -82,9 +82,9 @@ def _w8a8_into_short_output():
         ops.quantize_token_int8(x, q, sx)
         short = out.flatten()[: M * N - 1]
         lib = ops.kernel("ki_w8a8", *ops.W8A8_SIGNATURE)
-        ops.check(lib(q.data_ptr(), ops.nbytes(q), sx.data_ptr(), ops.nbytes(sx), M, K, packed.data_ptr(),
-                      ops.nbytes(packed), row_scale.data_ptr(), ops.nbytes(row_scale), N, short.data_ptr(),
-                      ops.nbytes(short)), "W8A8")
+        ops.check(lib(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, M, K, packed.data_ptr(),
+                      packed.nbytes, row_scale.data_ptr(), row_scale.nbytes, N, short.data_ptr(),
+                      short.nbytes), "W8A8")
     return run
 
 
@@ -97,7 +97,7 @@ def _w8a8_weight_short():
         q, sx = torch.empty(M, K, dtype=torch.int8), torch.empty(M)
         ops.quantize_token_int8(x, q, sx)
         wide = torch.zeros(M, 2 * N)
-        ops.w8a8_into(q, sx, packed.data_ptr(), ops.nbytes(packed), row_scale.data_ptr(), ops.nbytes(row_scale), wide)
+        ops.w8a8_into(q, sx, packed.data_ptr(), packed.nbytes, row_scale.data_ptr(), row_scale.nbytes, wide)
         out.copy_(wide[:, :N])
     return run
 
@@ -110,8 +110,8 @@ def _w4a8(n: int, scale_short: bool = False):
 
     def run(x, out):
         target = out if n == N else torch.empty(M, n)
-        w4a8_ops.linear_into(x, packed.data_ptr(), ops.nbytes(packed), packed_scale.data_ptr(),
-                             ops.nbytes(packed_scale), 2, K // 2, target)
+        w4a8_ops.linear_into(x, packed.data_ptr(), packed.nbytes, packed_scale.data_ptr(),
+                             packed_scale.nbytes, 2, K // 2, target)
         out.copy_(target[:, :N])
     return run
 
@@ -122,8 +122,8 @@ def _f32(n: int):
     def run(x, out):
         lib = f32_ops._kernel()
         target = out if n == N else torch.empty(M, n)
-        ops.check(lib(x.data_ptr(), ops.nbytes(x), M, K, weight.data_ptr(), ops.nbytes(weight), n, target.data_ptr(),
-                      ops.nbytes(target), 1), "float32 linear")
+        ops.check(lib(x.data_ptr(), x.nbytes, M, K, weight.data_ptr(), weight.nbytes, n, target.data_ptr(),
+                      target.nbytes, 1), "float32 linear")
         out.copy_(target[:, :N])
     return run
 
@@ -169,9 +169,9 @@ def test_a16_refuses_an_output_shorter_than_its_rows():
     scales = ops.pack_groups(scale, torch.float32)
     x = torch.randn(M, K)
     buffer, out = _out(M, N // 2)  # sized from a config of N / 2 rows
-    status = a16_method.kernel()(x.data_ptr(), ops.nbytes(x), M, K, packed.data_ptr(), ops.nbytes(packed), 8,
-                                 scales.data_ptr(), ops.nbytes(scales), zero.data_ptr(), ops.nbytes(zero), 2, K // 2, N,
-                                 out.data_ptr(), ops.nbytes(out))
+    status = a16_method.kernel()(x.data_ptr(), x.nbytes, M, K, packed.data_ptr(), packed.nbytes, 8,
+                                 scales.data_ptr(), scales.nbytes, zero.data_ptr(), zero.nbytes, 2, K // 2, N,
+                                 out.data_ptr(), out.nbytes)
     assert status == ops.EBOUNDS
     assert bool((out == 0).all()) and bool((buffer[M] == SENTINEL).all())
 

@@ -50,7 +50,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else ops.nbytes(t)
+    return 0 if t is None else t.nbytes
 
 
 def proj(linear: torch.nn.Linear, keep: list) -> Proj:
@@ -117,7 +117,7 @@ class Layers:
             self.scratch = torch.empty(need)
         base = self.scratch.data_ptr()
         base += -base % 64
-        scratch_bytes = ops.nbytes(self.scratch) - (base - self.scratch.data_ptr())
+        scratch_bytes = self.scratch.nbytes - (base - self.scratch.data_ptr())
         views = self._view_array
         for view, meta in zip(views, metas):
             tables = meta.block_tables
@@ -128,7 +128,7 @@ class Layers:
         layers_fn = _kernel("ki_decoder_layers")
         status = layers_fn(self.layers, self.count, views, caches[0], caches[1], caches[2], _ptr(caches[3]),
                            x.data_ptr(), _ptr(residual), positions.data_ptr(), tokens, base, scratch_bytes,
-                           x_out.data_ptr(), res_out.data_ptr(), ops.nbytes(x))
+                           x_out.data_ptr(), res_out.data_ptr(), x.nbytes)
         if status == -2:
             raise IndexError("rotary: a position outside the model's max positions")
         ops.check(status, "decoder layers")

@@ -72,8 +72,8 @@ class A16Experts:
         target = out if direct else rows.new_empty(rows.shape[0], n)
         m = rows.shape[0]
         if m:  # each expert's block `sizes` bytes long: the kernel refuses dimensions that reach past one
-            ops.check(a16_method.kernel()(rows.data_ptr(), ops.nbytes(rows), m, k, q, sizes[0], self.bits, s, sizes[1],
-                                          z, sizes[2], groups, group, n, target.data_ptr(), ops.nbytes(target)), "A16")
+            ops.check(a16_method.kernel()(rows.data_ptr(), rows.nbytes, m, k, q, sizes[0], self.bits, s, sizes[1],
+                                          z, sizes[2], groups, group, n, target.data_ptr(), target.nbytes), "A16")
         if not direct:
             out.copy_(target)
         if bias is not None:

@@ -43,8 +43,8 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, threads: int = 0) -> torch
     n = weight.shape[0]
     out = rows.new_empty(rows.shape[0], n)
     if rows.shape[0] and n:
-        ops.check(_kernel()(rows.data_ptr(), ops.nbytes(rows), rows.shape[0], k, weight.data_ptr(), ops.nbytes(weight),
-                            n, out.data_ptr(), ops.nbytes(out), threads), "float32 linear")
+        ops.check(_kernel()(rows.data_ptr(), rows.nbytes, rows.shape[0], k, weight.data_ptr(), weight.nbytes,
+                            n, out.data_ptr(), out.nbytes, threads), "float32 linear")
     return out if flat else out.view(*x.shape[:-1], n)
 
 

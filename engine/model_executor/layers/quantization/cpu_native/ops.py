@@ -6,8 +6,9 @@
 - `q8_0_linear`: llama.cpp's arithmetic for weight-only int8 / int4 weights (kernels_q8_0.c): the activations
   quantized per block of 32 as its Q8_0, each block's int32 sum scaled and accumulated in float32.
 
-Every product's C entry point is given each buffer's length in bytes (`nbytes`) and refuses dimensions that do not
-fit them (status EBOUNDS, nothing written): `check` turns a status into NativeArgumentError / MemoryError.
+Every product's C entry point is given each buffer's length in bytes (a contiguous tensor's `nbytes`: numel times
+the element size, from its data pointer on) and refuses dimensions that do not fit them (status EBOUNDS, nothing
+written): `check` turns a status into NativeArgumentError / MemoryError.
 
 Threads: a pool of KUBEINFER_CPU_NATIVE_THREADS (default: the CPUs this process may run on), the calling
 thread one of them; after a call the workers spin KUBEINFER_CPU_NATIVE_SPIN_US microseconds (default 50)
@@ -50,11 +51,6 @@ def check(status: int, name: str) -> None:
     raise ValueError(f"native {name} kernel: status {status}")
 
 
-def nbytes(t: torch.Tensor) -> int:
-    """The bytes a (contiguous) tensor's buffer holds from its data pointer on: what a native product may touch."""
-    return t.numel() * t.element_size()
-
-
 def default_threads() -> int:
     wanted = os.environ.get("KUBEINFER_CPU_NATIVE_THREADS")
     if wanted:
@@ -75,7 +71,7 @@ def quantize_token_int8(rows: torch.Tensor, q: torch.Tensor, sx: torch.Tensor) -
     """ki_quantize_token_int8 of float32 contiguous rows [M, K] into q [M, K] int8 and sx [M] float32."""
     m, k = rows.shape
     check(kernel("ki_quantize_token_int8", *QUANTIZE_TOKEN_SIGNATURE)(
-        rows.data_ptr(), nbytes(rows), m, k, q.data_ptr(), nbytes(q), sx.data_ptr(), nbytes(sx)), "int8 quantization")
+        rows.data_ptr(), rows.nbytes, m, k, q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes), "int8 quantization")
 
 
 def w8a8_into(q: torch.Tensor, sx: torch.Tensor, weight: int, weight_bytes: int, scale: int, scale_bytes: int,
@@ -83,9 +79,9 @@ def w8a8_into(q: torch.Tensor, sx: torch.Tensor, weight: int, weight_bytes: int,
     """ki_w8a8: q [M, K] int8 and sx [M] times the packed weight (by address, with its buffer's bytes) into
     float32 contiguous `out` [M, N]."""
     m, k = q.shape
-    check(kernel("ki_w8a8", *W8A8_SIGNATURE)(q.data_ptr(), nbytes(q), sx.data_ptr(), nbytes(sx), m, k, weight,
+    check(kernel("ki_w8a8", *W8A8_SIGNATURE)(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, m, k, weight,
                                              weight_bytes, scale, scale_bytes, out.shape[1], out.data_ptr(),
-                                             nbytes(out)), "W8A8")
+                                             out.nbytes), "W8A8")
 
 
 def library():
@@ -212,7 +208,7 @@ def w8a8_linear(x: torch.Tensor, scheme: ActivationScheme, packed: torch.Tensor,
         sx = scale.to(torch.float32).reshape(-1).contiguous()
     out = torch.empty(rows.shape[0], weight_scale.shape[0], dtype=torch.float32)
     if rows.shape[0]:
-        w8a8_into(q, sx, _ptr(packed), nbytes(packed), _ptr(weight_scale), nbytes(weight_scale), out)
+        w8a8_into(q, sx, _ptr(packed), packed.nbytes, _ptr(weight_scale), weight_scale.nbytes, out)
     out = out.to(x.dtype).reshape(*shape[:-1], -1)
     return out if bias is None else out + bias
 
@@ -241,9 +237,9 @@ def packed_linear(kernel, name: str, x: torch.Tensor, packed: torch.Tensor, bits
     out = rows.new_empty(m, out_features)  # float32 CPU as rows: half torch.empty(..., dtype=)'s cost
     if m:
         groups = scale.shape[1]
-        status = kernel(rows.data_ptr(), nbytes(rows), m, k, packed.data_ptr(), nbytes(packed), bits, scale.data_ptr(),
-                        nbytes(scale), zeros.data_ptr(), nbytes(zeros), groups, k if groups == 1 else group_size,
-                        out_features, out.data_ptr(), nbytes(out))
+        status = kernel(rows.data_ptr(), rows.nbytes, m, k, packed.data_ptr(), packed.nbytes, bits, scale.data_ptr(),
+                        scale.nbytes, zeros.data_ptr(), zeros.nbytes, groups, k if groups == 1 else group_size,
+                        out_features, out.data_ptr(), out.nbytes)
         if status != 0:
             check(status, name)
     return out if flat else out.view(*x.shape[:-1], out_features)

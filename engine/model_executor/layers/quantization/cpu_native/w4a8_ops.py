@@ -71,7 +71,7 @@ def linear(rows: torch.Tensor, scheme: ActivationScheme, packed: torch.Tensor, s
     if not rows.is_contiguous():
         rows = rows.contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
-    linear_into(rows, packed.data_ptr(), ops.nbytes(packed), scale.data_ptr(), ops.nbytes(scale), scale.shape[1],
+    linear_into(rows, packed.data_ptr(), packed.nbytes, scale.data_ptr(), scale.nbytes, scale.shape[1],
                 group_size, out)
     return out
 
@@ -83,8 +83,8 @@ def linear_into(rows: torch.Tensor, packed: int, packed_bytes: int, scale: int, 
     fused_moe/a8_experts.py)."""
     m, k = rows.shape
     if m:
-        _checked(_float_kernel()(rows.data_ptr(), ops.nbytes(rows), m, k, packed, packed_bytes, scale, scale_bytes,
-                                 groups, group_size, out.shape[1], out.data_ptr(), ops.nbytes(out)), group_size, k)
+        _checked(_float_kernel()(rows.data_ptr(), rows.nbytes, m, k, packed, packed_bytes, scale, scale_bytes,
+                                 groups, group_size, out.shape[1], out.data_ptr(), out.nbytes), group_size, k)
 
 
 def product(q: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
@@ -93,9 +93,9 @@ def product(q: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scale: torc
     m, k = q.shape
     out = torch.empty(m, out_features)
     if m:
-        _checked(_kernel()(q.data_ptr(), ops.nbytes(q), sx.data_ptr(), ops.nbytes(sx), m, k, packed.data_ptr(),
-                           ops.nbytes(packed), scale.data_ptr(), ops.nbytes(scale), scale.shape[1], group_size,
-                           out_features, out.data_ptr(), ops.nbytes(out)), group_size, k)
+        _checked(_kernel()(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, m, k, packed.data_ptr(),
+                           packed.nbytes, scale.data_ptr(), scale.nbytes, scale.shape[1], group_size,
+                           out_features, out.data_ptr(), out.nbytes), group_size, k)
     return out
 
 
