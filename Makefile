@@ -5,6 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
+.PHONY: test-asan
 .PHONY: setup test test-all bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
 
 setup: $(STAMP)
@@ -24,6 +25,21 @@ test: setup
 
 test-all: setup clients-venv
 	$(VENV)/bin/pytest -q
+
+# The native CPU kernels built with AddressSanitizer (cpu_native/build.py, KUBEINFER_CPU_NATIVE_SANITIZE; cached apart)
+# under the crafted-checkpoint suite and the kernels' own tests: python preloads the ASan runtime; any report fails the
+# run (ASan exits non-zero; its reports, one file per process, under ASAN_LOG, printed: pytest's capture would swallow
+# a report on stderr). Leaks are not checked (CPython's own would drown the kernels').
+ASAN_LOG ?= /tmp/kubeinfer-asan
+ASAN_TESTS := tests/test_checkpoint_native_shapes.py tests/test_cpu_native_bounds.py tests/test_cpu_native_kernels.py \
+              tests/test_cpu_a16_kernel.py tests/test_q8_0_tiles.py tests/test_w4a8_kernels.py \
+              tests/test_cpu_f32_linear.py tests/test_cpu_native_decoder.py tests/test_cpu_native_attention.py \
+              tests/test_w4a8_decoder.py
+test-asan: setup
+	rm -rf $(ASAN_LOG) && mkdir -p $(ASAN_LOG)
+	KUBEINFER_CPU_NATIVE_SANITIZE=address LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:log_path=$(ASAN_LOG)/report $(VENV)/bin/pytest -q -p no:cacheprovider $(ASAN_TESTS); \
+	status=$$?; if ls $(ASAN_LOG)/report* >/dev/null 2>&1; then cat $(ASAN_LOG)/report*; exit 1; fi; exit $$status
 
 # Client programs that pin their own dependencies (guidellm), in a virtual environment of their own,
 # for the client-compatibility tests (tests/test_client_compat.py) and the guidellm benchmark.

@@ -34,8 +34,9 @@ def case(name: str, k: int, n: int, bits: int, group: int | None) -> kernel_ab.C
         scale = ops.pack_groups(torch.rand(n, k // size, generator=gen) + 0.01, torch.float32)
 
         def product(lib, x, i, out):
-            lib.ki_a16_linear(x.data_ptr(), x.shape[0], k, weights[i].data_ptr(), bits, scale.data_ptr(),
-                              zero.data_ptr(), k // size, size, n, out.data_ptr())
+            lib.ki_a16_linear(x.data_ptr(), x.nbytes, x.shape[0], k, weights[i].data_ptr(), weights[i].nbytes, bits,
+                              scale.data_ptr(), scale.nbytes, zero.data_ptr(), zero.nbytes, k // size, size, n,
+                              out.data_ptr(), out.nbytes)
         return product
     return kernel_ab.Case(name, f"[{n}, {k}] int{bits}", k, n, operands)
 

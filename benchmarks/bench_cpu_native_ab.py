@@ -41,9 +41,8 @@ def compile_library(rev: str | None, where: Path) -> ctypes.CDLL:
 
 def load_library(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
-    p, i = ctypes.c_void_p, ctypes.c_int
-    lib.ki_init.argtypes, lib.ki_init.restype = [i, ctypes.c_long], i
-    lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = [p, i, i, p, i, p, p, i, i, i, p], i
+    lib.ki_init.argtypes, lib.ki_init.restype = [ctypes.c_int, ctypes.c_long], ctypes.c_int
+    lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = ops.PACKED_SIGNATURE  # libraries since the sizes
     return lib
 
 
@@ -67,8 +66,9 @@ def products(libs: dict, calls: int) -> None:
                 for kind, (w, bits, s, o, groups, size) in weights.items():
                     for tag, lib in libs.items():
                         start = time.perf_counter()
-                        lib.ki_q8_0_linear(x.data_ptr(), tokens, cols, w.data_ptr(), bits, s.data_ptr(), o.data_ptr(),
-                                           groups, size, out_f, out.data_ptr())
+                        lib.ki_q8_0_linear(x.data_ptr(), x.nbytes, tokens, cols, w.data_ptr(), w.nbytes, bits,
+                                           s.data_ptr(), s.nbytes, o.data_ptr(), o.nbytes, groups, size, out_f,
+                                           out.data_ptr(), out.nbytes)
                         key = (kind, tag)
                         best[key] = min(best.get(key, 1.0), time.perf_counter() - start)
             print(f"{threads} threads, {tokens:2d} tokens: " + "  ".join(

@@ -46,8 +46,9 @@ def weights(kind: str, n: int, k: int, gen: torch.Generator) -> tuple:
 
 def call(lib, x, w, n, out) -> None:
     packed, bits, scale, offset, groups, group = w
-    lib.ki_q8_0_linear(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), bits, scale.data_ptr(),
-                       offset.data_ptr(), groups, group, n, out.data_ptr())
+    lib.ki_q8_0_linear(x.data_ptr(), x.nbytes, x.shape[0], x.shape[1], packed.data_ptr(), packed.nbytes, bits,
+                       scale.data_ptr(), scale.nbytes, offset.data_ptr(), offset.nbytes, groups, group, n,
+                       out.data_ptr(), out.nbytes)
 
 
 def compile_variant(defines: str, where: Path):

@@ -10,7 +10,6 @@ at 1 and 16 tokens, on 1 or 2 threads, weights warm or cold, against another bui
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 from pathlib import Path
 
@@ -24,9 +23,7 @@ from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops, 
 
 SHAPES = (("qkv", 1024, 2048), ("o", 1024, 1024), ("gate_up", 1024, 8192), ("down", 4096, 1024))
 GROUP = 128
-_P, _I = ctypes.c_void_p, ctypes.c_int
-SIGNATURES = {"ki_w4a8_f32": ([_P, _I, _I, _P, _P, _I, _I, _I, _P], _I),
-              "ki_w8a8": ([_P, _P, _I, _I, _P, _P, _I, _P], _I)}
+SIGNATURES = {"ki_w4a8_f32": w4a8_ops.SIGNATURES["ki_w4a8_f32"], "ki_w8a8": ops.W8A8_SIGNATURE}  # with buffer lengths
 
 
 def w4a8_case(name: str, k: int, n: int) -> kernel_ab.Case:
@@ -36,8 +33,9 @@ def w4a8_case(name: str, k: int, n: int) -> kernel_ab.Case:
         weights = kernel_ab.copies(packed, copies)
 
         def product(lib, x, i, out):
-            status = lib.ki_w4a8_f32(x.data_ptr(), x.shape[0], k, weights[i].data_ptr(), scale.data_ptr(),
-                                     scale.shape[1], GROUP, n, out.data_ptr())
+            status = lib.ki_w4a8_f32(x.data_ptr(), x.nbytes, x.shape[0], k, weights[i].data_ptr(), weights[i].nbytes,
+                                     scale.data_ptr(), scale.nbytes, scale.shape[1], GROUP, n, out.data_ptr(),
+                                     out.nbytes)
             assert status == 0, status
         return product
     return kernel_ab.Case(name, f"[{n}, {k}]", k, n, operands)
@@ -57,8 +55,8 @@ def w8a8_case(name: str, k: int, n: int) -> kernel_ab.Case:
                 quantized[m] = (torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=tokens),
                                 torch.rand(m, generator=tokens))
             q, sx = quantized[m]
-            status = lib.ki_w8a8(q.data_ptr(), sx.data_ptr(), m, k, weights[i].data_ptr(), scale.data_ptr(), n,
-                                 out.data_ptr())
+            status = lib.ki_w8a8(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, m, k, weights[i].data_ptr(),
+                                 weights[i].nbytes, scale.data_ptr(), scale.nbytes, n, out.data_ptr(), out.nbytes)
             assert status == 0, status
         return product
     return kernel_ab.Case(name, f"[{n}, {k}]", k, n, operands)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .checkpoint_shapes import check_experts
 from .layers.fused_moe.int_experts import ExpertsIntMethod, choose_expert_kernel, stack
 from .layers.quantization.linear_method import IntWeight
 
@@ -43,6 +44,7 @@ class ExpertIntegers:
         weight = self.quantization.int_weight(key, f.get_tensor(key), self.get)
         if weight is None or weight.values.dim() != 2:
             return None
+        check_experts(module, self.model.get_submodule(module), projection, key, weight)  # before any stacking
         weights = self.found.setdefault(module, {})
         weights[(projection, expert)] = weight
         scheme_of = getattr(self.quantization, "input_activations", None) if self.w8a8 else None

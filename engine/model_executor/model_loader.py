@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import FUSED_WEIGHTS, ModelSpec
+from .checkpoint_shapes import check_int_weight
 from .expert_int_weights import ExpertIntegers
 from .int_weights import rank_int_weight
 from .layers import deferred_weight, native_lm_head
@@ -124,8 +125,9 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                     filled = experts.take(ours, key, f) if experts is not None else None
                     filled = filled or special(ours, key, lambda k: _read(k, handles[k][0], handles, quantization)
                                      if k in handles else None)
-                except ValueError as error:
-                    raise ModelLoadError(f"{file.name}: {error}") from None
+                except ValueError as error:  # named by its checkpoint key where the message does not name it
+                    where = f"{file.name}" if key in str(error) else f"{file.name}: {key}"
+                    raise ModelLoadError(f"{where}: {error}") from None
                 if filled is not None:
                     for name, count in filled.items():
                         loaded[name] = loaded.get(name, 0) + count
@@ -223,11 +225,13 @@ def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], 
     whole = {}
     for name, slices in integers.items():
         if len(slices) == expected[name]:
-            parts = [slices[k] for k in sorted(slices, key=lambda s: s or 0)]
+            rows, cols = params[name].shape
+            order = sorted(slices, key=lambda s: s or 0)
+            for shard in order if len(order) > 1 else ():  # each slice's columns and grids before they are joined
+                check_int_weight(_slice_name(name, shard), slices[shard], None, cols)
+            parts = [slices[k] for k in order]
             weight = parts[0] if len(parts) == 1 else linear_method.IntWeight.cat(parts)
-            if tuple(weight.values.shape) != tuple(params[name].shape):
-                raise ModelLoadError(f"weight {name} has shape {tuple(weight.values.shape)}, the config implies "
-                                     f"{tuple(params[name].shape)}")
+            check_int_weight(name, weight, rows, cols)  # before any kernel packs it (checkpoint_shapes.py)
             whole[name] = weight
         else:
             params[name] = deferred_weight.allocated(model.get_submodule(name.removesuffix(".weight")))
@@ -237,6 +241,16 @@ def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], 
     if w8a8:  # int4 weights W4A8's exact product may take: held until w8a8.install reads their activations
         whole = hold_int4(model, whole, dtype)
     return linear_method.install(model, whole, dtype, w8a8)
+
+
+def _slice_name(name: str, shard: int) -> str:
+    """A fused weight's slice as the checkpoint names it: qkv_proj's slice 1 is k_proj."""
+    theirs = next((t for ours, t, s in FUSED_WEIGHTS if f".{ours}." in name and s == shard), None)
+    return f"{name} (slice {shard})" if theirs is None else f"{name.replace(_fused_of(theirs), theirs)} (slice {shard})"
+
+
+def _fused_of(theirs: str) -> str:
+    return next(ours for ours, t, _ in FUSED_WEIGHTS if t == theirs)
 
 
 def _target(key: str) -> tuple[str, int | None]:
@@ -263,8 +277,8 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, shard: int | None, mod
 
 def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, name: str, shard: int | None) -> None:
     if target.shape != tensor.shape:
-        raise ModelLoadError(f"weight {name} (slice {shard}) has shape {tuple(tensor.shape)}, "
-                             f"the config implies {tuple(target.shape)}")
+        what = name if shard is None else _slice_name(name, shard)
+        raise ModelLoadError(f"weight {what} has shape {tuple(tensor.shape)}, the config implies {tuple(target.shape)}")
     with torch.no_grad():
         target.copy_(tensor)
 

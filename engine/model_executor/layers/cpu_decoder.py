@@ -23,7 +23,8 @@ CACHE_TYPES = CACHE_KINDS  # decoder_layer.c's cache types: ki_decode_attention'
 
 class Proj(ctypes.Structure):
     _fields_ = [("w", P), ("scale", P), ("bias", P), ("offset", P), ("bits", INT), ("groups", INT), ("group_size", INT),
-                ("N", INT), ("K", INT), ("a16", INT)]
+                ("N", INT), ("K", INT), ("a16", INT),  # then the buffers' bytes, which the C side checks against
+                ("w_bytes", LONG), ("scale_bytes", LONG), ("bias_bytes", LONG), ("offset_bytes", LONG)]
 
 
 class View(ctypes.Structure):
@@ -40,12 +41,16 @@ class Layer(ctypes.Structure):
 def _kernel(name: str):
     """The library's `name` with its signature (ops.kernel: looked up once per loaded library)."""
     signatures = {"ki_decoder_scratch_floats": ([P], ctypes.c_size_t),
-                  "ki_decoder_layers": ([P, INT, P, P, INT, INT, P, P, P, P, INT, P, P, P], INT)}
+                  "ki_decoder_layers": ([P, INT, P, P, INT, INT, P, P, P, P, INT, P, LONG, P, P, LONG], INT)}
     return ops.kernel(name, *signatures[name])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.nbytes
 
 
 def proj(linear: torch.nn.Linear, keep: list) -> Proj:
@@ -56,13 +61,14 @@ def proj(linear: torch.nn.Linear, keep: list) -> Proj:
         tensors = [params["qweight_int4"], params["weight_group_scale"], params.get("bias")]
         keep.extend(tensors)
         return Proj(_ptr(tensors[0]), _ptr(tensors[1]), _ptr(tensors[2]), None, 4, tensors[1].shape[1],
-                    method.group_size, method.out_features, linear.in_features, 2)
+                    method.group_size, method.out_features, linear.in_features, 2, *map(_bytes, tensors), 0)
     a16 = type(method) is A16Method
     tensors = [params["qweight"], params["weight_scale"], params[method.zero_name], params.get("bias")]
     keep.extend(tensors)
     groups = tensors[1].shape[1]
     return Proj(_ptr(tensors[0]), _ptr(tensors[1]), _ptr(tensors[3]), _ptr(tensors[2]), method.bits, groups,
-                method.group_size, method.out_features, linear.in_features, int(a16))
+                method.group_size, method.out_features, linear.in_features, int(a16),
+                *(_bytes(tensors[i]) for i in (0, 1, 3, 2)))
 
 
 class Layers:
@@ -111,6 +117,7 @@ class Layers:
             self.scratch = torch.empty(need)
         base = self.scratch.data_ptr()
         base += -base % 64
+        scratch_bytes = self.scratch.nbytes - (base - self.scratch.data_ptr())
         views = self._view_array
         for view, meta in zip(views, metas):
             tables = meta.block_tables
@@ -120,10 +127,9 @@ class Layers:
         x_out, res_out = torch.empty_like(x), torch.empty_like(x)
         layers_fn = _kernel("ki_decoder_layers")
         status = layers_fn(self.layers, self.count, views, caches[0], caches[1], caches[2], _ptr(caches[3]),
-                           x.data_ptr(), _ptr(residual),
-                           positions.data_ptr(), tokens, base, x_out.data_ptr(), res_out.data_ptr())
+                           x.data_ptr(), _ptr(residual), positions.data_ptr(), tokens, base, scratch_bytes,
+                           x_out.data_ptr(), res_out.data_ptr(), x.nbytes)
         if status == -2:
             raise IndexError("rotary: a position outside the model's max positions")
-        if status != 0:
-            raise MemoryError("native decoder layers: out of memory")
+        ops.check(status, "decoder layers")
         return x_out, res_out

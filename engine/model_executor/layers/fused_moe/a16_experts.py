@@ -71,8 +71,9 @@ class A16Experts:
         direct = out.dtype is torch.float32 and out.is_contiguous()
         target = out if direct else rows.new_empty(rows.shape[0], n)
         m = rows.shape[0]
-        if m and a16_method.kernel()(rows.data_ptr(), m, k, q, self.bits, s, z, groups, group, n, target.data_ptr()):
-            raise MemoryError("native A16 kernel: out of memory")
+        if m:  # each expert's block `sizes` bytes long: the kernel refuses dimensions that reach past one
+            ops.check(a16_method.kernel()(rows.data_ptr(), rows.nbytes, m, k, q, sizes[0], self.bits, s, sizes[1],
+                                          z, sizes[2], groups, group, n, target.data_ptr(), target.nbytes), "A16")
         if not direct:
             out.copy_(target)
         if bias is not None:

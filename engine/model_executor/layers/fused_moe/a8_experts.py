@@ -26,7 +26,6 @@ before (int_experts.choose_expert_kernel: on a CPU, dequantized with fake-quanti
 up at each product (ops.kernel: per loaded library), never held from load."""
 from __future__ import annotations
 
-import ctypes
 import os
 
 import torch
@@ -101,10 +100,10 @@ class A8Experts:
         if native:
             target = out if direct else rows.new_empty(rows.shape[0], n)
             weight, scale = (params[name].data_ptr() + expert * size for name, size in zip(names, sizes))
-            if self.kernel == "w4a8_vnni":
-                w4a8_ops.linear_into(rows, weight, scale, groups, group, target)
+            if self.kernel == "w4a8_vnni":  # each expert's block `sizes` bytes long (the kernels check against them)
+                w4a8_ops.linear_into(rows, weight, sizes[0], scale, sizes[1], groups, group, target)
             else:
-                _int8_into(rows, weight, scale, target)
+                _int8_into(rows, weight, sizes[0], scale, sizes[1], target)
         else:
             target = self._dense_entry_product(params, names, expert, rows, group, n, reduce_range)
         if not direct:
@@ -126,14 +125,13 @@ class A8Experts:
         return w4a8_ops.int_mm_product(q, sx, weight, scale, group)
 
 
-def _int8_into(rows: torch.Tensor, weight: int, scale: int, out: torch.Tensor) -> None:
-    """ops.w8a8_linear's two native calls (the rows quantized per row, then ki_w8a8) into `out` [M, N]."""
+def _int8_into(rows: torch.Tensor, weight: int, weight_bytes: int, scale: int, scale_bytes: int,
+               out: torch.Tensor) -> None:
+    """ops.w8a8_linear's two native calls (the rows quantized per row, then ki_w8a8) into `out` [M, N], the expert's
+    packed weight and scales by address and length in bytes."""
     m, k = rows.shape
     if not m:
         return
     q, sx = torch.empty(m, k, dtype=torch.int8), rows.new_empty(m)
-    p, i = ctypes.c_void_p, ctypes.c_int
-    ops.kernel("ki_quantize_token_int8", [p, i, i, p, p], None)(rows.data_ptr(), m, k, q.data_ptr(), sx.data_ptr())
-    if ops.kernel("ki_w8a8", [p, p, i, i, p, p, i, p], i)(q.data_ptr(), sx.data_ptr(), m, k, weight, scale,
-                                                         out.shape[1], out.data_ptr()):
-        raise MemoryError("native W8A8 kernel: out of memory")
+    ops.quantize_token_int8(rows, q, sx)
+    ops.w8a8_into(q, sx, weight, weight_bytes, scale, scale_bytes, out)

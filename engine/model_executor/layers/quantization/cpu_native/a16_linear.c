@@ -156,10 +156,18 @@ static void a16_task(const void *ctx, int start, int end) {
     }
 }
 
-/* x [M, K] float32 (K and group_size multiples of 8, group_size dividing K) times packed weights -> out [M, N].
- * Returns -1 when out of memory. */
-int ki_a16_linear(const float *x, int M, int K, const uint8_t *w, int bits, const float *scale, const void *zero,
-                  int groups, int group_size, int N, float *out) {
+/* x [M, K] float32 (K and group_size multiples of 8, groups * group_size = K) times packed weights -> out [M, N].
+ * Each pointer's buffer length in bytes after it. Returns -1 when out of memory, KI_EBOUNDS (nothing written) when
+ * the dimensions are not the layout's or do not fit the buffers. */
+int ki_a16_linear(const float *x, long x_bytes, int M, int K, const uint8_t *w, long w_bytes, int bits,
+                  const float *scale, long scale_bytes, const void *zero, long zero_bytes, int groups, int group_size,
+                  int N, float *out, long out_bytes) {
+    if (M < 0 || K < 8 || K % 8 || N < 1 || (bits != 4 && bits != 8) || groups < 1 || group_size < 8
+        || group_size % 8 || (long)groups * group_size != K || !ki_fits(x_bytes, M, K, 4)
+        || !ki_fits(w_bytes, ki_padded_rows(N), (long)K * bits / 8, 1)
+        || !ki_fits(scale_bytes, ki_padded_rows(N), groups, 4)
+        || !ki_fits(zero_bytes, ki_padded_rows(N) * 2, groups, bits == 4 ? 2 : 4) || !ki_fits(out_bytes, M, N, 4))
+        return KI_EBOUNDS;
     uint32_t *xb = malloc(sizeof(uint32_t) * ((size_t)M * K / 2 + 1));
     if (!xb) return -1;
     a16_round_x(x, M, K, xb, bits == 8 && M > 4 ? A16_TT : 1); /* a16_tile4 reads rows: tiles of one token */

@@ -16,8 +16,6 @@ at batch 1 / 16 against llama.cpp Q4_0's 259.7 / 879.3 (1.40x / 1.26x), W8A16 1.
 1.0-1.25x (int8, widened by sign extension)."""
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from . import ops
@@ -67,8 +65,7 @@ def fast() -> bool:
     return bool(lib is not None and lib.ki_has_a16_bf16())
 
 
-_P, _I = ctypes.c_void_p, ctypes.c_int
-SIGNATURE = ([_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P], _I)  # ki_a16_linear's: ki_q8_0_linear's
+SIGNATURE = ops.PACKED_SIGNATURE  # ki_a16_linear's: ki_q8_0_linear's (each pointer then its buffer's bytes)
 
 
 def kernel():

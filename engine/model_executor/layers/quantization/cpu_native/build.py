@@ -4,6 +4,9 @@ once per source, compiler, flags and CPU: the library is cached under $KUBEINFER
 the key a hash of those (the CPU's feature flags: -march=native code never runs on another CPU). `-O3
 -march=native`: AVX-512 VNNI intrinsics where the CPU has them, the portable C twins elsewhere;
 KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the portable C on any CPU (for tests).
+KUBEINFER_CPU_NATIVE_SANITIZE=address builds it with AddressSanitizer (`make test-asan`; cached apart, its flags
+in the key): python must run with LD_PRELOAD of `gcc -print-file-name=libasan.so` (the runtime first), and a
+sanitized library that does not load is an error (ops.library), never a silent fall back to torch's kernels.
 No compiler, or a failed build: `load()` returns None with the reason (ops.py warns once and the torch
 kernels run)."""
 from __future__ import annotations
@@ -22,10 +25,22 @@ SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "decode
 HERE = Path(__file__).parent
 
 
-def flags(portable: bool) -> list[str]:
+SANITIZERS = ("address",)
+
+
+def flags(portable: bool, sanitizer: str | None = None) -> list[str]:
     native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64", "i686") else ["-mcpu=native"]
+    checked = [f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer", "-g"] if sanitizer else []
     return ["-O3", *native, "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-std=gnu11",
-            *(["-DKI_PORTABLE"] if portable else [])]
+            *(["-DKI_PORTABLE"] if portable else []), *checked]
+
+
+def sanitizer() -> str | None:
+    """KUBEINFER_CPU_NATIVE_SANITIZE: None (the default, unset or empty) or a sanitizer of SANITIZERS."""
+    wanted = os.environ.get("KUBEINFER_CPU_NATIVE_SANITIZE", "")
+    if wanted and wanted not in SANITIZERS:
+        raise ValueError(f"KUBEINFER_CPU_NATIVE_SANITIZE must be one of {', '.join(SANITIZERS)}; got {wanted!r}")
+    return wanted or None
 
 
 def portable_requested() -> bool:
@@ -60,7 +75,7 @@ def build(portable: bool | None = None) -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"C compiler {cc} does not run: {exc}") from exc
-    args = flags(portable)
+    args = flags(portable, sanitizer())
     digest = hashlib.sha256()
     for part in [*(HERE / s for s in SOURCES)]:
         digest.update(part.read_bytes())

@@ -15,6 +15,7 @@ typedef struct {
     const float *scale, *bias; /* bias: NULL for none */
     const void *offset;        /* int32 offsets (llama.cpp's arithmetic), or float zeros (a16: the exact A16 product) */
     int bits, groups, group_size, N, K, a16; /* a16: 0 llama.cpp's arithmetic, 1 the A16 product, 2 W4A8 (no offset) */
+    long w_bytes, scale_bytes, bias_bytes, offset_bytes; /* the buffers' lengths (the products check against them) */
 } ki_proj;
 
 typedef struct {                      /* the step's attention metadata for one window */
@@ -35,11 +36,13 @@ typedef struct {
  * times the packed weight, then + bias. */
 static int kd_project(const ki_proj *p, const float *x, int T, float *out) {
     int group_size = p->groups == 1 ? p->K : p->group_size;
-    int status = p->a16 == 2 ? ki_w4a8_f32(x, T, p->K, p->w, p->scale, p->groups, group_size, p->N, out)
-               : p->a16 ? ki_a16_linear(x, T, p->K, p->w, p->bits, p->scale, p->offset, p->groups, group_size, p->N,
-                                        out)
-                        : ki_q8_0_linear(x, T, p->K, p->w, p->bits, p->scale, p->offset, p->groups, group_size, p->N,
-                                         out);
+    const long xb = 4L * T * p->K, ob = 4L * T * p->N; /* the layer's own scratch, sized from the same fields */
+    int status = p->a16 == 2 ? ki_w4a8_f32(x, xb, T, p->K, p->w, p->w_bytes, p->scale, p->scale_bytes, p->groups,
+                                           group_size, p->N, out, ob)
+               : p->a16 ? ki_a16_linear(x, xb, T, p->K, p->w, p->w_bytes, p->bits, p->scale, p->scale_bytes, p->offset,
+                                        p->offset_bytes, p->groups, group_size, p->N, out, ob)
+                        : ki_q8_0_linear(x, xb, T, p->K, p->w, p->w_bytes, p->bits, p->scale, p->scale_bytes,
+                                         p->offset, p->offset_bytes, p->groups, group_size, p->N, out, ob);
     if (status == 0 && p->bias)
         for (long t = 0; t < T; t++)
             for (int n = 0; n < p->N; n++) out[t * p->N + n] += p->bias[n];
@@ -92,16 +95,35 @@ size_t ki_decoder_scratch_floats(const ki_layer *L) {
            + kd_round(L->hidden) + kd_round(L->gate_up.N) + kd_round(L->inter) + kd_round(kvd);
 }
 
+/* Whether a layer's projections are the shapes its dimensions say (their products check their own buffers), each
+ * bias holds N floats, and its hidden size is the run's: the scratch and the [T, hidden] buffers are sized by them. */
+static int kd_layer_fits(const ki_layer *L, int hidden) {
+    const ki_proj *p[4] = {&L->qkv, &L->o, &L->gate_up, &L->down};
+    const long k[4] = {L->hidden, (long)L->H * L->D, L->hidden, L->inter};
+    const long n[4] = {(long)(L->H + 2 * L->Hkv) * L->D, L->hidden, 2L * L->inter, L->hidden};
+    if (L->hidden != hidden || L->H < 1 || L->Hkv < 1 || L->D < 2 || L->inter < 1) return 0;
+    for (int i = 0; i < 4; i++)
+        if (p[i]->K != k[i] || p[i]->N != n[i] || (p[i]->bias && !ki_fits(p[i]->bias_bytes, p[i]->N, 1, 4))) return 0;
+    return 1;
+}
+
 /* Layers [0, n) of a decode step of T tokens (one a sequence). x [T, hidden]: the first layer's input; res: the
  * residual before it (NULL at the model's first layer: the residual is x). Writes the last layer's output to
  * x_out and the residual to res_out (both [T, hidden], neither x nor res). caches: 2n pointers (each layer's K
  * then V cache, [blocks, block_size, Hkv, D] of cache_type: 0 float32, 1 bf16, 2 fp8 e4m3, 3 fp8 e5m2, as
  * ki_decode_attention's kinds; lut: the 8-bit types' byte values, as it takes them); views: the step's metadata
- * per window; scratch: T times the max of ki_decoder_scratch_floats, 64-byte aligned. Returns 0; -1 out of
- * memory; -2 a position outside the rotary tables (nothing of that layer's attention done). */
+ * per window; scratch: T times the max of ki_decoder_scratch_floats, 64-byte aligned, scratch_bytes long; x, res,
+ * x_out and res_out each io_bytes long. Returns 0; -1 out of memory; -2 a position outside the rotary tables
+ * (nothing of that layer's attention done); KI_EBOUNDS, before anything is written, where a layer's dimensions do
+ * not fit the buffers (or later, nothing written past a buffer, where a product's packed weights do not). */
 int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char *const *caches, int block_size,
                       int cache_type, const float *lut, const float *x, const float *res, const int64_t *pos, int T,
-                      float *scratch, float *x_out, float *res_out) {
+                      float *scratch, long scratch_bytes, float *x_out, float *res_out, long io_bytes) {
+    if (n < 1 || T < 0 || !ki_fits(io_bytes, T, layers[0].hidden, 4)) return KI_EBOUNDS;
+    for (int l = 0; l < n; l++)
+        if (!kd_layer_fits(&layers[l], layers[0].hidden)
+            || !ki_fits(scratch_bytes, T, (long)ki_decoder_scratch_floats(&layers[l]), 4))
+            return KI_EBOUNDS;
     for (int l = 0; l < n; l++) {
         const ki_layer *L = &layers[l];
         const int hidden = L->hidden, H = L->H, Hkv = L->Hkv, D = L->D, qkv_n = L->qkv.N;
@@ -117,7 +139,8 @@ int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char 
             ki_rms_norm(in, hidden, hidden, NULL, NULL, L->in_norm, h, T, 1, hidden, L->in_eps, 0);
             memcpy(res_out, in, sizeof(float) * (size_t)T * hidden);
         }
-        if (kd_project(&L->qkv, h, T, qkv)) return -1;
+        int status;
+        if ((status = kd_project(&L->qkv, h, T, qkv))) return status;
         const float *q = qkv, *k = qkv + qd, *v = k + kvd;
         long q_stride = qkv_n, kv_stride = qkv_n;
         if (L->q_norm) { /* Attention.forward's Qwen3 path: normed q and k new tensors, v and k made alike */
@@ -143,11 +166,11 @@ int ki_decoder_layers(const ki_layer *layers, int n, const ki_view *views, char 
                                 caches[2 * l + 1], cache_type, lut, m->tables, m->table_stride,
                                 m->lens, T, H, Hkv, D, block_size, m->window, L->scale, (char *)att))
             return -1;
-        if (kd_project(&L->o, att, T, o)) return -1;
+        if ((status = kd_project(&L->o, att, T, o))) return status;
         ki_rms_norm(o, hidden, hidden, res_out, res_out, L->post_norm, h, T, 1, hidden, L->post_eps, 0);
-        if (kd_project(&L->gate_up, h, T, gu)) return -1;
+        if ((status = kd_project(&L->gate_up, h, T, gu))) return status;
         ki_silu_mul(gu, L->gate_up.N, act, T, L->inter);
-        if (kd_project(&L->down, act, T, x_out)) return -1;
+        if ((status = kd_project(&L->down, act, T, x_out))) return status;
     }
     return 0;
 }

@@ -129,15 +129,21 @@ static void f32_task(const void *ctx, int start, int end) {
     }
 }
 
-/* x [M, K], w [N, K] (row-major, contiguous) -> out [M, N], float32; `threads` 0: the pool's, 1: this thread. */
-void ki_f32_linear(const float *x, int M, int K, const float *w, int N, float *out, int threads) {
+/* x [M, K], w [N, K] (row-major, contiguous) -> out [M, N], float32; `threads` 0: the pool's, 1: this thread. Each
+ * pointer's buffer length in bytes after it; KI_EBOUNDS (nothing written) when the dimensions do not fit them. */
+int ki_f32_linear(const float *x, long x_bytes, int M, int K, const float *w, long w_bytes, int N, float *out,
+                  long out_bytes, int threads) {
+    if (M < 0 || K < 1 || N < 1 || !ki_fits(x_bytes, M, K, 4) || !ki_fits(w_bytes, N, K, 4)
+        || !ki_fits(out_bytes, M, N, 4))
+        return KI_EBOUNDS;
     f32_ctx c = {x, w, out, M, N, K};
     int items = (N + F32_GROUP - 1) / F32_GROUP;
     if (threads == 1 || pool_active == 1) {
         f32_task(&c, 0, items);
-        return;
+        return 0;
     }
     pthread_mutex_lock(&call_mu);
     parallel(f32_task, &c, items);
     pthread_mutex_unlock(&call_mu);
+    return 0;
 }

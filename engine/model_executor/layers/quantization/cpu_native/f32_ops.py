@@ -18,8 +18,8 @@ from . import ops
 MAX_TOKENS = 64  # larger products (prefill) keep torch's / OpenBLAS's blocked GEMM
 
 
-_P, _I = ctypes.c_void_p, ctypes.c_int
-SIGNATURE = ([_P, _I, _I, _P, _I, _P, _I], None)
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+SIGNATURE = ([_P, _L, _I, _I, _P, _L, _I, _P, _L, _I], _I)  # each pointer then its buffer's bytes
 
 
 def _kernel():
@@ -43,7 +43,8 @@ def f32_linear(x: torch.Tensor, weight: torch.Tensor, threads: int = 0) -> torch
     n = weight.shape[0]
     out = rows.new_empty(rows.shape[0], n)
     if rows.shape[0] and n:
-        _kernel()(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n, out.data_ptr(), threads)
+        ops.check(_kernel()(rows.data_ptr(), rows.nbytes, rows.shape[0], k, weight.data_ptr(), weight.nbytes,
+                            n, out.data_ptr(), out.nbytes, threads), "float32 linear")
     return out if flat else out.view(*x.shape[:-1], n)
 
 

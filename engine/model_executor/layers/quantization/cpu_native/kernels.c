@@ -32,6 +32,28 @@
 
 int ki_has_vnni(void) { return KI_VNNI; }
 
+/* ------------------------------------------------------------------ argument checks
+ * The products' dimensions come from a checkpoint (through Python), so every exported product is handed the
+ * length in bytes of each buffer it reads or writes and refuses, before touching any, a call whose dimensions
+ * would reach past one: KI_EBOUNDS, nothing read or written (the Python side raises). A check is a few integer
+ * operations per call. */
+#define KI_EBOUNDS (-3)
+
+/* Whether a * b * elem bytes (each >= 0, no overflow) fit in `have` bytes. */
+static inline int ki_fits(long have, long a, long b, long elem) {
+    long need;
+    if (have < 0 || a < 0 || b < 0 || elem < 0) return 0;
+    if (__builtin_mul_overflow(a, b, &need) || __builtin_mul_overflow(need, elem, &need)) return 0;
+    return need <= have;
+}
+
+/* 64-byte aligned memory of at least `bytes`: C11's aligned_alloc takes only sizes that are a multiple of the
+ * alignment (AddressSanitizer refuses others; glibc happens to accept them). */
+static inline void *ki_alloc64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
+/* Rows padded to whole groups of 16 (the packed layouts' row groups). */
+static inline long ki_padded_rows(int N) { return ((long)N + ROWS - 1) / ROWS * ROWS; }
+
 /* ------------------------------------------------------------------ thread pool
  * One job at a time (call_mu). The job's chunks are claimed through one 64-bit word: generation (32 bits),
  * chunk count (16), next chunk (16), so a worker that wakes late can only claim a chunk of the job that is
@@ -263,10 +285,17 @@ static void w8a8_task(const void *ctx, int start, int end) {
     for (int u = start; u < end; u++) TILES(w8a8_tile, c, groups, u);
 }
 
-/* q [M, K] int8, sx [M], w packed [ceil(N / 16) groups][Kp * 16], Kp = K rounded up to 32, sw [N] -> out [M, N]. */
-int ki_w8a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, const float *sw, int N, float *out) {
+/* q [M, K] int8, sx [M], w packed [ceil(N / 16) groups][Kp * 16], Kp = K rounded up to 32, sw [N] -> out [M, N].
+ * Each pointer's buffer length in bytes after it. Returns -1 when out of memory, KI_EBOUNDS (nothing written) when
+ * the dimensions do not fit the buffers or K exceeds 65536 (the int32 sums). */
+int ki_w8a8(const int8_t *q, long q_bytes, const float *sx, long sx_bytes, int M, int K, const uint8_t *w,
+            long w_bytes, const float *sw, long sw_bytes, int N, float *out, long out_bytes) {
+    if (M < 0 || K < 1 || K > 65536 || N < 1 || !ki_fits(q_bytes, M, K, 1) || !ki_fits(sx_bytes, M, 1, 4)
+        || !ki_fits(w_bytes, ki_padded_rows(N), (K + BLOCK - 1) / BLOCK * BLOCK, 1) || !ki_fits(sw_bytes, N, 1, 4)
+        || !ki_fits(out_bytes, M, N, 4))
+        return KI_EBOUNDS;
     int Kp = (K + BLOCK - 1) / BLOCK * BLOCK;
-    int8_t *qp = aligned_alloc(64, (size_t)M * Kp + 64);
+    int8_t *qp = ki_alloc64((size_t)M * Kp + 64);
     int32_t *bias = malloc(sizeof(int32_t) * (size_t)(M > 0 ? M : 1));
     if (!qp || !bias) {
         free(qp), free(bias);
@@ -289,8 +318,12 @@ int ki_w8a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, co
 
 /* x [M, K] float32 quantized per token as activations.py's dynamic symmetric int8 (the compressed-tensors
  * reference): scale = max(|min(x, 0)|, max(x, 0)) / 127.5 (float32 eps when 0), q = round half to even of
- * clamp(x / scale, -128, 127); the same float32 operations as the torch code, so the same bits. */
-void ki_quantize_token_int8(const float *x, int M, int K, int8_t *q, float *scale) {
+ * clamp(x / scale, -128, 127); the same float32 operations as the torch code, so the same bits. Each pointer's
+ * buffer length in bytes after it; KI_EBOUNDS (nothing written) when M, K do not fit them. */
+int ki_quantize_token_int8(const float *x, long x_bytes, int M, int K, int8_t *q, long q_bytes, float *scale,
+                           long scale_bytes) {
+    if (M < 0 || K < 1 || !ki_fits(x_bytes, M, K, 4) || !ki_fits(q_bytes, M, K, 1) || !ki_fits(scale_bytes, M, 1, 4))
+        return KI_EBOUNDS;
     for (int m = 0; m < M; m++) {
         const float *xm = x + (size_t)m * K;
 #if KI_VNNI /* 16 lanes at a time, the tail masked (zeros: neutral for the min and max, which start at 0) */
@@ -319,6 +352,7 @@ void ki_quantize_token_int8(const float *x, int M, int K, int8_t *q, float *scal
 #endif
         scale[m] = s;
     }
+    return 0;
 }
 
 /* bf16 <-> float32 for the kernels included below (attention.c, decode_ops.c). */

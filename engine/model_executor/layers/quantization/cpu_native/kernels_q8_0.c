@@ -201,9 +201,19 @@ static void q8_task(const void *ctx, int start, int end) {
         }
 }
 
-/* x [M, K] float32 (K a multiple of 32) times packed weights [ceil(N / 16) groups] -> out [M, N] float32. */
-int ki_q8_0_linear(const float *x, int M, int K, const uint8_t *w, int bits, const float *scale,
-                   const int32_t *offset, int groups, int group_size, int N, float *out) {
+/* x [M, K] float32 (K a multiple of 32) times packed weights [ceil(N / 16) groups] (scale and offset [ceil(N / 16)]
+ * [groups][16], groups of group_size inputs, a multiple of 32, the last maybe short) -> out [M, N] float32. Each
+ * pointer's buffer length in bytes after it. Returns -1 when out of memory, KI_EBOUNDS (nothing written) when the
+ * dimensions are not the layout's or do not fit the buffers. */
+int ki_q8_0_linear(const float *x, long x_bytes, int M, int K, const uint8_t *w, long w_bytes, int bits,
+                   const float *scale, long scale_bytes, const int32_t *offset, long offset_bytes, int groups,
+                   int group_size, int N, float *out, long out_bytes) {
+    if (M < 0 || K < BLOCK || K % BLOCK || N < 1 || (bits != 4 && bits != 8) || groups < 1 || group_size < BLOCK
+        || group_size % BLOCK || groups != (K + group_size - 1) / group_size || !ki_fits(x_bytes, M, K, 4)
+        || !ki_fits(w_bytes, ki_padded_rows(N), (long)K * bits / 8, 1)
+        || !ki_fits(scale_bytes, ki_padded_rows(N), groups, 4) || !ki_fits(offset_bytes, ki_padded_rows(N), groups, 4)
+        || !ki_fits(out_bytes, M, N, 4))
+        return KI_EBOUNDS;
     size_t blocks = (size_t)M * (K / BLOCK);
     int8_t *q = malloc((size_t)M * K + 64);
     float *d = malloc(sizeof(float) * (blocks + 1));

@@ -6,6 +6,10 @@
 - `q8_0_linear`: llama.cpp's arithmetic for weight-only int8 / int4 weights (kernels_q8_0.c): the activations
   quantized per block of 32 as its Q8_0, each block's int32 sum scaled and accumulated in float32.
 
+Every product's C entry point is given each buffer's length in bytes (a contiguous tensor's `nbytes`: numel times
+the element size, from its data pointer on) and refuses dimensions that do not fit them (status EBOUNDS, nothing
+written): `check` turns a status into NativeArgumentError / MemoryError.
+
 Threads: a pool of KUBEINFER_CPU_NATIVE_THREADS (default: the CPUs this process may run on), the calling
 thread one of them; after a call the workers spin KUBEINFER_CPU_NATIVE_SPIN_US microseconds (default 50)
 for the next one, then sleep, so they do not hold the cores that OpenBLAS and torch use between calls."""
@@ -20,6 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from ..activations import ActivationScheme, dynamic_qparams, quantize
+from . import build
 from .build import load
 
 ROWS, BLOCK = 16, 32
@@ -28,6 +33,22 @@ logger = logging.getLogger(__name__)
 _state: dict = {}
 _held = threading.local()  # .layers: layers_enabled()'s answer in this thread's step (layers_switch_held)
 _UNREAD = object()  # in a step, before its first layers_enabled()
+EBOUNDS = -3  # kernels.c's KI_EBOUNDS
+
+
+class NativeArgumentError(ValueError):
+    """A native product refused its arguments: its dimensions do not fit its buffers (nothing was written)."""
+
+
+def check(status: int, name: str) -> None:
+    """A native product's status as Python: 0 nothing, -1 MemoryError, EBOUNDS NativeArgumentError."""
+    if status == 0:
+        return
+    if status == -1:
+        raise MemoryError(f"native {name} kernel: out of memory")
+    if status == EBOUNDS:
+        raise NativeArgumentError(f"native {name} kernel: its dimensions do not fit its buffers (nothing written)")
+    raise ValueError(f"native {name} kernel: status {status}")
 
 
 def default_threads() -> int:
@@ -39,19 +60,45 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+# Each pointer followed by its buffer's length in bytes (kernels.c's argument checks).
+W8A8_SIGNATURE = ([_P, _L, _P, _L, _I, _I, _P, _L, _P, _L, _I, _P, _L], _I)
+QUANTIZE_TOKEN_SIGNATURE = ([_P, _L, _I, _I, _P, _L, _P, _L], _I)
+PACKED_SIGNATURE = ([_P, _L, _I, _I, _P, _L, _I, _P, _L, _P, _L, _I, _I, _I, _P, _L], _I)  # q8_0 and a16 linear
+
+
+def quantize_token_int8(rows: torch.Tensor, q: torch.Tensor, sx: torch.Tensor) -> None:
+    """ki_quantize_token_int8 of float32 contiguous rows [M, K] into q [M, K] int8 and sx [M] float32."""
+    m, k = rows.shape
+    check(kernel("ki_quantize_token_int8", *QUANTIZE_TOKEN_SIGNATURE)(
+        rows.data_ptr(), rows.nbytes, m, k, q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes), "int8 quantization")
+
+
+def w8a8_into(q: torch.Tensor, sx: torch.Tensor, weight: int, weight_bytes: int, scale: int, scale_bytes: int,
+              out: torch.Tensor) -> None:
+    """ki_w8a8: q [M, K] int8 and sx [M] times the packed weight (by address, with its buffer's bytes) into
+    float32 contiguous `out` [M, N]."""
+    m, k = q.shape
+    check(kernel("ki_w8a8", *W8A8_SIGNATURE)(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, m, k, weight,
+                                             weight_bytes, scale, scale_bytes, out.shape[1], out.data_ptr(),
+                                             out.nbytes), "W8A8")
+
+
 def library():
     """The loaded library, or None (the reason logged once as a warning)."""
     if "lib" not in _state:
         lib, why = load()
+        if lib is None and build.sanitizer():  # a sanitized run that silently used torch's kernels would prove nothing
+            raise RuntimeError(f"KUBEINFER_CPU_NATIVE_SANITIZE is set but the sanitized library did not load: {why}")
         if lib is None:
             logger.warning("native CPU int8 kernels unavailable, using torch's: %s", why)
         else:
             p, i = ctypes.c_void_p, ctypes.c_int
             lib.ki_init.argtypes, lib.ki_init.restype = [i, ctypes.c_long], i
-            lib.ki_w8a8.argtypes, lib.ki_w8a8.restype = [p, p, i, i, p, p, i, p], i
-            lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = [p, i, i, p, i, p, p, i, i, i, p], i
+            lib.ki_w8a8.argtypes, lib.ki_w8a8.restype = W8A8_SIGNATURE
+            lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = PACKED_SIGNATURE
             lib.ki_quantize_q8_0.argtypes, lib.ki_quantize_q8_0.restype = [p, i, i, p, p, p], None
-            lib.ki_quantize_token_int8.argtypes, lib.ki_quantize_token_int8.restype = [p, i, i, p, p], None
+            lib.ki_quantize_token_int8.argtypes, lib.ki_quantize_token_int8.restype = QUANTIZE_TOKEN_SIGNATURE
             lib.ki_init(default_threads(), int(os.environ.get("KUBEINFER_CPU_NATIVE_SPIN_US", "50")))
         _state["lib"] = lib
     return _state["lib"]
@@ -154,17 +201,14 @@ def w8a8_linear(x: torch.Tensor, scheme: ActivationScheme, packed: torch.Tensor,
     if reduce_range is None and rows.dtype == torch.float32:  # the same float32 operations in C (kernels.c)
         rows = rows.contiguous()
         q, sx = torch.empty(rows.shape, dtype=torch.int8), torch.empty(rows.shape[0])
-        library().ki_quantize_token_int8(_ptr(rows), rows.shape[0], rows.shape[1], _ptr(q), _ptr(sx))
+        quantize_token_int8(rows, q, sx)
     else:
         scale, _ = dynamic_qparams(rows, scheme, reduce_range)
         q = quantize(rows, scale, None, scheme, dequantize=False).contiguous()
         sx = scale.to(torch.float32).reshape(-1).contiguous()
     out = torch.empty(rows.shape[0], weight_scale.shape[0], dtype=torch.float32)
     if rows.shape[0]:
-        status = library().ki_w8a8(_ptr(q), _ptr(sx), rows.shape[0], rows.shape[1], _ptr(packed),
-                                   _ptr(weight_scale), weight_scale.shape[0], _ptr(out))
-        if status != 0:
-            raise MemoryError("native W8A8 kernel: out of memory")
+        w8a8_into(q, sx, _ptr(packed), packed.nbytes, _ptr(weight_scale), weight_scale.nbytes, out)
     out = out.to(x.dtype).reshape(*shape[:-1], -1)
     return out if bias is None else out + bias
 
@@ -193,10 +237,11 @@ def packed_linear(kernel, name: str, x: torch.Tensor, packed: torch.Tensor, bits
     out = rows.new_empty(m, out_features)  # float32 CPU as rows: half torch.empty(..., dtype=)'s cost
     if m:
         groups = scale.shape[1]
-        status = kernel(rows.data_ptr(), m, k, packed.data_ptr(), bits, scale.data_ptr(), zeros.data_ptr(),
-                        groups, k if groups == 1 else group_size, out_features, out.data_ptr())
+        status = kernel(rows.data_ptr(), rows.nbytes, m, k, packed.data_ptr(), packed.nbytes, bits, scale.data_ptr(),
+                        scale.nbytes, zeros.data_ptr(), zeros.nbytes, groups, k if groups == 1 else group_size,
+                        out_features, out.data_ptr(), out.nbytes)
         if status != 0:
-            raise MemoryError(f"native {name} kernel: out of memory")
+            check(status, name)
     return out if flat else out.view(*x.shape[:-1], out_features)
 
 
@@ -218,7 +263,7 @@ def _q8_0_kernel():
     """ki_q8_0_linear, looked up once (library() and the attribute cost ~0.2 us a product)."""
     fn = _state.get("q8_0")
     if fn is None:
-        fn = _state["q8_0"] = library().ki_q8_0_linear
+        fn = _state["q8_0"] = library().ki_q8_0_linear  # its signature set by library()
     return fn
 
 

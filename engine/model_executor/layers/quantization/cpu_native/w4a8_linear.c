@@ -209,15 +209,21 @@ static void w4a8_task(const void *ctx, int start, int end) {
 
 /* q [M, K] int8 and sx [M] (the activations as quantized per token), w packed (Kp = K rounded up to 32 inputs),
  * sw [ceil(N / 16)][groups][16], groups of group_size inputs (a multiple of 32, or one group of all K) ->
- * out [M, N] float32. Returns -1 when out of memory, -2 for a group size it does not take. */
-int ki_w4a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, const float *sw, int groups,
-            int group_size, int N, float *out) {
+ * out [M, N] float32; each pointer's buffer length in bytes after it. Returns -1 when out of memory, -2 for a group
+ * size it does not take, KI_EBOUNDS (nothing written) when the dimensions do not fit the buffers. */
+int ki_w4a8(const int8_t *q, long q_bytes, const float *sx, long sx_bytes, int M, int K, const uint8_t *w,
+            long w_bytes, const float *sw, long sw_bytes, int groups, int group_size, int N, float *out,
+            long out_bytes) {
+    if (M < 0 || K < 1 || K > 65536 || N < 1 || !ki_fits(q_bytes, M, K, 1) || !ki_fits(sx_bytes, M, 1, 4)
+        || !ki_fits(w_bytes, ki_padded_rows(N), (K + BLOCK - 1) / BLOCK * BLOCK / 2, 1)
+        || !ki_fits(sw_bytes, ki_padded_rows(N), groups, 4) || !ki_fits(out_bytes, M, N, 4))
+        return KI_EBOUNDS;
     int Kp = (K + BLOCK - 1) / BLOCK * BLOCK;
     int bpg = groups == 1 ? Kp / BLOCK : group_size / BLOCK;
-    if (groups < 1 || (groups > 1 && (group_size % BLOCK || (groups - 1) * bpg * BLOCK >= Kp
+    if (groups < 1 || (groups > 1 && (group_size < BLOCK || group_size % BLOCK || (groups - 1) * bpg * BLOCK >= Kp
                                       || groups * bpg * BLOCK < Kp)))
         return -2;
-    int8_t *qp = aligned_alloc(64, (size_t)M * Kp + 64);
+    int8_t *qp = ki_alloc64((size_t)M * Kp + 64);
     int32_t *s = malloc(sizeof(int32_t) * ((size_t)M * groups + 1));
     if (!qp || !s) {
         free(qp), free(s);
@@ -243,16 +249,19 @@ int ki_w4a8(const int8_t *q, const float *sx, int M, int K, const uint8_t *w, co
 }
 
 /* ki_w4a8 on float32 x [M, K], quantized first by ki_quantize_token_int8 (one call a layer from Python). */
-int ki_w4a8_f32(const float *x, int M, int K, const uint8_t *w, const float *sw, int groups, int group_size, int N,
-                float *out) {
-    int8_t *q = malloc((size_t)M * K + 64);
-    float *sx = malloc(sizeof(float) * ((size_t)M + 1));
+int ki_w4a8_f32(const float *x, long x_bytes, int M, int K, const uint8_t *w, long w_bytes, const float *sw,
+                long sw_bytes, int groups, int group_size, int N, float *out, long out_bytes) {
+    if (M < 0 || K < 1 || !ki_fits(x_bytes, M, K, 4)) return KI_EBOUNDS;
+    const long q_bytes = (long)M * K, sx_bytes = 4L * M;
+    int8_t *q = malloc((size_t)q_bytes + 64);
+    float *sx = malloc((size_t)sx_bytes + 4);
     if (!q || !sx) {
         free(q), free(sx);
         return -1;
     }
-    ki_quantize_token_int8(x, M, K, q, sx);
-    int status = ki_w4a8(q, sx, M, K, w, sw, groups, group_size, N, out);
+    ki_quantize_token_int8(x, x_bytes, M, K, q, q_bytes, sx, sx_bytes);
+    int status = ki_w4a8(q, q_bytes, sx, sx_bytes, M, K, w, w_bytes, sw, sw_bytes, groups, group_size, N, out,
+                         out_bytes);
     free(q), free(sx);
     return status;
 }

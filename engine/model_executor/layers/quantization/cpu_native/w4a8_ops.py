@@ -35,27 +35,31 @@ def quantized_tokens(rows: torch.Tensor, scheme: ActivationScheme, reduce_range=
     if reduce_range is None and rows.dtype == torch.float32 and ops.available():
         rows = rows.contiguous()
         q, sx = torch.empty(rows.shape, dtype=torch.int8), torch.empty(rows.shape[0])
-        ops.library().ki_quantize_token_int8(rows.data_ptr(), rows.shape[0], rows.shape[1], q.data_ptr(), sx.data_ptr())
+        ops.quantize_token_int8(rows, q, sx)
         return q, sx
     scale, _ = dynamic_qparams(rows, scheme, reduce_range)
     q = quantize(rows, scale, None, scheme, dequantize=False).contiguous()
     return q, scale.to(torch.float32).reshape(-1).contiguous()
 
 
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+# each pointer followed by its buffer's length in bytes (the C side's argument checks)
+SIGNATURES = {"ki_w4a8": ([_P, _L, _P, _L, _I, _I, _P, _L, _P, _L, _I, _I, _I, _P, _L], _I),
+              "ki_w4a8_f32": ([_P, _L, _I, _I, _P, _L, _P, _L, _I, _I, _I, _P, _L], _I)}
+
+
 def _kernel():
-    p, i = ctypes.c_void_p, ctypes.c_int
-    return ops.kernel("ki_w4a8", [p, p, i, i, p, p, i, i, i, p], i)
+    return ops.kernel("ki_w4a8", *SIGNATURES["ki_w4a8"])
 
 
 def _float_kernel():
-    p, i = ctypes.c_void_p, ctypes.c_int
-    return ops.kernel("ki_w4a8_f32", [p, i, i, p, p, i, i, i, p], i)
+    return ops.kernel("ki_w4a8_f32", *SIGNATURES["ki_w4a8_f32"])
 
 
 def _checked(status: int, group_size: int, k: int) -> None:
-    if status != 0:
-        raise MemoryError("native W4A8 kernel: out of memory") if status == -1 else \
-            ValueError(f"native W4A8 kernel: groups of {group_size} over {k} inputs are not its layout")
+    if status == -2:
+        raise ValueError(f"native W4A8 kernel: groups of {group_size} over {k} inputs are not its layout")
+    ops.check(status, "W4A8")
 
 
 def linear(rows: torch.Tensor, scheme: ActivationScheme, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
@@ -67,17 +71,20 @@ def linear(rows: torch.Tensor, scheme: ActivationScheme, packed: torch.Tensor, s
     if not rows.is_contiguous():
         rows = rows.contiguous()
     out = rows.new_empty(rows.shape[0], out_features)
-    linear_into(rows, packed.data_ptr(), scale.data_ptr(), scale.shape[1], group_size, out)
+    linear_into(rows, packed.data_ptr(), packed.nbytes, scale.data_ptr(), scale.nbytes, scale.shape[1],
+                group_size, out)
     return out
 
 
-def linear_into(rows: torch.Tensor, packed: int, scale: int, groups: int, group_size: int, out: torch.Tensor) -> None:
+def linear_into(rows: torch.Tensor, packed: int, packed_bytes: int, scale: int, scale_bytes: int, groups: int,
+                group_size: int, out: torch.Tensor) -> None:
     """`linear`'s native call on float32 contiguous rows [M, K] into float32 contiguous `out` [M, N], the packed
-    weight and scales given by address (an expert's inside its layer's stack: fused_moe/a8_experts.py)."""
+    weight and scales given by address and length in bytes (an expert's inside its layer's stack:
+    fused_moe/a8_experts.py)."""
     m, k = rows.shape
     if m:
-        _checked(_float_kernel()(rows.data_ptr(), m, k, packed, scale, groups, group_size, out.shape[1],
-                                 out.data_ptr()), group_size, k)
+        _checked(_float_kernel()(rows.data_ptr(), rows.nbytes, m, k, packed, packed_bytes, scale, scale_bytes,
+                                 groups, group_size, out.shape[1], out.data_ptr(), out.nbytes), group_size, k)
 
 
 def product(q: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group_size: int,
@@ -86,8 +93,9 @@ def product(q: torch.Tensor, sx: torch.Tensor, packed: torch.Tensor, scale: torc
     m, k = q.shape
     out = torch.empty(m, out_features)
     if m:
-        _checked(_kernel()(q.data_ptr(), sx.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), scale.shape[1],
-                           group_size, out_features, out.data_ptr()), group_size, k)
+        _checked(_kernel()(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, m, k, packed.data_ptr(),
+                           packed.nbytes, scale.data_ptr(), scale.nbytes, scale.shape[1], group_size,
+                           out_features, out.data_ptr(), out.nbytes), group_size, k)
     return out
 
 
