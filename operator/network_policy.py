@@ -4,10 +4,10 @@ Engines serve their API (HTTP 8000, gRPC 8001) to the gateway, which enforces te
 and to the operator, which reads each pod's /v1/models; Prometheus scrapes /metrics on the HTTP port
 (a NetworkPolicy cannot tell paths apart: the engine's API key guards /v1 there). Every other pod in
 the cluster is refused, standby pods included. The kubelet's probes come from the node, which
-NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy. A model over several
-nodes also has one policy per group (group_network_policy_spec): a group's pods admit the pods of the same
-group on every port (the ranks meet at the leader's rendezvous and step ports, then exchange tensors over
-NCCL or gloo on ports they choose at start), and no other group's, standby groups included. With spec.routing.kvEvents the same peers may
+NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy. A model over
+several nodes also has one policy per group (group_network_policy_spec): a group's pods admit the pods of
+the same group on every port (rendezvous, step channel, then NCCL or gloo on ports they choose at start),
+and no other group's, standby groups included. With spec.routing.kvEvents the same peers may
 also reach the engine's KV-event PUB and replay ports (the gateway subscribes for precise prefix routing).
 """
 from __future__ import annotations

@@ -248,7 +248,8 @@ def test_a_groups_ports_admit_only_its_own_pods():
 def test_every_rank_reads_the_models_group_secret():
     owner, spec = copy.deepcopy(OWNER), parse_spec("llama", TWO_NODES)
     group = objects(TWO_NODES)["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
-    wanted = {"name": "KUBEINFER_TP_SECRET", "valueFrom": {"secretKeyRef": {"name": "llama-tp-secret", "key": "secret"}}}
+    wanted = {"name": "KUBEINFER_TP_SECRET",
+              "valueFrom": {"secretKeyRef": {"name": "llama-tp-secret", "key": "secret"}}}
     for template in ("leaderTemplate", "workerTemplate"):
         assert wanted in group[template]["spec"]["containers"][0]["env"]
     secret = group_secret(owner, spec)

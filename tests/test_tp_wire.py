@@ -89,8 +89,9 @@ class NotRegistered:
 
 @pytest.mark.parametrize("value", [
     {1, 2}, object(), NotRegistered(), np.int64(3), [np.int64(3)], {1: "int key"}, {("a", 1): "tuple key"},
-    torch.zeros(2, dtype=torch.complex64), torch.zeros((1,) * 9), 2**64, lambda: 0, pickle,
-    bytearray(b"x"), [bytearray(b"x")],
+    torch.zeros(2, dtype=torch.complex64), torch.zeros((1,) * 9), 2**64, -2**63 - 1, lambda: 0, pickle,
+    [[1, (2, object())]], {"a": {"b": {3: 4}}}, True.__class__.__base__, type("Int", (int,), {})(3),
+    type("List", (list,), {})(), EngineConfig("m", speculative_config={1: 2}),
 ], ids=lambda v: type(v).__name__)
 def test_anything_else_raises_on_encode(value):
     with pytest.raises(wire.WireError):
@@ -114,6 +115,7 @@ BAD_FRAMES = {
     "truncated": frame(["stop", "x" * 10])[:-3],
     "trailing bytes": frame(["stop"]) + b"\x00",
     "int map key": frame({1: 2}),
+    "int map key inside a list": frame([[{"a": {2: 3}}]]),
     "bytes map key": frame({b"k": 2}),
     "unknown ext": frame(msgpack.ExtType(42, b"")),
     "tensor dtype not allowed": frame(ext(2, ["complex64", [1], b"\x00" * 8])),

@@ -41,12 +41,12 @@ class TensorParallelGroup:
         if device.type == "cuda" and torch.cuda.device_count() < config.ranks_per_node:
             raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} over {config.nnodes} node(s) needs "
                              f"{config.ranks_per_node} GPUs on this node, and torch sees {torch.cuda.device_count()}")
+        secret = group_secret(config.nnodes)  # over several nodes: refused here, before any process, without one
         self.config, self.processes, self.world_size = config, [], world
         # On the CPU the node's ranks share its cores: rank 0 takes its share too (given back at shutdown).
         self._threads = torch.get_num_threads()
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(config.ranks_per_node))
-        secret = group_secret(config.nnodes)  # over several nodes: refused here, before any process, without one
         dist_port, step_port = rank_ports(config)
         self.sender = StepSender(config.master_addr, step_port, secret)
         plans = [RankPlan(rank, rank, world, config.master_addr, dist_port, self.sender.port, secret)

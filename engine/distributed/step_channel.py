@@ -40,54 +40,64 @@ class StepSender:
         self._secret = secret
         self.port = self._server.getsockname()[1]
         self.connections: dict[int, socket.socket] = {}
+        self._lock, self._accepting = threading.Lock(), False
 
     def accept(self, ranks: list[int], timeout_s: float) -> None:
         """Wait for each of `ranks` to connect and authenticate; sends then time out after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         expected, done = set(ranks), queue.Queue()
         handshake_s = min(HANDSHAKE_TIMEOUT_S, timeout_s)
-        pending = 0
+        self._accepting, pending = True, 0
         self._server.settimeout(0.05)
-        while expected - set(self.connections):
+        try:
+            while expected - set(self.connections):
+                while not done.empty():
+                    pending -= 1
+                    if (proved := done.get()) is not None:
+                        self._admit(*proved, timeout_s)
+                if time.monotonic() > deadline:
+                    missing = sorted(expected - set(self.connections))
+                    raise TimeoutError(f"tensor-parallel ranks {missing} did not connect and authenticate within "
+                                       f"{timeout_s:.0f} s (--distributed-timeout)")
+                try:
+                    conn, peer = self._server.accept()
+                except TimeoutError:
+                    continue
+                if pending >= MAX_PENDING_HANDSHAKES:
+                    _refuse(conn, peer, f"{pending} handshakes already in progress")
+                    continue
+                pending += 1
+                threading.Thread(target=self._handshake, args=(conn, peer, expected, handshake_s, done),
+                                 name="tp-handshake", daemon=True).start()
+        finally:
+            with self._lock:  # handshakes still running close their connections themselves
+                self._accepting = False
             while not done.empty():
-                pending -= 1
-                self._admit(*done.get(), expected, timeout_s)
-            if time.monotonic() > deadline:
-                missing = sorted(expected - set(self.connections))
-                raise TimeoutError(f"tensor-parallel ranks {missing} did not connect and authenticate within "
-                                   f"{timeout_s:.0f} s (--distributed-timeout)")
-            try:
-                conn, peer = self._server.accept()
-            except TimeoutError:
-                continue
-            if pending >= MAX_PENDING_HANDSHAKES:
-                logger.warning("tensor-parallel step channel: refused %s: %d handshakes already in progress",
-                               peer, pending)
-                conn.close()
-                continue
-            pending += 1
-            threading.Thread(target=self._handshake, args=(conn, peer, expected, handshake_s, done),
-                             name="tp-handshake", daemon=True).start()
-        self._server.close()
+                if (proved := done.get()) is not None:
+                    _refuse(proved[0], proved[1], "the group formed without it")
+            self._server.close()
 
     def _handshake(self, conn: socket.socket, peer, expected: set[int], timeout_s: float, done: queue.Queue) -> None:
         try:
-            done.put((conn, peer, verify_worker(conn, self._secret, expected, timeout_s), None))
+            rank = verify_worker(conn, self._secret, expected, timeout_s)
         except (OSError, HandshakeError) as error:
-            done.put((conn, peer, None, error))
+            _refuse(conn, peer, str(error) or type(error).__name__)
+            done.put(None)
+            return
+        with self._lock:
+            if self._accepting:
+                done.put((conn, peer, rank))
+                return
+        _refuse(conn, peer, "the group formed without it")
 
-    def _admit(self, conn: socket.socket, peer, rank: int | None, error: Exception | None, expected: set[int],
-               timeout_s: float) -> None:
-        if error is None and rank in self.connections:
-            error = HandshakeError(f"rank {rank} has already joined (a duplicate id)")
-        if error is None:
-            try:
-                conn.sendall(ACCEPTED)
-            except OSError as send_error:
-                error = send_error
-        if error is not None:
-            logger.warning("tensor-parallel step channel: refused %s: %s", peer, error)
-            conn.close()
+    def _admit(self, conn: socket.socket, peer, rank: int, timeout_s: float) -> None:
+        if rank in self.connections:
+            _refuse(conn, peer, f"rank {rank} has already joined (a duplicate id)")
+            return
+        try:
+            conn.sendall(ACCEPTED)
+        except OSError as error:
+            _refuse(conn, peer, str(error))
             return
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.settimeout(timeout_s)  # every later send: a rank that does not read for that long is dead
@@ -141,6 +151,12 @@ class StepReceiver:
     def close(self) -> None:
         with _quiet():
             self._conn.close()
+
+
+def _refuse(conn: socket.socket, peer, why: str) -> None:
+    logger.warning("tensor-parallel step channel: refused %s: %s", peer, why)
+    with _quiet():
+        conn.close()
 
 
 class _quiet:

@@ -5,14 +5,13 @@ A message is one version byte (VERSION, checked on receive) and a msgpack docume
 (None, bool, int, float, str, bytes, lists, tuples, dicts with str keys), torch tensors (a dtype from
 TENSOR_DTYPES, a shape, the raw bytes) and the few dataclasses registered here by name (`register`), whose
 fields are checked by name on both sides. Anything else raises WireError when encoded and when decoded.
-A list of ints (a step's token ids, slots, block tables) is checked in one C call (array("q"): int64 only) and
-packed by msgpack as it is, not walked in Python."""
+msgpack walks the message in C (exact types only); Python sees only tuples, tensors and records, so a step's
+lists of token ids, slots and block tables cost what msgpack costs. bytearray and memoryview travel as bytes."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import math
-from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -62,11 +61,13 @@ def register(cls: type, *, fields: tuple[str, ...] | None = None,
 
 
 def encode(message: Any) -> bytes:
+    if type(message) is dict:
+        _check_keys(message)
     try:
-        return bytes((VERSION,)) + _packb(_to_wire(message, 0))
+        return bytes((VERSION,)) + _packb(message)
     except WireError:
         raise
-    except (TypeError, ValueError, OverflowError) as error:
+    except (TypeError, ValueError, OverflowError, RecursionError) as error:
         raise WireError(f"cannot encode the message: {error}") from None
 
 
@@ -84,36 +85,36 @@ def decode(data: bytes | bytearray | memoryview) -> Any:
 
 
 def _packb(value: Any) -> bytes:
-    return msgpack.packb(value, use_bin_type=True, strict_types=True)
+    """msgpack packs the plain values in C; strict_types (exact types only) sends a subclass, a tuple, a tensor
+    or any other object to `_to_ext`, which refuses what the schema does not hold."""
+    return msgpack.packb(value, use_bin_type=True, strict_types=True, default=_to_ext)
 
 
-def _to_wire(obj: Any, depth: int) -> Any:
+def _to_ext(obj: Any) -> msgpack.ExtType:
     kind = type(obj)
-    if kind in _SCALARS:
-        return obj
-    if depth > MAX_DEPTH:
-        raise WireError(f"message nested deeper than {MAX_DEPTH}")
-    if kind is list:
-        if obj and type(obj[0]) is int:
-            try:
-                array("q", obj)  # checks every item is an int64 in one C call; msgpack then packs the list as it is
-                return obj
-            except (TypeError, OverflowError):
-                pass  # not all int64: item by item below
-        return [_to_wire(item, depth + 1) for item in obj]
     if kind is tuple:
-        return msgpack.ExtType(_TUPLE, _packb([_to_wire(item, depth + 1) for item in obj]))
-    if kind is dict:
-        for key in obj:
-            if type(key) is not str:
-                raise WireError(f"dict keys must be str, got {type(key).__name__}")
-        return {key: _to_wire(value, depth + 1) for key, value in obj.items()}
+        for item in obj:
+            if type(item) is dict:
+                _check_keys(item)
+        return msgpack.ExtType(_TUPLE, _packb(list(obj)))
     if isinstance(obj, torch.Tensor):
         return msgpack.ExtType(_TENSOR, _packb(_tensor_fields(obj)))
     record = _BY_TYPE.get(kind)
     if record is not None:
-        return msgpack.ExtType(_RECORD, _packb([record.name, _to_wire(record.to_fields(obj), depth + 1)]))
+        fields = record.to_fields(obj)
+        _check_keys(fields)
+        return msgpack.ExtType(_RECORD, _packb([record.name, fields]))
     raise WireError(f"a {kind.__module__}.{kind.__qualname__} cannot travel on the tensor-parallel channel")
+
+
+def _check_keys(mapping: dict) -> None:
+    """str keys in `mapping` and in the dicts it holds directly. msgpack would pack any key; a dict inside a list
+    is not looked into here (that would walk every list in Python), and its receiver refuses a non-str key."""
+    for key, value in mapping.items():
+        if type(key) is not str:
+            raise WireError(f"dict keys must be str, got {type(key).__name__}")
+        if type(value) is dict:
+            _check_keys(value)
 
 
 def _tensor_fields(tensor: torch.Tensor) -> list:
