@@ -249,6 +249,22 @@ def test_the_rendezvous_and_the_step_channel_listen_only_on_the_master_address()
     sender.close()
 
 
+def test_a_master_address_not_of_this_machine_falls_back_to_every_interface_and_says_so(monkeypatch, caplog):
+    """192.0.2.1 (TEST-NET-1) is no local address: binding it fails without any traffic; the wildcard server
+    that would follow is stubbed (tests never listen beyond loopback)."""
+    from kubeinfer.engine.distributed import listen
+
+    made = []
+    monkeypatch.setattr(listen.socket, "create_server", lambda address, **kw: made.append(address) or "server")
+    assert listen.listen_on("192.0.2.1", 29500) == "server"
+    assert made == [("0.0.0.0", 29500)] and "not an address of this machine" in caplog.text
+    def unknown(*_, **__):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    monkeypatch.setattr(listen.socket, "getaddrinfo", unknown)  # no resolver asked
+    with pytest.raises(OSError, match="'leader' does not resolve"):
+        listen.listen_on("leader", 29500, resolve_s=0)
+
+
 def test_a_multi_node_group_needs_its_secret(monkeypatch):
     monkeypatch.delenv(group_auth.SECRET_ENV, raising=False)
     with pytest.raises(ValueError, match="KUBEINFER_TP_SECRET is not set: set it to the same random value"):

@@ -11,13 +11,28 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+import time
 
 logger = logging.getLogger(__name__)
+# A pod's own name in its headless Service may resolve a moment after the pod starts (the workers retry too).
+RESOLVE_S = 30.0
 
 
-def listen_on(host: str, port: int, backlog: int = 64) -> socket.socket:
+def _resolve(host: str, port: int, patience_s: float) -> list:
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as error:
+            if time.monotonic() > deadline:
+                raise OSError(f"the tensor-parallel master address {host!r} does not resolve ({error}); "
+                              "--master-addr must name rank 0's node") from None
+            time.sleep(0.5)
+
+
+def listen_on(host: str, port: int, backlog: int = 64, resolve_s: float = RESOLVE_S) -> socket.socket:
     """A listening TCP socket on `host`:`port` (port 0: the system picks)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos = _resolve(host, port, resolve_s)
     for family, kind, proto, _, address in infos:
         sock = socket.socket(family, kind, proto)
         try:
