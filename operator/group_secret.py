@@ -11,7 +11,8 @@ import base64
 import secrets
 from typing import Any
 
-TP_SECRET_ENV = "KUBEINFER_TP_SECRET"  # engine/distributed/group_auth.SECRET_ENV
+from kubeinfer.operator.owned_args import TP_SECRET_ENV  # the engine's group_auth.SECRET_ENV; refused in env
+
 TP_SECRET_KEY = "secret"
 
 

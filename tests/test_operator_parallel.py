@@ -261,6 +261,9 @@ def test_every_rank_reads_the_models_group_secret():
     assert "Secret" not in objects(TWO_NODES)  # created once by the reconciler, never applied over
     one_node = objects(FOUR_GPUS)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
     assert all(e["name"] != "KUBEINFER_TP_SECRET" for e in one_node["env"])  # one node draws its own
+    with pytest.raises(SpecError, match="spec.engine.env\\[0\\].name 'KUBEINFER_TP_SECRET' is the tensor-parallel"):
+        parse_spec("llama", {**TWO_NODES, "engine": {**TWO_NODES["engine"],
+                                                     "env": [{"name": "KUBEINFER_TP_SECRET", "value": "x" * 32}]}})
 
 
 def test_a_group_is_disrupted_one_at_a_time():
