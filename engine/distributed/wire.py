@@ -4,7 +4,8 @@ the network are only ever data.
 A message is one version byte (VERSION, checked on receive) and a msgpack document made of plain values
 (None, bool, int, float, str, bytes, lists, tuples, dicts with str keys), torch tensors (a dtype from
 TENSOR_DTYPES, a shape, the raw bytes) and the few dataclasses registered here by name (`register`), whose
-fields are checked by name on both sides. Anything else raises WireError when encoded and when decoded.
+fields are checked by name on both sides. Anything else raises WireError when encoded and when decoded (a
+non-str dict key inside a list only when decoded: `_check_keys`).
 msgpack walks the message in C (exact types only); Python sees only tuples, tensors and records, so a step's
 lists of token ids, slots and block tables cost what msgpack costs. bytearray and memoryview travel as bytes."""
 from __future__ import annotations
@@ -19,14 +20,13 @@ import msgpack
 import torch
 
 VERSION = 1
-MAX_DEPTH = 32  # nested tuples / tensors / records: a step is 3 deep
+MAX_DEPTH = 32  # nested tuples / tensors / records on receive (a step is 3 deep); msgpack bounds the rest
 MAX_TENSOR_DIMS = 8
 TENSOR_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)}
 _DTYPE_NAMES = {dtype: name for name, dtype in TENSOR_DTYPES.items()}
 _TUPLE, _TENSOR, _RECORD = 1, 2, 3  # msgpack ext type codes
-_SCALARS = (type(None), bool, int, float, str, bytes)
 
 
 class WireError(ValueError):
