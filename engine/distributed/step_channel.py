@@ -28,8 +28,9 @@ _HEADER = struct.Struct("!Q")
 HANDSHAKE_TIMEOUT_S = 10.0
 MAX_PENDING_HANDSHAKES = 16
 # An adapter's slot travels whole to every rank (each cuts its own slice): a rank-64 adapter on every module of
-# a 70B model is about 3 GB in bf16. Larger frames are refused before anything is allocated.
-MAX_MESSAGE_BYTES = 8 << 30
+# a 70B model is about 3 GB in bf16. msgpack holds at most 4 GiB in one ext (the adapter's record), so a frame
+# is at most that and a few bytes; a larger size is refused before anything is allocated.
+MAX_MESSAGE_BYTES = (4 << 30) + (1 << 20)
 
 
 class StepSender:
