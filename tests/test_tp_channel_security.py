@@ -174,6 +174,17 @@ def test_a_pickle_payload_reaching_a_worker_is_refused_not_run(tmp_path):
     rank0.sender.close()
 
 
+def test_a_frame_larger_than_the_bound_is_refused_before_any_allocation():
+    rank0 = Rank0([1])
+    worker = receive_in_thread(rank0.port, 1)
+    [conn] = rank0.joined().values()
+    worker["thread"].join(10)
+    conn.sendall(struct.pack("!Q", 1 << 62))
+    with pytest.raises(wire.WireError, match="a message of 4611686018427387904 bytes"):
+        worker["receiver"].recv()
+    rank0.sender.close()
+
+
 def big_adapter(megabytes: int) -> LoRAAdapter:
     a = torch.zeros(megabytes * 256, 1024)  # 1 MB per 256 rows of float32
     return LoRAAdapter("big", 1, 1, 1.0, {(0, "q_proj"): LoRAWeights(a, torch.zeros(1, 1))})
