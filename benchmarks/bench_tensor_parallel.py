@@ -1,5 +1,6 @@
 """Tensor parallelism's per-step cost: decode steps of TP=2 against TP=1 on the same model and batch, and
-the step hand-off alone (pickling a step's inputs and sending them to the other ranks).
+the step hand-off alone (encoding a step's inputs with the channel's schema, distributed/wire.py, and sending
+them to the other ranks).
 
 On the CPU (gloo, 2 ranks sharing this machine's cores) TP cannot be faster: the ranks split the same cores
 and add an all-reduce per layer; the figure to watch is the overhead per step. TP=1 runs with as many torch
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pickle
 import statistics
 import sys
 import time
@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
+from kubeinfer.engine.core.tp_messages import check_message  # noqa: E402
+from kubeinfer.engine.distributed import wire  # noqa: E402
 from kubeinfer.engine.model_executor.step_inputs import StepInputs  # noqa: E402
 from kubeinfer.testing.random_model import build_random_model  # noqa: E402
 
@@ -52,7 +54,8 @@ def decode_step_ms(llm: LLM, batch: int, steps: int) -> float:
 
 
 def handoff_us(batch: int, repeat: int = 2000) -> float:
-    """Pickling one decode step's inputs (what rank 0 sends each rank), per step."""
+    """Encoding one decode step's inputs (what rank 0 sends each rank) and decoding them, both sides' checks
+    included, per step."""
     inputs = StepInputs()
     for i in range(batch):
         inputs.add([7], 200 + i, list(range(i * 16, i * 16 + 15)), 16)
@@ -60,12 +63,12 @@ def handoff_us(batch: int, repeat: int = 2000) -> float:
     inputs.num_decodes = batch
     start = time.perf_counter()
     for _ in range(repeat):
-        pickle.loads(pickle.dumps(("step", inputs, None), protocol=pickle.HIGHEST_PROTOCOL))
+        check_message(wire.decode(wire.encode(check_message(("step", inputs, None)))))
     return (time.perf_counter() - start) / repeat * 1e6
 
 
 def timed_sends(llm: LLM) -> list[float]:
-    """Rank 0's hand-off of each message to the other ranks (pickle and sendall), timed."""
+    """Rank 0's hand-off of each message to the other ranks (encode and sendall), timed."""
     ranks, times = llm.engine.ranks, []
     send = ranks.send
 
@@ -107,7 +110,7 @@ def main() -> None:
         del llm
     lines = [f"Decode step, median of {args.steps} ({args.device}, random llama {SHAPE}; TP=1 on {threads} "
              f"torch thread(s), each TP rank on its share of {os.cpu_count()} cores):", "",
-             "| batch | TP=1 ms/step | TP=%d ms/step | TP=%d / TP=1 | rank 0's send, us/step | pickle + unpickle, us |"
+             "| batch | TP=1 ms/step | TP=%d ms/step | TP=%d / TP=1 | rank 0's send, us/step | encode + decode, us |"
              % (args.tp, args.tp), "|---|---|---|---|---|---|"]
     for b in batches:
         lines.append(f"| {b} | {rows[1][b]:.2f} | {rows[args.tp][b]:.2f} | {rows[args.tp][b] / rows[1][b]:.2f} | "

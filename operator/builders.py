@@ -1,14 +1,16 @@
 """The objects an InferenceModel owns, as plain dicts: Deployment (or, over several nodes, LeaderWorkerSet),
-Service, PodDisruptionBudget, InferencePool, NetworkPolicy."""
+Service, PodDisruptionBudget, InferencePool, NetworkPolicy; over several nodes also the group secret and a
+NetworkPolicy per group."""
 from __future__ import annotations
 
 from typing import Any
 
 from kubeinfer.operator.config import OperatorConfig
+from kubeinfer.operator.group_secret import tp_secret
 from kubeinfer.operator.leader_worker import leader_worker_set, multi_node
 from kubeinfer.operator.names import (API_VERSION, GRPC_PORT, HTTP_PORT, KIND, MANAGED_BY_LABEL, MANAGER, MODEL_LABEL,
                                       POOL_GROUP, POOL_VERSION, active_labels, selector_labels)
-from kubeinfer.operator.network_policy import network_policy_spec
+from kubeinfer.operator.network_policy import group_network_policy_spec, network_policy_spec
 from kubeinfer.operator.pod_template import pod_template
 from kubeinfer.operator.spec import InferenceModelSpec
 
@@ -89,6 +91,27 @@ def network_policy(owner: dict[str, Any], spec: InferenceModelSpec, config: Oper
     """Ingress to the engine pods only from the gateway, the operator and the metrics scrapers."""
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _metadata(owner, spec),
             "spec": network_policy_spec(spec.name, config, multi_node(spec), spec.kv_events)}
+
+
+def group_secret(owner: dict[str, Any], spec: InferenceModelSpec) -> dict[str, Any]:
+    """A new random group secret for a multi-node model (created once, never applied over: group_secret.py)."""
+    return tp_secret(_metadata(owner, spec))
+
+
+GROUP_POLICY_INFIX = ".group-"  # a dot: no model's own object (a DNS label) can take the name
+
+
+def group_network_policies(owner: dict[str, Any], spec: InferenceModelSpec) -> list[dict[str, Any]]:
+    """Over several nodes, one NetworkPolicy per group: the replicas and standby groups, and the one a rolling
+    update adds (maxSurge 1). Labelled without the managed-by label: the drift watch follows one policy per
+    model; these are applied on every new generation (a changed replica count is one)."""
+    if not multi_node(spec):
+        return []
+    metadata = _metadata(owner, spec)
+    labels = {k: v for k, v in metadata["labels"].items() if k != MANAGED_BY_LABEL}
+    return [{"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+             "metadata": {**metadata, "name": f"{spec.name}{GROUP_POLICY_INFIX}{group}", "labels": labels},
+             "spec": group_network_policy_spec(spec.name, group)} for group in range(spec.pods + 1)]
 
 
 def workload(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from kubeinfer.operator.names import MANAGER, matches
 
 PLURALS = {"Deployment": "deployments", "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets",
            "InferencePool": "inferencepools", "NetworkPolicy": "networkpolicies", "Pod": "pods", "Event": "events",
-           "InferenceModel": "inferencemodels",
+           "InferenceModel": "inferencemodels", "Secret": "secrets",
            "LeaderWorkerSet": "leaderworkersets"}
 MERGE = "application/merge-patch+json"
 APPLY = "application/apply-patch+yaml"  # JSON is YAML
@@ -125,6 +125,17 @@ class KubeClient:
             if err.status != 409:  # created meanwhile (a replayed watch event): apply over it
                 raise
             return await self.request("PATCH", path, obj, APPLY, params)
+
+    async def create(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless an object of its name exists (409): never overwrites. True when created."""
+        meta = obj["metadata"]
+        try:
+            await self.request("POST", api_path(obj["apiVersion"], PLURALS[obj["kind"]], meta.get("namespace")), obj)
+        except ApiError as err:
+            if err.status != 409:
+                raise
+            return False
+        return True
 
     async def delete(self, api_version: str, plural: str, namespace: str | None, name: str) -> bool:
         """Delete one object; False when it was already gone."""

@@ -6,13 +6,16 @@ rank 0 of node 0, and the workers `NAME-lws-G-W` run headless ranks of node W. T
 pod with its group and index and gives every container LWS_LEADER_ADDRESS (the leader's name in the
 headless Service it creates, called after the LeaderWorkerSet: hence `-lws`, never the model's own Service
 name) and LWS_WORKER_INDEX, which the kubelet expands in the engine's args (`$(VAR)`, no shell needed).
-A group is the unit of everything else (groups.py): roles, adapter placement, status and /scale.
+A group is the unit of everything else (groups.py): roles, adapter placement, status and /scale. Its ranks
+authenticate each other with the model's group secret (group_secret.py); its ports admit only its own pods
+(network_policy.group_network_policy_spec).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from kubeinfer.operator.config import OperatorConfig
+from kubeinfer.operator.group_secret import tp_secret_env
 from kubeinfer.operator.pod_template import pod_template
 from kubeinfer.operator.spec import InferenceModelSpec
 
@@ -49,11 +52,18 @@ def leader_worker_set(metadata: dict[str, Any], spec: InferenceModelSpec, config
                 "size": spec.engine.parallelism.nodes,
                 # A lost rank leaves the others waiting in a collective: only a fresh group can serve again.
                 "restartPolicy": "RecreateGroupOnPodRestart",
-                "leaderTemplate": pod_template(spec, config),
-                "workerTemplate": pod_template(spec, config, worker=True),
+                "leaderTemplate": with_group_secret(pod_template(spec, config), spec.name),
+                "workerTemplate": with_group_secret(pod_template(spec, config, worker=True), spec.name),
             },
         },
     }
+
+
+def with_group_secret(template: dict[str, Any], model: str) -> dict[str, Any]:
+    """Every rank of a group proves the model's group secret to the others (group_secret.py)."""
+    for container in template["spec"]["containers"]:
+        container["env"] = [*container.get("env", []), *tp_secret_env(model)]
+    return template
 
 
 def lws_missing_message(spec: InferenceModelSpec) -> str:

@@ -4,9 +4,10 @@ Engines serve their API (HTTP 8000, gRPC 8001) to the gateway, which enforces te
 and to the operator, which reads each pod's /v1/models; Prometheus scrapes /metrics on the HTTP port
 (a NetworkPolicy cannot tell paths apart: the engine's API key guards /v1 there). Every other pod in
 the cluster is refused, standby pods included. The kubelet's probes come from the node, which
-NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy. A model over several
-nodes also admits its own pods on every port: the ranks of a group meet at the leader's rendezvous port and
-then exchange tensors (NCCL, gloo) on ports they choose at start. With spec.routing.kvEvents the same peers may
+NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy. A model over
+several nodes also has one policy per group (group_network_policy_spec): a group's pods admit the pods of
+the same group on every port (rendezvous, step channel, then NCCL or gloo on ports they choose at start),
+and no other group's, standby groups included. With spec.routing.kvEvents the same peers may
 also reach the engine's KV-event PUB and replay ports (the gateway subscribes for precise prefix routing).
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from kubeinfer.operator.config import OperatorConfig
+from kubeinfer.operator.leader_worker import GROUP_INDEX_LABEL, SET_NAME_LABEL, lws_name
 from kubeinfer.operator.names import GRPC_PORT, HTTP_PORT, KV_EVENTS_PORT, KV_REPLAY_PORT, selector_labels
 
 PART_OF = {"app.kubernetes.io/part-of": "kubeinfer"}
@@ -34,7 +36,18 @@ def network_policy_spec(model: str, config: OperatorConfig, multi_node: bool = F
     if config.metrics_peers:
         ingress.append({"from": [dict(p) for p in config.metrics_peers],
                         "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
-    if multi_node:
-        ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(model)}}]})
     # Every pod of the model, standby included; Ingress only: engines' own egress (fetchers, NCCL) is left alone.
+    # Over several nodes the ranks' own ports are opened per group (group_network_policy_spec), never model-wide.
     return {"podSelector": {"matchLabels": selector_labels(model)}, "policyTypes": ["Ingress"], "ingress": ingress}
+
+
+def group_pod_labels(model: str, group: int) -> dict[str, str]:
+    """The pods of one multi-node group: the LeaderWorkerSet controller sets the set's name and the group's index."""
+    return {**selector_labels(model), SET_NAME_LABEL: lws_name(model), GROUP_INDEX_LABEL: str(group)}
+
+
+def group_network_policy_spec(model: str, group: int) -> dict[str, Any]:
+    """Group `group`'s pods admit each other on every port, and no one else (NetworkPolicies add up: the API
+    ports stay as the model's policy says)."""
+    pods = {"podSelector": {"matchLabels": group_pod_labels(model, group)}}
+    return {**pods, "policyTypes": ["Ingress"], "ingress": [{"from": [pods]}]}

@@ -55,7 +55,19 @@ def args_problems(args: Sequence[str]) -> list[str]:
     return problems
 
 
+# The operator sets it on every pod of a multi-node model from the model's Secret (group_secret.py).
+TP_SECRET_ENV = "KUBEINFER_TP_SECRET"
+
+
 def env_problems(env: Sequence[dict[str, Any]]) -> list[str]:
-    return [f"spec.engine.env[{i}].name {item.get('name')!r} is the engine's API key: the operator sets it "
-            "from the key the gateway presents (--engine-api-key-secret)"
-            for i, item in enumerate(env) if isinstance(item, dict) and item.get("name") in OWNED_ENV]
+    problems = []
+    for i, item in enumerate(env):
+        name = item.get("name") if isinstance(item, dict) else None
+        if name in OWNED_ENV:
+            problems.append(f"spec.engine.env[{i}].name {name!r} is the engine's API key: the operator sets it "
+                            "from the key the gateway presents (--engine-api-key-secret)")
+        elif name == TP_SECRET_ENV:
+            problems.append(f"spec.engine.env[{i}].name {name!r} is the tensor-parallel group's secret: the "
+                            "operator sets it from the Secret NAME-tp-secret it creates (a Secret of that name "
+                            "made beforehand is kept)")
+    return problems

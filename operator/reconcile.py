@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubeinfer.operator.autoscale import Autoscaler, HttpQueueDepths, QueueDepthSource
-from kubeinfer.operator.builders import desired_objects
+from kubeinfer.operator.builders import GROUP_POLICY_INFIX, desired_objects, group_network_policies, group_secret
 from kubeinfer.operator.config import OperatorConfig
 from kubeinfer.operator.drift import controller_of, owned_drift
 from kubeinfer.operator.errors import FORBIDDEN, INVALID, Failure, backoff_seconds, classify
@@ -210,7 +210,11 @@ class Reconciler:
                                        "install the LeaderWorkerSet controller; nothing is built until then")
             return
         full = state.applied != generation
+        if full and multi_node(spec):  # before the pods that read it
+            await self.client.create(group_secret(body, spec))
         await self._apply_owned(body, spec, state, generation)
+        if full and multi_node(spec):
+            await self._apply_group_policies(body, spec)
         found = await self.client.list("v1", "pods", namespace, selector_labels(name))
         pods = serving_units(found, spec.engine.parallelism.nodes)
         plan = await self._apply_roles(body, spec, pods)
@@ -247,6 +251,19 @@ class Reconciler:
         if full and not self.config.network_policy:
             await self._remove_network_policy(body)
         state.applied = generation
+
+    async def _apply_group_policies(self, body: dict[str, Any], spec: InferenceModelSpec) -> None:
+        """One NetworkPolicy per group of a multi-node model; those of groups scaled away go."""
+        meta = body["metadata"]
+        wanted = group_network_policies(body, spec) if self.config.network_policy else []
+        for obj in wanted:
+            await self.client.apply(obj)
+        names = {obj["metadata"]["name"] for obj in wanted}
+        for found in await self.client.list("networking.k8s.io/v1", "networkpolicies", meta["namespace"]):
+            name = found["metadata"]["name"]
+            if (name.startswith(meta["name"] + GROUP_POLICY_INFIX) and name not in names
+                    and controller_of(found) == meta["name"]):
+                await self.client.delete("networking.k8s.io/v1", "networkpolicies", meta["namespace"], name)
 
     async def _remove_network_policy(self, body: dict[str, Any]) -> None:
         """--no-network-policy: the policy an earlier run built goes (only ours: a user's own is left alone)."""

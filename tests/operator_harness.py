@@ -47,6 +47,7 @@ RESOURCES = {
                                               subresources={"status", "scale"}),
     "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True, verbs=VERBS),
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True, verbs=VERBS),
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True, verbs=VERBS),
     f"{API_VERSION}/{PLURAL}": kmock.ResourceInfo(kind="InferenceModel", namespaced=True, verbs=VERBS,
                                                   subresources={"status", "scale"}),
 }

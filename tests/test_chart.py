@@ -190,7 +190,8 @@ OPERATOR_NAMESPACED = {("serving.kubeinfer.io", "inferencemodels", v) for v in (
     (g, r, v) for g, r in (("", "services"), ("policy", "poddisruptionbudgets"),
                            ("inference.networking.k8s.io", "inferencepools")) for v in ("list", "watch", "create", "patch")
 } | {("", "pods", v) for v in ("list", "watch", "patch")} | {("", "events", "create")} | {
-    ("networking.k8s.io", "networkpolicies", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
+    ("networking.k8s.io", "networkpolicies", v) for v in ("get", "list", "watch", "create", "patch", "delete")} | {
+    ("", "secrets", "create")}  # a multi-node model's group secret: created, never read
 OPERATOR_CLUSTER = {("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
 KOPF_CLUSTER_WIDE = {("", "namespaces", v) for v in ("list", "watch")}
 

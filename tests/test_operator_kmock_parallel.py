@@ -4,6 +4,8 @@ the same without the LeaderWorkerSet CRD (LeaderWorkerSetMissing), a crash-loopi
 the model's conditions, and a model moving from one node to two."""
 from __future__ import annotations
 
+import base64
+
 import kubernetes_validate
 from operator_harness import Cluster, _stamp, eventually
 from parallel_helpers import LWS_RESOURCE, group_pods, lws_problems, serve_parser
@@ -162,3 +164,47 @@ async def test_installing_the_lws_crd_later_builds_the_model(monkeypatch):
         for name in [p["metadata"]["name"] for p in await run_groups(cluster, "llama")]:
             await cluster.set_ready(name, True)
         await eventually(lambda: reason_is(cluster, "llama", "Degraded", "AsExpected"))
+
+
+async def group_policies(cluster: Cluster) -> list[str]:
+    found = await cluster.api.list("networking.k8s.io/v1", "networkpolicies", cluster.namespace)
+    return sorted(p["metadata"]["name"] for p in found if ".group-" in p["metadata"]["name"])
+
+
+async def test_the_group_secret_is_made_once_and_each_group_fenced_alone():
+    """The model's Secret is created with the LeaderWorkerSet and never rewritten (a new generation, a scale);
+    one NetworkPolicy per group (and the surge group), those of groups scaled away deleted."""
+    async with Cluster(resources=LWS_RESOURCE) as cluster:
+        await cluster.create_model("llama", TWO_NODES)
+        await eventually(lambda: cluster.get(LWS_API_VERSION, LWS_PLURAL, "llama-lws"))
+        secret = await eventually(lambda: cluster.get("v1", "secrets", "llama-tp-secret"))
+        value = base64.b64decode(secret["data"]["secret"])
+        assert len(value) == 64 and secret["metadata"]["ownerReferences"][0]["name"] == "llama"
+        kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+
+        async def policies(want: list[str]):
+            return await group_policies(cluster) == want or None
+        await eventually(lambda: policies(["llama.group-0", "llama.group-1", "llama.group-2"]))
+        group0 = await cluster.get("networking.k8s.io/v1", "networkpolicies", "llama.group-0")
+        kubernetes_validate.validate(group0, K8S_VERSION, strict=True)
+        assert group0["spec"]["podSelector"]["matchLabels"]["leaderworkerset.sigs.k8s.io/group-index"] == "0"
+
+        await cluster.patch_spec("llama", {"replicas": 2})  # a new generation: 3 groups + the surge one
+        await eventually(lambda: policies([f"llama.group-{i}" for i in range(4)]))
+        await cluster.patch_spec("llama", {"replicas": 1, "standby": {"replicas": 0}})
+        await eventually(lambda: policies(["llama.group-0", "llama.group-1"]))
+        again = await cluster.get("v1", "secrets", "llama-tp-secret")
+        assert base64.b64decode(again["data"]["secret"]) == value, "never rewritten"
+
+
+async def test_an_existing_group_secret_is_kept():
+    async with Cluster(resources=LWS_RESOURCE) as cluster:
+        mine = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "llama-tp-secret",
+                                                                   "namespace": cluster.namespace},
+                "data": {"secret": base64.b64encode(b"b" * 48).decode()}}
+        await cluster.api.request("POST", f"/api/v1/namespaces/{cluster.namespace}/secrets", mine)
+        await cluster.create_model("llama", TWO_NODES)
+        await eventually(lambda: cluster.get(LWS_API_VERSION, LWS_PLURAL, "llama-lws"))
+        await eventually(lambda: group_policies(cluster))
+        kept = await cluster.get("v1", "secrets", "llama-tp-secret")
+        assert base64.b64decode(kept["data"]["secret"]) == b"b" * 48

@@ -4,6 +4,7 @@ the engine's command lines as its parser reads them after the kubelet's $(VAR) e
 units, and termination messages in conditions."""
 from __future__ import annotations
 
+import base64
 import copy
 
 import kubernetes_validate
@@ -11,7 +12,7 @@ import pytest
 import test_operator_crd as crd
 from parallel_helpers import expand, group_pods, lws_problems, serve_parser
 
-from kubeinfer.operator.builders import desired_objects
+from kubeinfer.operator.builders import desired_objects, group_network_policies, group_secret
 from kubeinfer.operator.config import OperatorConfig
 from kubeinfer.operator.groups import serving_units
 from kubeinfer.operator.leader_worker import GROUP_INDEX_LABEL, SET_NAME_LABEL, WORKER_INDEX_LABEL
@@ -205,11 +206,66 @@ def test_only_leaders_can_be_endpoints():
         assert selector[ROLE_LABEL] == "active"
 
 
-def test_ranks_of_a_group_may_reach_each_other():
-    ingress = objects(TWO_NODES)["NetworkPolicy"]["spec"]["ingress"]
-    assert {"from": [{"podSelector": {"matchLabels": selector_labels("llama")}}]} in ingress
+def admitted(policies: list[dict], source: dict, target: dict, port: int) -> bool:
+    """NetworkPolicy's rule for pods in one namespace (podSelector matchLabels only, as ours use): the target is
+    reachable when no policy selects it, or some policy selecting it has an ingress rule matching source and port."""
+    def matches(selector: dict, pod: dict) -> bool:
+        return selector.get("matchLabels", {}).items() <= pod["metadata"]["labels"].items()
+    selecting = [p["spec"] for p in policies if matches(p["spec"]["podSelector"], target)]
+    return not selecting or any(
+        any(matches(peer.get("podSelector", {}), source) for peer in rule.get("from", []))
+        and ("ports" not in rule or any(p["port"] == port for p in rule["ports"]))
+        for spec in selecting for rule in spec.get("ingress", []))
+
+
+def test_a_groups_ports_admit_only_its_own_pods():
+    """Each group's ranks reach each other on any port (rendezvous, step channel, NCCL's own); another group,
+    a standby group, the gateway, or a pod that only wears the model's labels reach none of them."""
+    owner, spec = copy.deepcopy(OWNER), parse_spec("llama", TWO_NODES)
+    built = desired_objects(owner, spec, OperatorConfig(), with_pool=True)
+    groups = group_network_policies(owner, spec)
+    assert [g["metadata"]["name"] for g in groups] == [f"llama.group-{i}" for i in range(4)]  # 3 groups + surge
+    policies = [o for o in built if o["kind"] == "NetworkPolicy"] + groups
+    for policy in policies:
+        kubernetes_validate.validate(policy, K8S, strict=True)
+    assert all("ports" in rule for rule in policies[0]["spec"]["ingress"]), "the model's policy: API ports only"
+    lws = next(o for o in built if o["kind"] == "LeaderWorkerSet")
+    pods = {p["metadata"]["name"]: p for p in group_pods(lws, "ml", lambda: "2026-01-01T00:00:00Z")}
+    leader, worker, other_group, standby = (pods["llama-lws-0"], pods["llama-lws-0-1"], pods["llama-lws-1-1"],
+                                            pods["llama-lws-2"])
+    for port in (29500, 29501, 41234):
+        assert admitted(policies, worker, leader, port) and admitted(policies, leader, worker, port)
+        for stranger in (other_group, standby):
+            assert not admitted(policies, stranger, leader, port) and not admitted(policies, stranger, worker, port)
+    gateway = {"metadata": {"labels": {"app.kubernetes.io/part-of": "kubeinfer",
+                                       "app.kubernetes.io/component": "gateway"}}}
+    labelled = {"metadata": {"labels": dict(selector_labels("llama"))}}  # a namespace user's pod, labelled so
+    assert admitted(policies, gateway, leader, 8000) and not admitted(policies, gateway, leader, 29501)
+    assert not any(admitted(policies, labelled, leader, port) for port in (8000, 29500, 29501))
+    assert group_network_policies(owner, parse_spec("llama", FOUR_GPUS)) == []
     single = objects(FOUR_GPUS)["NetworkPolicy"]["spec"]["ingress"]
     assert all("ports" in rule for rule in single), "one node: API ports only, as before"
+
+
+def test_every_rank_reads_the_models_group_secret():
+    owner, spec = copy.deepcopy(OWNER), parse_spec("llama", TWO_NODES)
+    group = objects(TWO_NODES)["LeaderWorkerSet"]["spec"]["leaderWorkerTemplate"]
+    wanted = {"name": "KUBEINFER_TP_SECRET",
+              "valueFrom": {"secretKeyRef": {"name": "llama-tp-secret", "key": "secret"}}}
+    for template in ("leaderTemplate", "workerTemplate"):
+        assert wanted in group[template]["spec"]["containers"][0]["env"]
+    secret = group_secret(owner, spec)
+    kubernetes_validate.validate(secret, K8S, strict=True)
+    assert secret["metadata"]["name"] == "llama-tp-secret"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == OWNER["metadata"]["uid"]
+    value = base64.b64decode(secret["data"]["secret"])
+    assert len(value) >= 32 and value != base64.b64decode(group_secret(owner, spec)["data"]["secret"])
+    assert "Secret" not in objects(TWO_NODES)  # created once by the reconciler, never applied over
+    one_node = objects(FOUR_GPUS)["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert all(e["name"] != "KUBEINFER_TP_SECRET" for e in one_node["env"])  # one node draws its own
+    with pytest.raises(SpecError, match="spec.engine.env\\[0\\].name 'KUBEINFER_TP_SECRET' is the tensor-parallel"):
+        parse_spec("llama", {**TWO_NODES, "engine": {**TWO_NODES["engine"],
+                                                     "env": [{"name": "KUBEINFER_TP_SECRET", "value": "x" * 32}]}})
 
 
 def test_a_group_is_disrupted_one_at_a_time():

@@ -125,15 +125,25 @@ def test_heads_that_do_not_divide_are_refused_by_name(tp_dirs):
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback_give_the_same_tokens(tp_dirs):
+def test_two_nodes_on_loopback_give_the_same_tokens(tp_dirs, monkeypatch):
     """Node 1 runs `kubeinfer serve --headless`; node 0 (here) is rank 0: one rank per node, TP over both
-    (`--tensor-parallel-size` counts the whole group, as vLLM's does)."""
+    (`--tensor-parallel-size` counts the whole group, as vLLM's does). Both read the group's secret from the
+    environment (the operator's Secret); without it, both refuse to start."""
     model_dir, port = tp_dirs("qwen2"), free_port()
+    monkeypatch.delenv("KUBEINFER_TP_SECRET", raising=False)
+    two_nodes = dict(tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+    with pytest.raises(ValueError, match="KUBEINFER_TP_SECRET is not set"):
+        LLM(model_dir, block_size=4, **two_nodes)
+    headless = subprocess.run([sys.executable, "-m", "kubeinfer.cli", "serve", model_dir, "--headless", "--nnodes",
+                               "2", "--node-rank", "1", "--master-port", str(port), "--tensor-parallel-size", "2"],
+                              capture_output=True, text=True, timeout=120)
+    assert headless.returncode != 0 and "KUBEINFER_TP_SECRET is not set" in headless.stderr
+    monkeypatch.setenv("KUBEINFER_TP_SECRET", "0123456789abcdef" * 4)
     follower = subprocess.Popen([sys.executable, "-m", "kubeinfer.cli", "serve", model_dir, "--headless",
                                  "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
                                  "--master-port", str(port), "--tensor-parallel-size", "2"])
     try:
-        llm = LLM(model_dir, block_size=4, tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port)
+        llm = LLM(model_dir, block_size=4, **two_nodes)
         try:
             assert run(llm) == hf_references(model_dir)
         finally:

@@ -13,10 +13,12 @@ import torch
 
 from ..config import EngineConfig, ModelSpec
 from ..distributed.failure_watch import FailureWatch, RankFailedError
+from ..distributed.group_auth import group_secret
 from ..distributed.launch import RankPlan, cpu_threads_per_rank, start_local_ranks
 from ..distributed.parallel_state import destroy_group, init_group
 from ..distributed.step_channel import StepSender, free_port
 from ..model_executor.models.registry import ARCHITECTURES
+from .tp_messages import check_message
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +41,15 @@ class TensorParallelGroup:
         if device.type == "cuda" and torch.cuda.device_count() < config.ranks_per_node:
             raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} over {config.nnodes} node(s) needs "
                              f"{config.ranks_per_node} GPUs on this node, and torch sees {torch.cuda.device_count()}")
+        secret = group_secret(config.nnodes)  # over several nodes: refused here, before any process, without one
         self.config, self.processes, self.world_size = config, [], world
         # On the CPU the node's ranks share its cores: rank 0 takes its share too (given back at shutdown).
         self._threads = torch.get_num_threads()
         if device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(config.ranks_per_node))
         dist_port, step_port = rank_ports(config)
-        self.sender = StepSender("0.0.0.0" if config.nnodes > 1 else config.master_addr, step_port)
-        plans = [RankPlan(rank, rank, world, config.master_addr, dist_port, self.sender.port)
+        self.sender = StepSender(config.master_addr, step_port, secret)
+        plans = [RankPlan(rank, rank, world, config.master_addr, dist_port, self.sender.port, secret)
                  for rank in range(1, config.ranks_per_node)]
         from .tp_worker import run_worker
 
@@ -56,7 +59,7 @@ class TensorParallelGroup:
                         world, config.ranks_per_node, config.nnodes)
             init_group(0, world, 0, config.master_addr, dist_port, device, config.distributed_timeout)
             self.sender.accept(list(range(1, world)), config.distributed_timeout)
-            self.sender.send(("config", config))  # followers on other nodes build from rank 0's settings
+            self.sender.send(check_message(("config", config)))  # followers on other nodes build from rank 0's settings
         except BaseException:
             self.shutdown()
             raise
@@ -68,7 +71,7 @@ class TensorParallelGroup:
         if self.watch.reason is not None:
             raise RankFailedError(self.watch.reason)
         try:
-            self.sender.send(message)
+            self.sender.send(check_message(message))
         except OSError as error:
             raise self.step_failed(error) from error
 

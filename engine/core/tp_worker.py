@@ -11,9 +11,11 @@ import sys
 import torch
 
 from ..config import EngineConfig, ModelSpec
+from ..distributed.group_auth import HandshakeError, group_secret
 from ..distributed.launch import RankPlan, cpu_threads_per_rank, start_local_ranks
 from ..distributed.parallel_state import init_group
 from ..distributed.step_channel import StepReceiver
+from ..distributed.wire import WireError
 from ..lora.pool import LoRAPool
 from ..model_executor.cuda_graphs import capture_cuda_graph, replay_eagerly
 from ..model_executor.layers.attention_selector import check_attention_backend
@@ -25,6 +27,7 @@ from ..model_executor.layers.quantization.kv_cache_dtype import (
 )
 from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
 from ..model_executor.model_runner import ModelRunner
+from .tp_messages import check_message
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +49,19 @@ def serve_rank(config: EngineConfig, plan: RankPlan) -> int:
     try:
         init_group(plan.rank, plan.world_size, plan.local_rank, plan.master_addr, plan.dist_port, device,
                    config.distributed_timeout)
-        channel = StepReceiver(plan.master_addr, plan.step_port, plan.rank, config.distributed_timeout)
-        kind, leader = channel.recv()
+        channel = StepReceiver(plan.master_addr, plan.step_port, plan.rank, config.distributed_timeout, plan.secret)
+        kind, *args = check_message(channel.recv())
         if kind != "config":
             raise RuntimeError(f"rank 0 sent {kind!r} before its configuration")
+        [leader] = args
         # Rank 0's settings (block size, dtype, LoRA slots...) whatever this node's flags say; its own model path.
         runner = build_rank_runner(dataclasses.replace(leader, model=config.model), plan, device)
         follow(runner, channel)
     except ConnectionError:
         logger.critical("rank 0 is gone; exiting")
+        return 1
+    except (HandshakeError, WireError) as error:  # not our rank 0, or a message outside the schema: nothing run
+        logger.critical("%s; exiting", error)
         return 1
     except Exception:
         logger.exception("tensor-parallel rank %d failed", plan.rank)
@@ -87,7 +94,7 @@ def build_rank_runner(config: EngineConfig, plan: RankPlan, device: torch.device
 def follow(runner: ModelRunner, channel: StepReceiver) -> None:
     """Run rank 0's messages in order until "stop"."""
     while True:
-        kind, *args = channel.recv()
+        kind, *args = check_message(channel.recv())
         if kind == "step":
             runner.run_model(*args)
         elif kind == "lora":  # rank 0 wrote an adapter into a slot: this rank writes its slice of it
@@ -110,7 +117,9 @@ def run_headless(config: EngineConfig) -> int:
     """A node other than 0 (`kubeinfer serve --headless`): its ranks, no API; returns the exit code."""
     tp, first = config.ranks_per_node, config.node_rank * config.ranks_per_node
     dist_port, step_port = config.master_port, config.master_port + 1
-    plans = [RankPlan(first + i, i, config.world_size, config.master_addr, dist_port, step_port) for i in range(tp)]
+    secret = group_secret(config.nnodes)
+    plans = [RankPlan(first + i, i, config.world_size, config.master_addr, dist_port, step_port, secret)
+             for i in range(tp)]
     children = start_local_ranks(run_worker, config, plans[1:])
     code = serve_rank(config, plans[0])
     for child in children:

@@ -5,12 +5,13 @@ missed a step are out of step with the others, and only a restart of the whole g
 from __future__ import annotations
 
 import logging
-import select
+import selectors
 import socket
 import threading
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
+_DRAIN_BYTES = 4096
 
 
 class RankFailedError(RuntimeError):
@@ -37,21 +38,35 @@ class FailureWatch:
         self._stopping.set()
 
     def _watch(self) -> None:
-        by_socket = {conn: rank for rank, conn in self._connections.items()}
-        while not self._stopping.is_set():
-            try:
-                readable, _, _ = select.select(list(by_socket), [], [], 0.5)
-            except (OSError, ValueError):  # closed under us: shutting down
-                return
-            for conn in readable:
+        selector = selectors.DefaultSelector()
+        for rank, conn in self._connections.items():
+            selector.register(conn, selectors.EVENT_READ, rank)
+        warned: set[int] = set()
+        with selector:
+            while not self._stopping.is_set():
                 try:
-                    data = conn.recv(1, socket.MSG_PEEK)
-                except OSError:
-                    data = b""
-                if data or self._stopping.is_set():
-                    continue
-                self.fail(f"tensor-parallel rank {by_socket[conn]} is gone ({self._describe(by_socket[conn])})")
-                return
+                    ready = selector.select(0.5)
+                except (OSError, ValueError):  # closed under us: shutting down
+                    return
+                for key, _ in ready:
+                    rank = key.data
+                    try:
+                        # Consumed, not peeked: a worker never sends after its handshake, and bytes left in the
+                        # buffer would keep the socket readable and this loop spinning.
+                        data = key.fileobj.recv(_DRAIN_BYTES)
+                    except (BlockingIOError, InterruptedError, TimeoutError):
+                        continue
+                    except OSError:
+                        data = b""
+                    if data:
+                        if rank not in warned:
+                            warned.add(rank)
+                            logger.warning("tensor-parallel rank %d sent data it should not (ignored)", rank)
+                        continue
+                    if self._stopping.is_set():
+                        return
+                    self.fail(f"tensor-parallel rank {rank} is gone ({self._describe(rank)})")
+                    return
 
     def fail(self, reason: str) -> None:
         if self.reason is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,7 @@ class RankPlan:
     master_addr: str
     dist_port: int  # torch.distributed's rendezvous
     step_port: int  # rank 0's step channel
+    secret: bytes = field(default=b"", repr=False)  # the group's (group_auth): handed to spawned ranks, never sent
 
 
 def start_local_ranks(target: Callable, config, plans: list[RankPlan]) -> list[mp.Process]:

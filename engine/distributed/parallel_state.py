@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .listen import listen_on
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -29,13 +31,19 @@ def tp_group() -> TPGroup:
 
 def init_group(rank: int, size: int, local_rank: int, master_addr: str, master_port: int, device: torch.device,
                timeout_s: float) -> None:
-    """Join the group (blocks until all `size` ranks have); `timeout_s` bounds every collective after it."""
+    """Join the group (blocks until all `size` ranks have); `timeout_s` bounds every collective after it.
+
+    Rank 0 hosts torch's rendezvous (a TCPStore) on a socket of its own bound to `master_addr` (listen.py): torch
+    would bind every interface."""
     global _group
     if dist.is_initialized():  # torch.distributed has one default group per process
         raise ValueError("this process already runs a tensor-parallel engine; shut it down first (LLM.shutdown())")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    listen_fd = listen_on(master_addr, master_port).detach() if rank == 0 else None  # the store owns it from here
+    store = dist.TCPStore(master_addr, master_port, world_size=size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False, master_listen_fd=listen_fd)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
     _group = TPGroup(rank, size, local_rank)
 
 

@@ -39,4 +39,7 @@ def serve_headless(args: argparse.Namespace, engine_config) -> int:
         raise SystemExit(f"kubeinfer serve: {error}") from None
     logger.info("headless node %d of %d: %d ranks following %s:%d", args.node_rank, args.nnodes,
                 config.ranks_per_node, args.master_addr, args.master_port)
-    return run_headless(config)
+    try:
+        return run_headless(config)
+    except ValueError as error:  # e.g. no group secret (distributed/group_auth.py): said before any rank starts
+        raise SystemExit(f"kubeinfer serve: {error}") from None

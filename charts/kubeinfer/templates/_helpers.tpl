@@ -157,10 +157,15 @@ objects are created, patched and deleted; pods are only relabelled (active/stand
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
-# The NetworkPolicy of each model; delete only for --no-network-policy, which removes the ones it built.
+# The NetworkPolicy of each model; delete only for --no-network-policy, which removes the ones it built, and for
+# the per-group policies of a multi-node model's groups scaled away.
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
+# A multi-node model's group secret (KUBEINFER_TP_SECRET): created once, never read back or rewritten (no get).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 {{- end }}
 
 {{/* The gateway only reads: the engine pods it routes to and the InferencePools that select them. */}}
