@@ -3,16 +3,16 @@
 vLLM's protocol: a request `[b"", 8-byte start sequence]` (a DEALER's or a REQ's) is answered with
 `[b"", seq, payload]` for each buffered batch from `start` on, then `[b"", seq -1, b""]`.
 
-A ROUTER queues what it sends to a client until that client reads it, up to its high-water mark per client:
-a client that asks and never reads would hold a copy of the buffer in the engine, and a hundred such clients
-a hundred copies. So an answer is a session that sends only as fast as its client reads (ROUTER_MANDATORY:
-a full pipe says so instead of dropping), at most `max_clients` sessions at a time, each ended after
-`session_s`; and `held`, an upper bound on the batches queued for all clients since the socket was made, never
-passes `max_held`: a request that would pass it is not answered. When the budget is spent (a full-size answer
-no longer fits) and no session runs,
-the socket is made anew on the same address once `flush_s` has passed since the last session ended (a client
-that read has its answer by then), which frees whatever unread clients still hold. A legitimate subscriber at
-worst sees no answer and counts the batches as missed; the live stream is not touched.
+A ROUTER queues what it sends to a client until that client reads it: a client that asks and never reads
+would hold a copy of the buffer in the engine (vLLM: up to the 1,000 batches of its high-water mark), and a
+hundred such clients a hundred copies. Here an answer is a session that sends only as fast as its client
+reads (ROUTER_MANDATORY: a full pipe says so instead of dropping; `client_hwm` batches per client), at most
+`max_clients` sessions at a time, each ended after `session_s`. `held` counts the batches of every answer
+admitted since the socket was made (all it can have sent, read or not) and never passes `max_held`, two full
+buffers by default: a request that would pass it is not answered. Once a full answer no longer fits and no
+session runs, the socket is made anew on the same address `flush_s` after the last session ended (a client
+that reads has its answer by then): whatever unread clients still hold goes with the old one. A legitimate
+subscriber at worst gets no answer and counts the batches as missed; the live stream is not touched.
 """
 from __future__ import annotations
 
@@ -31,11 +31,12 @@ logger = logging.getLogger(__name__)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MAX_CLIENTS = 4  # sessions at a time
 CLIENT_HWM = 256  # batches queued per client before its pipe is full
-MAX_HELD = 4096  # batches queued for all clients together, until the socket is made anew
+HELD_BUFFERS = 2  # answers admitted between resets hold at most this many full buffers of batches
 SESSION_S = 10.0  # an answer that takes longer is abandoned
 FLUSH_S = 1.0  # after the last session, before a reset may drop what clients still hold
-REQUEST_BYTES = 64  # a request is 8 bytes; a client that sends more is disconnected by ZMQ
+REQUEST_BYTES = 4096  # a request is 8 bytes (CURVE handshakes need a few hundred); more is a disconnect
 REQUESTS_PER_CALL = 64
+REBIND_WARN_S = 5.0
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Session:
 
 @dataclass
 class ReplayStats:
+    admitted: int = 0  # requests answered, or being answered
     answered: int = 0  # sessions that sent their end marker
     refused: int = 0  # requests not answered: too many clients, or the memory budget spent
     abandoned: int = 0  # sessions whose client did not read in time, or went away
@@ -65,16 +67,21 @@ class ReplayServer:
     curve: CurveKeys | None = None
     max_clients: int = MAX_CLIENTS
     client_hwm: int = CLIENT_HWM
-    max_held: int = MAX_HELD
+    max_held: int | None = None  # default: HELD_BUFFERS full answers (the buffer's capacity, plus end markers)
     session_s: float = SESSION_S
     flush_s: float = FLUSH_S
     clock: Callable[[], float] = time.monotonic
     stats: ReplayStats = field(default_factory=ReplayStats)
 
     def __post_init__(self) -> None:
+        if self.max_held is None:
+            self.max_held = HELD_BUFFERS * ((self.buffer.maxlen or len(self.buffer)) + 1)
         self.sessions: dict[bytes, Session] = {}
-        self.held = 0  # upper bound on batches queued for clients since the socket was made
+        self.held = 0  # batches of the answers admitted since the socket was made: all they can have sent
         self._last_end = 0.0
+        self._rebind_since: float | None = None
+        self._rebind_warned = False
+        self._closed = False
         self.socket: zmq.Socket | None = None
         self._bind(self.endpoint)
         self.endpoint = self.socket.getsockopt_string(zmq.LAST_ENDPOINT)  # a `*` port resolved, for resets
@@ -103,7 +110,11 @@ class ReplayServer:
     def serve(self) -> None:
         """Read waiting requests, send what clients can take, end late sessions; never blocks."""
         if self.socket is None:
-            return
+            if self._closed:
+                return
+            self._rebind()
+            if self.socket is None:
+                return
         for _ in range(REQUESTS_PER_CALL):
             if not self.socket.poll(0):
                 break
@@ -116,11 +127,12 @@ class ReplayServer:
                     self.stats.abandoned += 1
                 del self.sessions[peer]
                 self._last_end = now
-        spent = self.held > self.max_held - self.client_hwm  # a full-size answer no longer fits
+        spent = self.held + len(self.buffer) + 1 > self.max_held  # a full answer no longer fits
         if spent and not self.sessions and now - self._last_end >= self.flush_s:
             self._reset()
 
     def close(self) -> None:
+        self._closed = True
         if self.socket is not None:
             self.socket.close(0)
             self.socket = None
@@ -135,7 +147,7 @@ class ReplayServer:
             self.stats.refused += 1
             return
         entries = [(seq, payload) for seq, payload in list(self.buffer) if seq >= start]
-        cost = min(len(entries) + 1, self.client_hwm)  # what this client can hold unread
+        cost = len(entries) + 1  # all it sends, end marker included
         if len(self.sessions) >= self.max_clients or self.held + cost > self.max_held:
             self.stats.refused += 1
             if self.stats.refused == 1 or self.stats.refused % 1000 == 0:
@@ -144,6 +156,7 @@ class ReplayServer:
                                self.stats.refused)
             return
         self.held += cost
+        self.stats.admitted += 1
         self.sessions[peer] = Session(peer, entries, self.clock() + self.session_s)
 
     def _push(self, session: Session) -> None:
@@ -174,8 +187,19 @@ class ReplayServer:
         self.socket = None
         self.held = 0
         self.stats.resets += 1
+        self._rebind()
+
+    def _rebind(self) -> None:
+        """ZMQ closes a socket's listener on its own thread: the address may be busy for a moment. Tried at each
+        call of `serve` until it is free (logged once if that takes long)."""
         try:
             self._bind(self.endpoint)
+            self._rebind_since = None
         except zmq.ZMQError as error:
-            logger.error("KV events: the replay socket could not be bound again at %s (%s): replay is off",
-                         self.endpoint, error)
+            now = self.clock()
+            if self._rebind_since is None:
+                self._rebind_since = now
+            elif now - self._rebind_since > REBIND_WARN_S and not self._rebind_warned:
+                self._rebind_warned = True
+                logger.error("KV events: the replay socket cannot be bound again at %s (%s); replay is off until "
+                             "it can", self.endpoint, error)

@@ -13,7 +13,7 @@ the pod's live batches held meanwhile; other pods go on. A number that goes back
 restarted, one that jumps more than MAX_REPLAY ahead cannot be replayed: either way the pod starts over.
 Lost streams: ZMQ reconnects by itself; a socket monitor says when the connection is down. A pod whose
 connection stays down longer than `lost_after` seconds, or that leaves the pool, has its blocks dropped:
-a stale index routes requests to caches that are gone.
+a stale index routes requests to caches that are gone. A lost pod's socket is made anew at the next refresh.
 
 Faults stay with their pod: a message or batch out of the wire contract (kv_event_wire.py checks every
 field), a replay out of protocol, events the index refuses, or anything else that goes wrong with one pod's
@@ -166,7 +166,7 @@ class KVEventSubscriber:
                            "has none (KUBEINFER_ENGINE_API_KEY): its prefixes are scored approximately", pod)
             self.unfollowed[pod] = source
             return
-        sub = self._ctx.socket(zmq.SUB)
+        sub, monitor = self._ctx.socket(zmq.SUB), None
         try:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RECONNECT_IVL, 200)
@@ -178,7 +178,10 @@ class KVEventSubscriber:
             sub.setsockopt_string(zmq.SUBSCRIBE, source.topic)
             monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sub.connect(source.endpoint)
-        except zmq.ZMQError:
+        except BaseException:  # whatever the source holds: no socket left open (the context could not end)
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(0)
             sub.close(0)
             raise
         self.streams[pod] = Stream(source, sub, monitor, down_since=self.clock())
@@ -210,14 +213,15 @@ class KVEventSubscriber:
 
     def _expire(self) -> None:
         now = self.clock()
-        for pod, stream in self.streams.items():
+        for pod, stream in list(self.streams.items()):
             if stream.down_since is not None and now - stream.down_since > self.lost_after and (
                     pod in self.index.pods or stream.last_seq is not None):
                 logger.warning("KV events: %s unreachable for %.0f s: its blocks are dropped", pod, now - stream.down_since)
                 self.index.drop(pod)
-                self._end_fetch(stream)
-                stream.pending, stream.last_seq = [], None  # when it comes back, start over (replay its buffer)
                 self.dropped_pods += 1
+                # A new socket at the next refresh starts it over (replaying its buffer) once it is back; ZMQ
+                # itself never reconnects after a protocol error (a message past MAX_MESSAGE_BYTES, say).
+                self._close(pod)
 
     # -- one pod's messages ------------------------------------------------------------------------------------
     def _drain(self, pod: str, stream: Stream) -> None:
