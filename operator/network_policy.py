@@ -6,8 +6,10 @@ and to the operator, which reads each pod's /v1/models; Prometheus scrapes /metr
 the cluster is refused, standby pods included. The kubelet's probes come from the node, which
 NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy. A model over several
 nodes also admits its own pods on every port: the ranks of a group meet at the leader's rendezvous port and
-then exchange tensors (NCCL, gloo) on ports they choose at start. With spec.routing.kvEvents the same peers may
-also reach the engine's KV-event PUB and replay ports (the gateway subscribes for precise prefix routing).
+then exchange tensors (NCCL, gloo) on ports they choose at start. With spec.routing.kvEvents the engine's
+KV-event PUB and replay ports admit the gateway's pods alone (--network-policy-kv-events-peers), not the API
+peers: the events carry every cached block's token ids, and only the gateway subscribes (precise prefix
+routing); where the engine has an API key, CURVE refuses any other subscriber as well (docs/security.md).
 """
 from __future__ import annotations
 
@@ -25,12 +27,19 @@ def default_api_peers() -> list[dict[str, Any]]:
             for component in ("gateway", "operator")]
 
 
+def default_kv_events_peers() -> list[dict[str, Any]]:
+    """Without --network-policy-kv-events-peers: the gateway's pods in the model's namespace."""
+    return [{"podSelector": {"matchLabels": {**PART_OF, "app.kubernetes.io/component": "gateway"}}}]
+
+
 def network_policy_spec(model: str, config: OperatorConfig, multi_node: bool = False,
                         kv_events: bool = False) -> dict[str, Any]:
     api_ports = [{"protocol": "TCP", "port": HTTP_PORT}, {"protocol": "TCP", "port": GRPC_PORT}]
-    if kv_events:
-        api_ports += [{"protocol": "TCP", "port": KV_EVENTS_PORT}, {"protocol": "TCP", "port": KV_REPLAY_PORT}]
     ingress = [{"from": [dict(p) for p in config.api_peers] or default_api_peers(), "ports": api_ports}]
+    if kv_events:
+        ingress.append({"from": [dict(p) for p in config.kv_events_peers] or default_kv_events_peers(),
+                        "ports": [{"protocol": "TCP", "port": KV_EVENTS_PORT},
+                                  {"protocol": "TCP", "port": KV_REPLAY_PORT}]})
     if config.metrics_peers:
         ingress.append({"from": [dict(p) for p in config.metrics_peers],
                         "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
