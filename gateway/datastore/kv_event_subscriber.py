@@ -216,7 +216,8 @@ class KVEventSubscriber:
         for pod, stream in list(self.streams.items()):
             if stream.down_since is not None and now - stream.down_since > self.lost_after and (
                     pod in self.index.pods or stream.last_seq is not None):
-                logger.warning("KV events: %s unreachable for %.0f s: its blocks are dropped", pod, now - stream.down_since)
+                logger.warning("KV events: %s unreachable for %.0f s: its blocks are dropped", pod,
+                               now - stream.down_since)
                 self.index.drop(pod)
                 self.dropped_pods += 1
                 # A new socket at the next refresh starts it over (replaying its buffer) once it is back; ZMQ
