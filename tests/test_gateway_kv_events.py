@@ -338,3 +338,4 @@ def test_the_gateway_exports_its_kv_event_counts(llama_dir, followed):
     assert samples[("kubeinfer_gateway_kv_events_pods", None)] == 1
     assert samples[("kubeinfer_gateway_kv_events_batches_total", "applied")] == f.sub.streams[POD].stats["batches"] > 0
     assert samples[("kubeinfer_gateway_kv_events_pods_dropped_total", None)] == 0
+    assert samples[("kubeinfer_gateway_kv_events_pod_faults_total", None)] == 0

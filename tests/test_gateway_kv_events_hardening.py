@@ -180,6 +180,7 @@ def test_the_subscriber_thread_outlives_a_mistyped_event(pods):
     p.deliver(BAD, MALFORMED["token_ids a string"])
     assert p.sub._thread.is_alive() and BAD not in p.index.pods
     p.assert_good_still_followed()
+    assert p.sub.totals()["faults"] == 1  # exported as kubeinfer_gateway_kv_events_pod_faults_total
 
 
 def test_a_block_size_of_zero_never_reaches_a_pick(pods):

@@ -182,3 +182,14 @@ def test_keys_are_derived_from_the_api_key_alone():
     assert a.server_secret.decode() not in repr(a) and a.client_secret.decode() not in repr(a)
     with pytest.raises(ValueError):
         CurveKeys.from_api_key("")
+
+
+@pytest.mark.parametrize("key", [KEY, None])
+def test_the_gateways_engine_key_keys_its_subscriber(key):
+    from kubeinfer.gateway.app import Gateway, GatewayConfig
+
+    gateway = Gateway(GatewayConfig(endpoints=["http://127.0.0.1:1"], prefix_routing="precise", engine_api_key=key))
+    try:
+        assert gateway.kv_subscriber.curve == (CurveKeys.from_api_key(key) if key else None)
+    finally:
+        gateway.kv_subscriber.stop()

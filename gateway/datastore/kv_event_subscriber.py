@@ -120,7 +120,8 @@ class KVEventSubscriber:
     def _round(self, wait_ms: int) -> None:
         try:
             ready = dict(self._poller.poll(wait_ms))
-        except zmq.ZMQError:
+        except zmq.ZMQError:  # a socket closed under the poller: the next refresh makes a new one
+            self._stop.wait(wait_ms / 1000)
             return
         for pod, stream in list(self.streams.items()):
             try:
@@ -199,6 +200,8 @@ class KVEventSubscriber:
         stream = self.streams.pop(pod)
         self._closed.update(stream.stats)
         self._end_fetch(stream)
+        for sock in (stream.sub, stream.monitor):
+            self._unregister(sock)
         stream.sub.disable_monitor()
         stream.monitor.close(0)
         stream.sub.close(0)
@@ -313,12 +316,15 @@ class KVEventSubscriber:
     def _end_fetch(self, stream: Stream) -> None:
         if stream.fetch is None:
             return
-        try:
-            self._poller.unregister(stream.fetch.socket)
-        except KeyError:
-            pass
+        self._unregister(stream.fetch.socket)
         stream.fetch.close()
         stream.fetch = None
+
+    def _unregister(self, sock: zmq.Socket) -> None:
+        try:
+            self._poller.unregister(sock)
+        except KeyError:
+            pass
 
     # -- faults ------------------------------------------------------------------------------------------------
     def _fault(self, pod: str, stream: Stream, error: Exception) -> None:
