@@ -169,10 +169,13 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         while not self._stop.is_set():
-            if self.zap is not None:
-                self.zap.answer()
-            if self.replay is not None:
-                self.replay.serve()
+            try:
+                if self.zap is not None:
+                    self.zap.answer()
+                if self.replay is not None:
+                    self.replay.serve()
+            except Exception:  # noqa: BLE001 -- what clients send must not end the events' thread
+                logger.exception("KV events: answering a subscriber failed")
             try:  # a replay in progress sends as its client reads: come back soon
                 batch = self._queue.get(timeout=0.005 if self.replay is not None and self.replay.busy else 0.05)
             except queue.Empty:
