@@ -193,3 +193,15 @@ def test_the_gateways_engine_key_keys_its_subscriber(key):
         assert gateway.kv_subscriber.curve == (CurveKeys.from_api_key(key) if key else None)
     finally:
         gateway.kv_subscriber.stop()
+
+
+def test_a_served_engine_announces_curve_behind_its_key(llama_dir):
+    import httpx
+    from server_harness import RunningServer
+
+    with RunningServer(llama_dir, api_key=KEY, block_size=4, kv_events_config=dict(LOCAL), kv_events_key=KEY) as server:
+        assert httpx.get(server.url + "/load").status_code == 401  # where to subscribe is the key holder's to know
+        load = httpx.get(server.url + "/load", headers={"authorization": f"Bearer {KEY}"}).json()
+        assert load["kv_events"]["auth"] == "curve"
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'kubeinfer:kv_events_subscribers_refused_total{model_name="tiny"} 0.0' in metrics
