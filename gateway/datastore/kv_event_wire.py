@@ -16,6 +16,7 @@ subscriber sets that one pod aside.
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import msgpack
@@ -33,7 +34,6 @@ MAX_BLOCK_SIZE = 16384  # tokens per block: vLLM's are 1..256, hybrid models' a 
 MAX_HASH_BYTES = 64  # sha256 keys are 32
 MAX_NAME_CHARS = 256  # medium, lora_name
 MIN_INT, MAX_INT = -(1 << 63), (1 << 64) - 1  # an integer hash: signed (Python's hash) or unsigned 64-bit
-MAX_TOKEN_ID = (1 << 63) - 1  # token ids are packed as int64 (kv_block_index.block_key)
 
 
 class WireError(ValueError):
@@ -136,7 +136,11 @@ def _check(tag: str, fields: dict) -> None:
     tokens = fields["token_ids"]
     if not isinstance(tokens, list) or len(tokens) != size * len(fields["block_hashes"]):
         raise WireError("BlockStored.token_ids is not block_size token ids per block hash")
-    if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+    try:  # in C: int64s (as the index packs them: a float, a string or a larger number raises), none negative
+        packed = array("q", tokens)
+    except (TypeError, OverflowError):
+        packed = None
+    if packed is None or (tokens and min(tokens) < 0):
         raise WireError("BlockStored.token_ids holds something other than token ids")
     lora_id = fields.get("lora_id")
     if lora_id is not None and (type(lora_id) is not int or not MIN_INT <= lora_id <= MAX_INT):
