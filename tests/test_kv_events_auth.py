@@ -205,3 +205,24 @@ def test_a_served_engine_announces_curve_behind_its_key(llama_dir):
         assert load["kv_events"]["auth"] == "curve"
         metrics = httpx.get(server.url + "/metrics").text
         assert 'kubeinfer:kv_events_subscribers_refused_total{model_name="tiny"} 0.0' in metrics
+
+
+def test_without_its_zap_handler_a_curve_server_admits_nobody():
+    """ZAP_ENFORCE_DOMAIN: were the engine's handler gone, libzmq would admit any CURVE client with the server
+    key; with it, none (the gateway's own key included)."""
+    keys, ctx = CurveKeys.from_api_key(KEY), zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    keys.serve(pub)
+    endpoint = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    sub = _sub(ctx, endpoint, _gateway_keys())
+    try:
+        deadline, got = time.time() + 1.0, False
+        while time.time() < deadline and not got:
+            pub.send_multipart([b"", b"x"])
+            got = bool(sub.poll(20))
+        assert not got
+    finally:
+        sub.close(0)
+        pub.close(0)
+        ctx.term()
