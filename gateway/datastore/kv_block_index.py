@@ -155,11 +155,11 @@ class KVBlockIndex:
                     del self.block_sizes[state.block_size]
 
     def block_size(self) -> int | None:
-        """The block size most pods report (the smaller on a tie); None before any BlockStored."""
+        """The block size most pods report (on a tie, the one reported first); None before any BlockStored."""
         with self.lock:
             if not self.block_sizes:
                 return None
-            return min(self.block_sizes, key=lambda size: (-self.block_sizes[size], size))
+            return max(self.block_sizes, key=self.block_sizes.__getitem__)  # max keeps the first of equals
 
     def tracks(self, pod: str, block_size: int | None) -> bool:
         """Whether the pod's events are followed and its blocks keyed as requests are (same block size)."""
