@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's CacheDType spellings
 # KV cache memory when the user gives no block count and the device is a CPU (vLLM's CPU default is 4 GiB).
@@ -45,6 +45,9 @@ class EngineConfig:
     # vLLM's --kv-events-config: a JSON string or dict, e.g. {"enable_kv_cache_events": true, "publisher": "zmq",
     # "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}; parsed by core/kv_event_publisher.py
     kv_events_config: str | dict | None = None
+    # The API key the KV-event sockets are CURVE-authenticated with (serve: --api-key, unless --kv-events-auth
+    # none); None: vLLM's unauthenticated sockets. Not one of vLLM's keys: kubeinfer/kv_events_curve.py.
+    kv_events_key: str | None = field(default=None, repr=False)
     # Schedule and launch step N+1 before step N's ids reach the host (core/async_scheduling.py). For a GPU;
     # off by default, as in vLLM (`--async-scheduling`). On a CPU it only delays outputs by a step.
     async_scheduling: bool = False

@@ -15,7 +15,7 @@ from ..http_guard import DEFAULT_HEADER_READ_TIMEOUT, GuardConfig, RequestGuard
 from ..http_server import server_config
 from .datastore.discovery import KubernetesDiscovery, static_endpoints
 from .datastore.endpoints import EndpointPool
-from .datastore.kv_block_index import KVBlockIndex
+from .datastore.kv_block_index import MAX_BLOCKS_PER_POD, KVBlockIndex
 from .datastore.kv_event_subscriber import DEFAULT_EVENTS_PORT, KVEventSubscriber, sources_from_pool
 from .datastore.scraper import Scraper
 from .flowcontrol.fair_queue import FairQueue
@@ -77,6 +77,7 @@ class GatewayConfig:
     tokenizers: list[str] = field(default_factory=list)  # --tokenizer [MODEL=]DIR, for precise routing
     kv_events_port: int = DEFAULT_EVENTS_PORT  # engines that do not say where (vLLM's default endpoint)
     kv_events_lost_after: float = 30.0  # seconds a pod's events stream may be down before its blocks go
+    kv_events_max_blocks: int = MAX_BLOCKS_PER_POD  # blocks indexed per pod at most
 
 
 class Gateway:
@@ -86,11 +87,11 @@ class Gateway:
         self.kv_index = self.kv_subscriber = None
         precise = None
         if config.prefix_routing == "precise":
-            self.kv_index = KVBlockIndex()
+            self.kv_index = KVBlockIndex(config.kv_events_max_blocks)
             precise = PrecisePrefixScorer(self.kv_index, Tokenizers(config.tokenizers))
             self.kv_subscriber = KVEventSubscriber(
                 self.kv_index, lambda: sources_from_pool(self.pool, config.kv_events_port),
-                lost_after=config.kv_events_lost_after)
+                lost_after=config.kv_events_lost_after, curve_key=config.engine_api_key)
         self.picker = Picker(self.pool, config.picker, precise=precise)
         self.router = Router(self.picker, GatewayMetrics(self.picker, config.pool_name), config.model_priorities,
                              forward_priority=config.forward_priority)

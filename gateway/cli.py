@@ -9,6 +9,7 @@ import signal
 from ..http_guard import add_http_limit_arguments, guard_from_args
 from .datastore.discovery import parse_selector
 from .datastore.engine_auth import engine_key_from_env
+from .datastore.kv_block_index import MAX_BLOCKS_PER_POD
 from .flowcontrol.fallback import parse_fallback
 from .flowcontrol.tenant_limits import SCOPES
 from .flowcontrol.tenants import load_tenants
@@ -74,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(vLLM: its --kv-events-config endpoint); 0: subscribe only where engines say")
     parser.add_argument("--kv-events-lost-after", type=float, default=30.0,
                         help="seconds a pod's KV-events connection may stay down before its blocks are forgotten")
+    parser.add_argument("--kv-events-max-blocks", type=int, default=MAX_BLOCKS_PER_POD,
+                        help="KV blocks indexed per pod at most (all media); further ones are not indexed")
     parser.add_argument("--model-priority", type=_priority, action="append", default=[], metavar="NAME=INT",
                         help="routing priority of a model; below 0 its requests are sheddable")
     parser.add_argument("--hold-max", type=int, default=256,
@@ -166,6 +169,7 @@ def config_from_args(args: argparse.Namespace):
                          header_read_timeout=args.header_read_timeout, prefix_routing=args.prefix_routing,
                          tokenizers=list(args.tokenizer), kv_events_port=args.kv_events_port,
                          kv_events_lost_after=args.kv_events_lost_after,
+                         kv_events_max_blocks=max(1, args.kv_events_max_blocks),
                          upstream=UpstreamConfig(connect_timeout=args.upstream_connect_timeout,
                                                  first_byte_timeout=args.upstream_first_byte_timeout,
                                                  idle_timeout=args.upstream_idle_timeout,

@@ -90,7 +90,7 @@ def inference_pool(owner: dict[str, Any], spec: InferenceModelSpec, config: Oper
 def network_policy(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:
     """Ingress to the engine pods only from the gateway, the operator and the metrics scrapers."""
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": _metadata(owner, spec),
-            "spec": network_policy_spec(spec.name, config, multi_node(spec), spec.kv_events)}
+            "spec": network_policy_spec(spec.name, config, spec.kv_events)}
 
 
 def group_secret(owner: dict[str, Any], spec: InferenceModelSpec) -> dict[str, Any]:

@@ -65,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "labelled app.kubernetes.io/component=gateway or operator in the model's namespace")
     access.add_argument("--network-policy-metrics-peers", type=_peers, default=(), metavar="JSON",
                         help="NetworkPolicyPeer list allowed to scrape /metrics on port 8000; default: none")
+    access.add_argument("--network-policy-kv-events-peers", type=_peers, default=(), metavar="JSON",
+                        help="NetworkPolicyPeer list allowed to the KV-event ports (5557, 5558) of models with "
+                             "spec.routing.kvEvents; default: pods labelled app.kubernetes.io/component=gateway "
+                             "in the model's namespace (never the API peers: the events carry prompts' token ids)")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: info, -vv: debug")
     parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
 
@@ -96,7 +100,8 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         endpoint_picker_port=args.endpoint_picker_port, resync_seconds=args.resync_seconds, policy=policy,
         engine_api_key_secret=args.engine_api_key_secret, engine_api_key_secret_key=args.engine_api_key_secret_key,
         engine_api_key=os.environ.get(API_KEY_ENV, ""), network_policy=args.network_policy,
-        api_peers=args.network_policy_api_peers, metrics_peers=args.network_policy_metrics_peers)
+        api_peers=args.network_policy_api_peers, metrics_peers=args.network_policy_metrics_peers,
+        kv_events_peers=args.network_policy_kv_events_peers)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,3 +34,4 @@ class OperatorConfig:
     network_policy: bool = True
     api_peers: tuple[dict[str, Any], ...] = ()  # empty: gateway and operator pods in the model's namespace
     metrics_peers: tuple[dict[str, Any], ...] = ()
+    kv_events_peers: tuple[dict[str, Any], ...] = ()  # KV-event ports; empty: gateway pods in the model's namespace

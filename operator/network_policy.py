@@ -7,8 +7,10 @@ the cluster is refused, standby pods included. The kubelet's probes come from th
 NetworkPolicy always admits. It only takes effect with a CNI that enforces NetworkPolicy. A model over
 several nodes also has one policy per group (group_network_policy_spec): a group's pods admit the pods of
 the same group on every port (rendezvous, step channel, then NCCL or gloo on ports they choose at start),
-and no other group's, standby groups included. With spec.routing.kvEvents the same peers may
-also reach the engine's KV-event PUB and replay ports (the gateway subscribes for precise prefix routing).
+and no other group's, standby groups included. With spec.routing.kvEvents the engine's KV-event PUB and
+replay ports admit the gateway's pods alone (--network-policy-kv-events-peers), not the API peers: the events
+carry every cached block's token ids, and only the gateway subscribes (precise prefix routing); where the
+engine has an API key, CURVE refuses any other subscriber as well (docs/security.md).
 """
 from __future__ import annotations
 
@@ -27,12 +29,18 @@ def default_api_peers() -> list[dict[str, Any]]:
             for component in ("gateway", "operator")]
 
 
-def network_policy_spec(model: str, config: OperatorConfig, multi_node: bool = False,
-                        kv_events: bool = False) -> dict[str, Any]:
+def default_kv_events_peers() -> list[dict[str, Any]]:
+    """Without --network-policy-kv-events-peers: the gateway's pods in the model's namespace."""
+    return [{"podSelector": {"matchLabels": {**PART_OF, "app.kubernetes.io/component": "gateway"}}}]
+
+
+def network_policy_spec(model: str, config: OperatorConfig, kv_events: bool = False) -> dict[str, Any]:
     api_ports = [{"protocol": "TCP", "port": HTTP_PORT}, {"protocol": "TCP", "port": GRPC_PORT}]
-    if kv_events:
-        api_ports += [{"protocol": "TCP", "port": KV_EVENTS_PORT}, {"protocol": "TCP", "port": KV_REPLAY_PORT}]
     ingress = [{"from": [dict(p) for p in config.api_peers] or default_api_peers(), "ports": api_ports}]
+    if kv_events:
+        ingress.append({"from": [dict(p) for p in config.kv_events_peers] or default_kv_events_peers(),
+                        "ports": [{"protocol": "TCP", "port": KV_EVENTS_PORT},
+                                  {"protocol": "TCP", "port": KV_REPLAY_PORT}]})
     if config.metrics_peers:
         ingress.append({"from": [dict(p) for p in config.metrics_peers],
                         "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})

@@ -107,3 +107,49 @@ def cached_index(events: list[dict]) -> set[bytes]:
         else:
             held.clear()
     return held
+
+
+class FakeEngine:
+    """A KV-event publisher on loopback that sends whatever a test writes, for the gateway's subscriber: a PUB
+    socket and, with `replay`, a ROUTER whose answers the test writes as well (`answer`)."""
+
+    def __init__(self, replay: bool = False) -> None:
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.router = self.replay_endpoint = None
+        if replay:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.requests: list[int] = []  # the start of each replay request received
+
+    def send(self, seq: int, payload: bytes, topic: bytes = b"") -> None:
+        self.pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
+
+    def request(self, wait_ms: int = 0) -> bytes | None:
+        """The client of the next replay request (its start recorded), or None."""
+        if not self.router.poll(wait_ms):
+            return None
+        client, _, start = self.router.recv_multipart()
+        self.requests.append(int.from_bytes(start, "big"))
+        return client
+
+    def answer(self, client: bytes, seq: int, payload: bytes = b"") -> None:
+        self.router.send_multipart([client, b"", seq.to_bytes(8, "big", signed=True), payload])
+
+    def close(self) -> None:
+        for sock in (self.pub, self.router):
+            if sock is not None:
+                sock.close(0)
+        self.ctx.term()
+
+
+def stored_batch(block_hashes: list, tokens: list[int], block_size: int = 4, parent=None) -> bytes:
+    """A valid EventBatch (vLLM's array encoding) of one BlockStored."""
+    return msgpack.packb([0.0, [["BlockStored", block_hashes, parent, tokens, block_size, None, "GPU", None]], 0])
+
+
+def cleared_batch() -> bytes:
+    return msgpack.packb([0.0, [["AllBlocksCleared"]], 0])

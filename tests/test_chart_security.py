@@ -32,6 +32,7 @@ VARIANTS = {
         "hostPathPrefixes": ["/srv/models"], "allowedImagePrefixes": ["registry.corp/ml/"],
         "allowedPriorityClasses": ["inference"], "allowWildcardTolerations": True, "allowControlPlane": True}},
         "networkPolicy": {"extraApiPeers": [{"namespaceSelector": {"matchLabels": {"gateway": "envoy"}}}],
+                          "extraKvEventsPeers": [{"namespaceSelector": {"matchLabels": {"indexer": "llm-d"}}}],
                           "metricsPeers": [{"namespaceSelector": {"matchLabels": {
                               "kubernetes.io/metadata.name": "monitoring"}}}]}},
 }
@@ -194,6 +195,18 @@ def test_network_policy_peers_and_switch_come_from_values(rendered):
     assert config.metrics_peers == ({"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "monitoring"}}},)
     assert operator_config(rendered["open"]).network_policy is False
+
+
+def test_the_kv_event_ports_admit_this_releases_gateway_alone(rendered):
+    """Issue #44: the KV-event ports took every API peer; now only the gateway (and extraKvEventsPeers)."""
+    defaults, policy = operator_config(rendered["defaults"]), operator_config(rendered["policy"])
+    (gateway_peer,) = defaults.kv_events_peers
+    assert gateway_peer == defaults.api_peers[0]
+    assert gateway_peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
+    assert names.matches(pod_labels(rendered["defaults"], "gateway"), gateway_peer["podSelector"]["matchLabels"])
+    assert not names.matches(pod_labels(rendered["defaults"], "operator"), gateway_peer["podSelector"]["matchLabels"])
+    assert policy.kv_events_peers == (gateway_peer, {"namespaceSelector": {"matchLabels": {"indexer": "llm-d"}}})
+    assert not set(map(str, policy.api_peers[1:])) & set(map(str, policy.kv_events_peers))  # operator, envoy: no
 
 
 # -- the operator's policy -----------------------------------------------------------------------------------

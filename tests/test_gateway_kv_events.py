@@ -14,7 +14,7 @@ from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.core import kv_events as engine_events
 from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
 from kubeinfer.gateway.datastore.kv_block_index import KVBlockIndex, chain_keys
-from kubeinfer.gateway.datastore.kv_event_subscriber import EventSource, KVEventSubscriber, sources_from_pool
+from kubeinfer.gateway.datastore.kv_event_subscriber import EventSource, KVEventSubscriber, Stream, sources_from_pool
 from kubeinfer.gateway.datastore.kv_event_wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -282,7 +282,7 @@ def test_a_pod_that_leaves_the_pool_is_forgotten(llama_dir, followed):
 def test_a_restarted_engine_starts_its_pod_over():
     index = KVBlockIndex()
     sub = KVEventSubscriber(index, lambda: {})
-    stream = type("S", (), {"last_seq": 9, "stats": {"restarts": 0, "batches": 0, "bad": 0}, "source": EventSource("x")})()
+    stream = Stream(EventSource("x"), None, None, last_seq=9)
     index.apply(POD, [BlockStored([1], None, [1, 2, 3, 4], 4)])
     sub._receive(POD, stream, 0, msgpack.packb([0, [["BlockStored", [5], None, [5, 6, 7, 8], 4]]]))
     assert index.keys_of(POD) == set(chain_keys([5, 6, 7, 8], 4)) and stream.stats["restarts"] == 1
@@ -338,3 +338,4 @@ def test_the_gateway_exports_its_kv_event_counts(llama_dir, followed):
     assert samples[("kubeinfer_gateway_kv_events_pods", None)] == 1
     assert samples[("kubeinfer_gateway_kv_events_batches_total", "applied")] == f.sub.streams[POD].stats["batches"] > 0
     assert samples[("kubeinfer_gateway_kv_events_pods_dropped_total", None)] == 0
+    assert samples[("kubeinfer_gateway_kv_events_pod_faults_total", None)] == 0

@@ -157,6 +157,8 @@ def test_served_engine_names_its_events_address_and_counts(llama_dir):
         metrics = httpx.get(server.url + "/metrics").text
         assert 'kubeinfer:kv_events_dropped_total{model_name="tiny"} 0.0' in metrics
         assert "kubeinfer:kv_events_published_total" in metrics
+        assert 'kubeinfer:kv_events_replays_refused_total{model_name="tiny"} 0.0' in metrics
+        assert "kv_events_subscribers_refused" not in metrics  # no key: no CURVE
     with RunningServer(llama_dir, block_size=BS) as server:
         assert httpx.get(server.url + "/load").json()["kv_events"] is None
         assert "kv_events" not in httpx.get(server.url + "/metrics").text

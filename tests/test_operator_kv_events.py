@@ -1,7 +1,8 @@
 """spec.routing.kvEvents: the engines publish KV-cache events for the gateway's precise prefix routing.
 
 On: the engine's command line carries --kv-events-config that the engine's own parsers accept, the container names
-both ports, and the NetworkPolicy opens exactly those ports to the API peers. Off: every object is as before."""
+both ports, and the NetworkPolicy opens exactly those ports to the gateway's pods (not the API peers). Off: every
+object is as before."""
 from __future__ import annotations
 
 import json
@@ -61,14 +62,36 @@ def test_events_off_leaves_every_object_as_before_and_on_changes_only_the_pods_a
     assert [p["port"] for p in off["NetworkPolicy"]["spec"]["ingress"][0]["ports"]] == [8000, 8001]
 
 
-@pytest.mark.parametrize("config", [OperatorConfig(), OperatorConfig(api_peers=(GATEWAY,))])
-def test_network_policy_opens_the_event_ports_to_the_api_peers_only_when_on(config):
+ENVOY = {"namespaceSelector": {"matchLabels": {"gateway": "envoy"}}}
+KV_PORTS = [{"protocol": "TCP", "port": 5557}, {"protocol": "TCP", "port": 5558}]
+
+
+@pytest.mark.parametrize("config", [OperatorConfig(), OperatorConfig(api_peers=(GATEWAY, ENVOY))])
+def test_network_policy_opens_the_event_ports_to_the_gateway_alone(config):
+    """Issue #44: the KV-event ports took every API peer (extraApiPeers included), so any of them could read
+    every cached block's token ids. Now a rule of their own, from the gateway's pods only."""
     on, off = objects(ON, config)["NetworkPolicy"], objects(BASE, config)["NetworkPolicy"]
     kubernetes_validate.validate(on, K8S, strict=True)
-    (api,) = on["spec"]["ingress"]
-    assert api["from"] == off["spec"]["ingress"][0]["from"]
-    assert api["ports"] == [{"protocol": "TCP", "port": port} for port in (8000, 8001, 5557, 5558)]
-    assert [p["port"] for p in off["spec"]["ingress"][0]["ports"]] == [8000, 8001]
+    api, events = on["spec"]["ingress"]
+    assert api == off["spec"]["ingress"][0]  # the API rule is as without kvEvents
+    assert [p["port"] for p in api["ports"]] == [8000, 8001]
+    assert events["ports"] == KV_PORTS
+    assert events["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kubeinfer",
+                                                               "app.kubernetes.io/component": "gateway"}}}]
+    assert ENVOY not in events["from"] and all("operator" not in str(peer) for peer in events["from"])
+    assert len(off["spec"]["ingress"]) == 1
+
+
+def test_the_event_ports_peers_come_from_their_own_flag():
+    from kubeinfer.operator.cli import add_arguments, config_from
+
+    parser = __import__("argparse").ArgumentParser()
+    add_arguments(parser)
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm"}}, **GATEWAY}]
+    config = config_from(parser.parse_args(["--network-policy-api-peers", json.dumps([GATEWAY, ENVOY]),
+                                            "--network-policy-kv-events-peers", json.dumps(peers)]))
+    (_, events) = objects(ON, config)["NetworkPolicy"]["spec"]["ingress"]
+    assert events == {"from": peers, "ports": KV_PORTS}
 
 
 def test_only_the_leader_of_a_multi_node_group_publishes():

@@ -3,9 +3,14 @@
 Wire protocol (vLLM's, so llm-d's indexer and our gateway subscribe to us as to vLLM):
 - PUB socket at `endpoint`: multipart `[topic, 8-byte big-endian sequence number, msgpack EventBatch]`.
   A wildcard address (`tcp://*:5557`, `ipc://`, `inproc://`) is bound, any other is connected to.
-- ROUTER socket at `replay_endpoint` (optional): a request `[b"", 8-byte start sequence]` (a DEALER's, or a
-  REQ's) is answered with `[b"", seq, payload]` for every buffered batch from `start` on, then
-  `[b"", seq -1, b""]`. The last `buffer_steps` batches are kept.
+- ROUTER socket at `replay_endpoint` (optional, always bound): a request `[b"", 8-byte start sequence]` (a
+  DEALER's, or a REQ's) is answered with `[b"", seq, payload]` for every buffered batch from `start` on, then
+  `[b"", seq -1, b""]`. The last `buffer_steps` batches are kept; clients and what they hold unread are
+  bounded (kv_event_replay.py).
+
+With an API key (`curve`, derived from `--api-key`: kubeinfer/kv_events_curve.py) every socket the engine
+binds is a CURVE server that admits only the gateway's derived key, and `/load` says `"auth": "curve"`; a PUB
+that connects goes, unauthenticated, to the address its operator named. Without a key, as vLLM.
 
 The step loop only puts a batch on a bounded queue (`put_nowait`); one thread encodes, sends and answers
 replays. A full queue or a socket that would block drops the batch and counts it (`dropped`,
@@ -26,12 +31,15 @@ from dataclasses import dataclass, fields
 import msgspec
 import zmq
 
+from kubeinfer.kv_events_curve import AUTH_CURVE, CurveKeys, ZapGate
+
+from .kv_event_replay import ReplayServer
 from .kv_events import EventBatch, KVEventRecorder
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 PUBLISHERS = ("null", "zmq")
+SUBSCRIPTION_BYTES = 4096  # what a subscriber sends a PUB is its topic filter; a longer one is a disconnect
 
 
 @dataclass
@@ -98,7 +106,7 @@ def _own_ip() -> str:
 
 
 class ZmqEventPublisher:
-    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0, curve: CurveKeys | None = None) -> None:
         self.config = config
         self.data_parallel_rank = data_parallel_rank
         self.dropped = 0  # batches dropped: queue full or socket would block
@@ -109,27 +117,29 @@ class ZmqEventPublisher:
         self._topic = config.topic.encode()
         self._next_seq = 0
         self._ctx = zmq.Context()
+        self.curve = curve
         # Sockets are made here so that a busy port is a start-up error; from now on only the thread uses them.
+        self.zap = ZapGate(self._ctx, curve) if curve is not None else None  # before any CURVE socket binds
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._replay = None
+        self._pub.setsockopt(zmq.MAXMSGSIZE, SUBSCRIPTION_BYTES)
+        self.replay: ReplayServer | None = None
         try:
             if _binds(config.endpoint):
+                if curve is not None:
+                    curve.serve(self._pub)
                 self._pub.bind(config.endpoint)
             else:
                 self._pub.connect(config.endpoint)
             if config.replay_endpoint:
-                self._replay = self._ctx.socket(zmq.ROUTER)
-                self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(config.replay_endpoint)
+                self.replay = ReplayServer(self._ctx, config.replay_endpoint, self._buffer, curve)
         except zmq.ZMQError as error:
             self._close_sockets()
             raise ValueError(f"--kv-events-config: cannot open {config.endpoint!r} / {config.replay_endpoint!r}: "
                              f"{error}") from None
         self.endpoint = advertised(self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or config.endpoint)
-        self.replay_endpoint = (advertised(self._replay.getsockopt_string(zmq.LAST_ENDPOINT))
-                                if self._replay is not None else None)
+        self.replay_endpoint = advertised(self.replay.endpoint) if self.replay is not None else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-publisher", daemon=True)
         self._thread.start()
@@ -159,10 +169,15 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         while not self._stop.is_set():
-            if self._replay is not None and self._replay.poll(0):
-                self._answer_replay()
             try:
-                batch = self._queue.get(timeout=0.05)
+                if self.zap is not None:
+                    self.zap.answer()
+                if self.replay is not None:
+                    self.replay.serve()
+            except Exception:  # noqa: BLE001 -- what clients send must not end the events' thread
+                logger.exception("KV events: answering a subscriber failed")
+            try:  # a replay in progress sends as its client reads: come back soon
+                batch = self._queue.get(timeout=0.005 if self.replay is not None and self.replay.busy else 0.05)
             except queue.Empty:
                 continue
             if batch is None:
@@ -188,30 +203,20 @@ class ZmqEventPublisher:
         self._buffer.append((seq, payload))
         self.published += 1
 
-    def _answer_replay(self) -> None:
-        frames = self._replay.recv_multipart()
-        if len(frames) != 3 or len(frames[2]) != 8:
-            logger.warning("KV events: ignoring a malformed replay request (%d frames)", len(frames))
-            return
-        client, _, start = frames
-        start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", END_SEQ, b""))
-
     def _close_sockets(self) -> None:
-        for sock in (self._pub, self._replay):
-            if sock is not None:
-                sock.close(linger=0)
+        self._pub.close(linger=0)
+        for part in (self.replay, self.zap):
+            if part is not None:
+                part.close()
         self._ctx.term()
 
 
 class KVEventStream:
-    """The engine's end: a recorder on the block manager, flushed to the publisher once per step."""
+    """The engine's end: a recorder on the block manager, flushed to the publisher once per step. With an
+    `api_key`, the sockets the publisher binds are CURVE servers keyed from it."""
 
-    def __init__(self, config: KVEventsConfig, block_manager, lora_name_of) -> None:
-        self.publisher = ZmqEventPublisher(config)
+    def __init__(self, config: KVEventsConfig, block_manager, lora_name_of, api_key: str | None = None) -> None:
+        self.publisher = ZmqEventPublisher(config, curve=CurveKeys.from_api_key(api_key) if api_key else None)
         self.recorder = KVEventRecorder(block_manager.block_size, lora_name_of)
         block_manager.events = self.recorder
 
@@ -221,9 +226,12 @@ class KVEventStream:
             self.publisher.publish(batch)
 
     def report(self) -> dict:
-        """For the engine's /load report: where subscribers connect."""
-        return {"endpoint": self.publisher.endpoint, "replay_endpoint": self.publisher.replay_endpoint,
-                "topic": self.publisher.config.topic}
+        """For the engine's /load report: where subscribers connect, and (only when on) that they need CURVE."""
+        report = {"endpoint": self.publisher.endpoint, "replay_endpoint": self.publisher.replay_endpoint,
+                  "topic": self.publisher.config.topic}
+        if self.publisher.curve is not None:
+            report["auth"] = AUTH_CURVE
+        return report
 
     def shutdown(self) -> None:
         self.flush()

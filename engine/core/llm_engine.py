@@ -81,7 +81,8 @@ class LLMEngine(EngineAdapters):
         self.block_manager = build_block_manager(config, self.spec, self.runner, self.num_kv_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
                                                    config.scheduling_policy), self.block_manager, pool)
-        self.kv_events = KVEventStream(kv_events, self.block_manager, self._lora_name) if kv_events else None
+        self.kv_events = (KVEventStream(kv_events, self.block_manager, self._lora_name, config.kv_events_key)
+                          if kv_events else None)
         self.speculator = speculative and Speculator(speculative, self.max_model_len, draft_runner, self.spec.vocab_size)
         if self.speculator is not None:
             self.speculator.attach(self.runner)

@@ -130,6 +130,13 @@ class _StateCollector:
             yield counter("kubeinfer:kv_events_published", "KV-event batches published.", publisher.published)
             yield counter("kubeinfer:kv_events_dropped", "KV-event batches dropped (queue full or socket would block).",
                           publisher.dropped)
+            if publisher.zap is not None:  # CURVE (the engine has an API key)
+                yield counter("kubeinfer:kv_events_subscribers_refused", "KV-event subscribers refused for lacking "
+                              "the gateway's key (CURVE).", publisher.zap.refused)
+            if publisher.replay is not None:
+                yield counter("kubeinfer:kv_events_replays_refused", "KV-event replay requests left unanswered: "
+                              "too many clients, or the batches held for them at their bound.",
+                              publisher.replay.stats.refused)
         success = CounterMetricFamily("vllm:request_success", "Finished requests by finish reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in ("stop", "length", "abort"):

@@ -81,6 +81,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
                              '(keys: enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, '
                              'buffer_steps, hwm, max_queue_size); docs/kv-events.md')
+    parser.add_argument("--kv-events-auth", choices=("auto", "none"), default="auto",
+                        help="auto: with --api-key the KV-event sockets the engine binds are ZMQ CURVE servers that "
+                             "admit only a subscriber holding the same key (the gateway); none: unauthenticated, "
+                             "as vLLM (for a subscriber that cannot do CURVE; keep the ports closed to all else)")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\', or a draft model with the same '
@@ -167,6 +171,7 @@ def engine_config(args: argparse.Namespace, lora_modules: list[tuple[str, str]])
                         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                         scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
                         kv_events_config=args.kv_events_config,
+                        kv_events_key=args.api_key if args.kv_events_auth == "auto" else None,
                         async_output_processing=args.async_output_processing,
                         async_scheduling=args.async_scheduling, quantization=args.quantization,
                         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,

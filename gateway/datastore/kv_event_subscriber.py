@@ -1,17 +1,25 @@
 """Follows every engine's KV events into the block index, on a thread of its own (never on the request path).
 
-Sources come from the endpoint pool at each refresh: an engine whose `/load` report names its events
-(`kv_events.endpoint`, ours) is subscribed there; one read from Prometheus text (vLLM, which does not say)
-at `tcp://HOST:--kv-events-port` on the pod's address; an engine whose report says `kv_events: null`
-publishes nothing and is not subscribed. One SUB socket per pod (the message does not say who sent it).
+Sources come from the endpoint pool at each refresh (kv_event_sources.py: an engine's `/load` report, checked;
+vLLM at `tcp://HOST:--kv-events-port`). One SUB socket per pod (the message does not say who sent it). An
+engine that announces `"auth": "curve"` is subscribed as the CURVE client keyed from the engine API key
+(kubeinfer/kv_events_curve.py); without that key the gateway cannot follow it and says so once.
 
 Sequence numbers: a gap (a batch dropped by the engine or by ZMQ) asks the pod's replay socket for the
-missing batches before applying the one that arrived; the first message from a pod asks for everything
-still buffered, so an engine that was serving before the gateway started is known at once. A number that
-goes backwards is an engine that restarted: its old blocks are dropped.
+missing batches before applying the one that arrived; the first message from a pod asks for what is still
+buffered, so an engine that was serving before the gateway started is known at once. A replay asks for at
+most MAX_REPLAY batches and runs on this thread's poller (kv_event_fetch.py: bounded in frames and seconds),
+the pod's live batches held meanwhile; other pods go on. A number that goes backwards is an engine that
+restarted, one that jumps more than MAX_REPLAY ahead cannot be replayed: either way the pod starts over.
 Lost streams: ZMQ reconnects by itself; a socket monitor says when the connection is down. A pod whose
 connection stays down longer than `lost_after` seconds, or that leaves the pool, has its blocks dropped:
-a stale index routes requests to caches that are gone.
+a stale index routes requests to caches that are gone. A lost pod's socket is made anew at the next refresh.
+
+Faults stay with their pod: a message or batch out of the wire contract (kv_event_wire.py checks every
+field), a replay out of protocol, events the index refuses, or anything else that goes wrong with one pod's
+stream sets that pod aside: it is forgotten (scored approximately), its messages are ignored for a pause that
+doubles with each fault in a row (FAULT_PAUSE_S up to MAX_FAULT_PAUSE_S), then it starts over. Messages are
+capped at MAX_MESSAGE_BYTES (ZMQ drops the connection of a peer that sends more), the index per pod.
 """
 from __future__ import annotations
 
@@ -25,61 +33,55 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .kv_block_index import KVBlockIndex
-from .kv_event_wire import WireError, decode_batch
+from kubeinfer.kv_events_curve import AUTH_CURVE, CurveKeys
+
+from .kv_block_index import IndexFault, KVBlockIndex
+from .kv_event_fetch import FETCH_DEADLINE_S, MAX_MESSAGE_BYTES, Fetch, ReplayError
+from .kv_event_sources import DEFAULT_EVENTS_PORT, EventSource, sources_from_pool
+from .kv_event_wire import Batch, WireError, decode_batch
+
+__all__ = ["DEFAULT_EVENTS_PORT", "EventSource", "KVEventSubscriber", "Stream", "sources_from_pool"]
 
 logger = logging.getLogger(__name__)
-END_SEQ = -1
-DEFAULT_EVENTS_PORT = 5557  # vLLM's default `endpoint` (tcp://*:5557)
-REPLAY_WAIT_S = 2.0
-
-
-@dataclass(frozen=True)
-class EventSource:
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-
-
-def sources_from_pool(pool, events_port: int = DEFAULT_EVENTS_PORT) -> dict[str, EventSource]:
-    """Each scraped endpoint's events source: what its /load report names, else (Prometheus text: vLLM)
-    the pod's host at `events_port`."""
-    sources = {}
-    for endpoint in list(pool):
-        state = endpoint.state
-        if state is None:
-            continue
-        if state.load_report:
-            report = state.kv_events
-            if report:
-                sources[endpoint.address] = EventSource(report["endpoint"], report.get("replay_endpoint"),
-                                                        report.get("topic") or "")
-        elif events_port:
-            host = endpoint.address.rsplit(":", 1)[0]
-            sources[endpoint.address] = EventSource(f"tcp://{host}:{events_port}")
-    return sources
+MAX_REPLAY = 10_000  # batches one replay asks for at most (vLLM's default buffer_steps)
+MAX_PENDING = 1_000  # live batches held while a replay is in flight; more ends the replay
+MESSAGES_PER_CALL = 1_000  # live messages read from one pod per round: the others' turn comes in between
+SUB_RCVHWM = 1_000
+FAULT_PAUSE_S = 10.0
+MAX_FAULT_PAUSE_S = 300.0
 
 
 @dataclass
 class Stream:
     source: EventSource
-    sub: zmq.Socket
-    monitor: zmq.Socket
+    sub: zmq.Socket | None
+    monitor: zmq.Socket | None
     last_seq: int | None = None
     connected: bool = False
     down_since: float | None = None
-    stats: dict = field(default_factory=lambda: {"batches": 0, "gaps": 0, "replayed": 0, "missed": 0,
-                                                 "bad": 0, "restarts": 0})
+    fetch: Fetch | None = None  # a replay in flight
+    pending: list[tuple[int, bytes]] = field(default_factory=list)  # live messages that came during it
+    paused_until: float | None = None  # set aside after a fault: its messages are ignored until then
+    faults_in_a_row: int = 0
+    last_fault: float = float("-inf")
+    stats: dict = field(default_factory=lambda: {"batches": 0, "gaps": 0, "replayed": 0, "missed": 0, "bad": 0,
+                                                 "restarts": 0, "jumps": 0, "faults": 0, "ignored": 0})
 
 
 class KVEventSubscriber:
     def __init__(self, index: KVBlockIndex, sources: Callable[[], dict[str, EventSource]],
-                 lost_after: float = 30.0, refresh: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 lost_after: float = 30.0, refresh: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 curve_key: str | None = None, fault_pause: float = FAULT_PAUSE_S) -> None:
+        """`curve_key`: the engine API key (KUBEINFER_ENGINE_API_KEY), to follow engines that announce CURVE."""
         self.index, self.sources, self.lost_after, self.refresh, self.clock = index, sources, lost_after, refresh, clock
+        self.curve = CurveKeys.from_api_key(curve_key) if curve_key else None
+        self.fault_pause = fault_pause
         self.streams: dict[str, Stream] = {}
+        self.unfollowed: dict[str, EventSource] = {}  # pods not followed until their source changes
         self.dropped_pods = 0  # pods whose blocks were dropped for a lost stream
         self._closed: Counter = Counter()  # the counts of streams closed since
         self._ctx = zmq.Context()
+        self._poller = zmq.Poller()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -98,35 +100,42 @@ class KVEventSubscriber:
     # -- the thread ------------------------------------------------------------------------------------------
     def _run(self) -> None:
         next_refresh = 0.0
-        poller = zmq.Poller()
         while not self._stop.is_set():
-            now = self.clock()
-            if now >= next_refresh:
-                poller = self._sync()
-                next_refresh = now + self.refresh
             try:
-                ready = dict(poller.poll(50))
-            except zmq.ZMQError:
-                continue
-            for pod, stream in list(self.streams.items()):
+                now = self.clock()
+                if now >= next_refresh:
+                    self._sync()
+                    next_refresh = now + self.refresh
+                self._round(50)
+            except Exception:  # noqa: BLE001 -- this thread follows every pod: it outlives any one round
+                logger.exception("KV events: a round of the subscriber failed; carrying on")
+                next_refresh = 0.0
+                self._stop.wait(0.1)
+
+    def step(self, wait_ms: int = 50) -> None:
+        """One round of the thread's work, for tests that drive it without the thread."""
+        self._sync()
+        self._round(wait_ms)
+
+    def _round(self, wait_ms: int) -> None:
+        try:
+            ready = dict(self._poller.poll(wait_ms))
+        except zmq.ZMQError:  # a socket closed under the poller: the next refresh makes a new one
+            self._stop.wait(wait_ms / 1000)
+            return
+        for pod, stream in list(self.streams.items()):
+            try:
                 if stream.monitor in ready:
                     self._on_monitor(stream)
                 if stream.sub in ready:
                     self._drain(pod, stream)
-            self._expire()
-
-    def step(self, wait_ms: int = 50) -> None:
-        """One round of the thread's work, for tests that drive it without the thread."""
-        poller = self._sync()
-        ready = dict(poller.poll(wait_ms))
-        for pod, stream in list(self.streams.items()):
-            if stream.monitor in ready:
-                self._on_monitor(stream)
-            if stream.sub in ready:
-                self._drain(pod, stream)
+                if stream.fetch is not None:
+                    self._on_fetch(pod, stream)
+            except Exception as error:  # noqa: BLE001 -- whatever one pod's stream does stays with that pod
+                self._fault(pod, stream, error)
         self._expire()
 
-    def _sync(self) -> zmq.Poller:
+    def _sync(self) -> None:
         try:
             wanted = self.sources()
         except Exception:  # noqa: BLE001 -- the pool is read while it changes; next refresh
@@ -136,28 +145,49 @@ class KVEventSubscriber:
             if wanted.get(pod) != self.streams[pod].source:
                 self._close(pod)
                 self.index.drop(pod)
+        for pod in [p for p, source in self.unfollowed.items() if wanted.get(p) != source]:
+            del self.unfollowed[pod]
         for pod, source in wanted.items():
-            if pod not in self.streams:
-                self._open(pod, source)
-        poller = zmq.Poller()
+            if pod not in self.streams and pod not in self.unfollowed:
+                try:
+                    self._open(pod, source)
+                except Exception as error:  # noqa: BLE001 -- one pod's address must not stop the others
+                    logger.warning("KV events: cannot follow %s at %s: %s", pod, source.endpoint, error)
+                    self.unfollowed[pod] = source
+        self._poller = zmq.Poller()
         for stream in self.streams.values():
-            poller.register(stream.sub, zmq.POLLIN)
-            poller.register(stream.monitor, zmq.POLLIN)
-        return poller
+            self._poller.register(stream.sub, zmq.POLLIN)
+            self._poller.register(stream.monitor, zmq.POLLIN)
+            if stream.fetch is not None:
+                self._poller.register(stream.fetch.socket, zmq.POLLIN)
 
     def _open(self, pod: str, source: EventSource) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RECONNECT_IVL, 200)
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        sub.setsockopt_string(zmq.SUBSCRIBE, source.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        if source.auth == AUTH_CURVE and self.curve is None:
+            logger.warning("KV events: %s publishes only to holders of the engine API key (CURVE); this gateway "
+                           "has none (KUBEINFER_ENGINE_API_KEY): its prefixes are scored approximately", pod)
+            self.unfollowed[pod] = source
+            return
+        sub, monitor = self._ctx.socket(zmq.SUB), None
         try:
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RECONNECT_IVL, 200)
+            sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
+            if source.auth == AUTH_CURVE:
+                self.curve.client(sub)
+            sub.setsockopt_string(zmq.SUBSCRIBE, source.topic)
+            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
             sub.connect(source.endpoint)
-        except zmq.ZMQError as error:
-            logger.warning("KV events: cannot subscribe to %s at %s: %s", pod, source.endpoint, error)
+        except BaseException:  # whatever the source holds: no socket left open (the context could not end)
+            if monitor is not None:
+                sub.disable_monitor()
+                monitor.close(0)
+            sub.close(0)
+            raise
         self.streams[pod] = Stream(source, sub, monitor, down_since=self.clock())
-        logger.info("KV events: following %s at %s", pod, source.endpoint)
+        logger.info("KV events: following %s at %s%s", pod, source.endpoint,
+                    " (CURVE)" if source.auth == AUTH_CURVE else "")
 
     def totals(self) -> Counter:
         """Every stream's counts together, those of closed streams included (for the gateway's counters)."""
@@ -169,6 +199,9 @@ class KVEventSubscriber:
     def _close(self, pod: str) -> None:
         stream = self.streams.pop(pod)
         self._closed.update(stream.stats)
+        self._end_fetch(stream)
+        for sock in (stream.sub, stream.monitor):
+            self._unregister(sock)
         stream.sub.disable_monitor()
         stream.monitor.close(0)
         stream.sub.close(0)
@@ -183,75 +216,131 @@ class KVEventSubscriber:
 
     def _expire(self) -> None:
         now = self.clock()
-        for pod, stream in self.streams.items():
+        for pod, stream in list(self.streams.items()):
             if stream.down_since is not None and now - stream.down_since > self.lost_after and (
                     pod in self.index.pods or stream.last_seq is not None):
-                logger.warning("KV events: %s unreachable for %.0f s: its blocks are dropped", pod, now - stream.down_since)
+                logger.warning("KV events: %s unreachable for %.0f s: its blocks are dropped", pod,
+                               now - stream.down_since)
                 self.index.drop(pod)
-                stream.last_seq = None  # when it comes back, start over (replay what it still buffers)
                 self.dropped_pods += 1
+                # A new socket at the next refresh starts it over (replaying its buffer) once it is back; ZMQ
+                # itself never reconnects after a protocol error (a message past MAX_MESSAGE_BYTES, say).
+                self._close(pod)
 
+    # -- one pod's messages ------------------------------------------------------------------------------------
     def _drain(self, pod: str, stream: Stream) -> None:
-        while stream.sub.poll(0):
+        for _ in range(MESSAGES_PER_CALL):
+            if not stream.sub.poll(0):
+                return
             frames = stream.sub.recv_multipart()
+            if stream.paused_until is not None:
+                if self.clock() < stream.paused_until:
+                    stream.stats["ignored"] += 1
+                    continue
+                stream.paused_until = None
             if len(frames) != 3 or len(frames[1]) != 8:
-                stream.stats["bad"] += 1
-                continue
+                raise WireError(f"a message of {len(frames)} parts, not [topic, 8-byte seq, payload]")
             self._receive(pod, stream, int.from_bytes(frames[1], "big"), frames[2])
 
     def _receive(self, pod: str, stream: Stream, seq: int, payload: bytes) -> None:
+        if stream.fetch is not None:  # a replay first: this one after it, in order
+            stream.pending.append((seq, payload))
+            if len(stream.pending) > MAX_PENDING:
+                self._finish_fetch(pod, stream)
+            return
+        batch = decode_batch(payload)
         last = stream.last_seq
         if last is not None and seq <= last:  # numbering started over: a new engine process
             stream.stats["restarts"] += 1
             self.index.drop(pod)
             last = None
+        elif last is not None and seq - last > MAX_REPLAY:  # more missed than any replay returns: start over
+            stream.stats["jumps"] += 1
+            logger.warning("KV events: %s jumped from sequence %d to %d: its blocks are dropped", pod, last, seq)
+            self.index.drop(pod)
+            last = None
+        start = None
         if last is None:
             self.index.apply(pod, [])  # known from now on, even before its first block
             if seq > 0:
-                self._fill(pod, stream, 0, seq)
+                start = max(0, seq - MAX_REPLAY)
         elif seq > last + 1:
             stream.stats["gaps"] += 1
-            self._fill(pod, stream, last + 1, seq)
-        self._apply(pod, stream, payload)
+            start = last + 1
+        if start is not None:
+            if stream.source.replay_endpoint and self._begin_fetch(stream, start, seq, batch):
+                return
+            stream.stats["missed"] += seq - start
+        self._apply(pod, stream, seq, batch)
+
+    def _apply(self, pod: str, stream: Stream, seq: int, batch: Batch) -> None:
+        self.index.apply(pod, batch.events)
+        stream.stats["batches"] += 1
         stream.last_seq = seq
 
-    def _fill(self, pod: str, stream: Stream, start: int, end: int) -> None:
-        """Apply the batches [start, end) from the pod's replay socket; count what it no longer has."""
-        got = self.replay(stream.source, start, end) if stream.source.replay_endpoint else []
-        for _, payload in got:
-            self._apply(pod, stream, payload)
-        stream.stats["replayed"] += len(got)
-        stream.stats["missed"] += (end - start) - len(got)
-
-    def replay(self, source: EventSource, start: int, end: int) -> list[tuple[int, bytes]]:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        out: list[tuple[int, bytes]] = []
+    # -- replays -----------------------------------------------------------------------------------------------
+    def _begin_fetch(self, stream: Stream, start: int, seq: int, batch: Batch) -> bool:
+        curve = self.curve if stream.source.auth == AUTH_CURVE else None
         try:
-            sock.connect(source.replay_endpoint)
-            sock.send_multipart([b"", start.to_bytes(8, "big")])
-            while sock.poll(int(REPLAY_WAIT_S * 1000)):
-                frames = sock.recv_multipart()
-                if len(frames) != 3:
-                    break
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                if seq == END_SEQ:
-                    break
-                if start <= seq < end:
-                    out.append((seq, frames[2]))
+            fetch = Fetch.open(self._ctx, stream.source.replay_endpoint, start, seq,
+                               self.clock() + FETCH_DEADLINE_S, curve)
         except zmq.ZMQError as error:
-            logger.warning("KV events: replay from %s failed: %s", source.replay_endpoint, error)
-        finally:
-            sock.close(0)
-        return out
+            logger.warning("KV events: replay from %s failed: %s", stream.source.replay_endpoint, error)
+            return False
+        fetch.then = (seq, batch)
+        stream.fetch = fetch
+        self._poller.register(fetch.socket, zmq.POLLIN)
+        return True
 
-    def _apply(self, pod: str, stream: Stream, payload: bytes) -> None:
-        try:
-            batch = decode_batch(payload)
-        except (WireError, TypeError, ValueError) as error:
-            stream.stats["bad"] += 1
-            if stream.stats["bad"] == 1:
-                logger.warning("KV events from %s: undecodable batch (%s); further ones are only counted", pod, error)
+    def _on_fetch(self, pod: str, stream: Stream) -> None:
+        fetch = stream.fetch
+        for _, payload in fetch.read():
+            self.index.apply(pod, decode_batch(payload).events)
+            fetch.applied += 1
+            stream.stats["replayed"] += 1
+        if fetch.done or self.clock() > fetch.deadline:
+            self._finish_fetch(pod, stream)
+
+    def _finish_fetch(self, pod: str, stream: Stream) -> None:
+        """The replay is over (complete, late or cut short): count what it lacked, then apply the live batch that
+        asked for it and those held meanwhile."""
+        fetch = stream.fetch
+        self._end_fetch(stream)
+        stream.stats["missed"] += (fetch.end - fetch.start) - fetch.applied
+        seq, batch = fetch.then
+        self._apply(pod, stream, seq, batch)
+        pending, stream.pending = stream.pending, []
+        for seq, payload in pending:
+            self._receive(pod, stream, seq, payload)
+
+    def _end_fetch(self, stream: Stream) -> None:
+        if stream.fetch is None:
             return
-        stream.stats["batches"] += 1
-        self.index.apply(pod, batch.events)
+        self._unregister(stream.fetch.socket)
+        stream.fetch.close()
+        stream.fetch = None
+
+    def _unregister(self, sock: zmq.Socket) -> None:
+        try:
+            self._poller.unregister(sock)
+        except KeyError:
+            pass
+
+    # -- faults ------------------------------------------------------------------------------------------------
+    def _fault(self, pod: str, stream: Stream, error: Exception) -> None:
+        """Set one pod aside: forgotten now, its messages ignored for a while, then it starts over."""
+        now = self.clock()
+        if now - stream.last_fault > MAX_FAULT_PAUSE_S:
+            stream.faults_in_a_row = 0
+        pause = min(MAX_FAULT_PAUSE_S, self.fault_pause * 2 ** stream.faults_in_a_row)
+        stream.faults_in_a_row += 1
+        stream.last_fault = now
+        stream.stats["faults"] += 1
+        if isinstance(error, WireError):
+            stream.stats["bad"] += 1
+        self._end_fetch(stream)
+        stream.pending, stream.last_seq, stream.paused_until = [], None, now + pause
+        self.index.drop(pod)
+        expected = isinstance(error, (WireError, IndexFault, ReplayError))  # else a bug of ours: its traceback
+        logger.warning("KV events from %s set aside for %.0f s (%s: %.200s); its prefixes are scored approximately",
+                       pod, pause, type(error).__name__, error, exc_info=None if expected else error)

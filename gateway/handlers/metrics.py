@@ -118,3 +118,8 @@ class _PoolCollector:
                                           "forgotten: their events connection was down past --kv-events-lost-after.")
             dropped.add_metric([], subscriber.dropped_pods)
             yield dropped
+            faults = CounterMetricFamily("kubeinfer_gateway_kv_events_pod_faults", "Times a pod's KV events broke "
+                                         "the wire contract or the index's bounds: the pod was forgotten and set "
+                                         "aside (scored approximately) for a while.")
+            faults.add_metric([], totals.get("faults", 0))
+            yield faults

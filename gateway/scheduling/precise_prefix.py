@@ -10,15 +10,22 @@ the request's keys, so a burst of one group's requests does not scatter before t
 The adapter is part of the key (the engine's cache keeps an adapter's blocks apart from the base
 model's): a request for a model no pod serves as its base is keyed by that adapter's name, as the
 engine's `lora_name`.
+
+Requests are keyed with the block size most pods report; a pod with another size is not tracked (scored
+approximately). Whatever goes wrong here (the index holds what engines sent) is logged once and scores the
+request approximately: never an error for the request.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
 from ..datastore.kv_block_index import KVBlockIndex, chain_keys
 from .prompt_tokens import Tokenizers
+
+logger = logging.getLogger(__name__)
 
 OFFLOADED_WEIGHT = 0.5  # a block to load back from an offloaded tier, against one already on the device
 INFLIGHT_TTL = 2.0  # seconds a routed prefix counts as held before its BlockStored events arrive
@@ -30,6 +37,8 @@ class PrecisePrefixScorer:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.index, self.tokenizers, self.inflight_ttl, self.clock = index, tokenizers, inflight_ttl, clock
         self._inflight: dict[str, OrderedDict[int, float]] = {}  # pod -> key -> expiry, oldest first
+        self._block_size: int | None = None  # of the last keys made: which pods are tracked
+        self._failed_logged = False
 
     def tokenize(self, request) -> list[int] | None:
         """The request's prompt token ids (cached on it); None when this gateway cannot know them."""
@@ -40,19 +49,34 @@ class PrecisePrefixScorer:
 
     def keys(self, request, lora: str | None) -> list[int] | None:
         tokens = self.tokenize(request)
-        with self.index.lock:
-            sizes = list(self.index.block_sizes)
-        if tokens is None or not sizes:
+        size = self.index.block_size()
+        if tokens is None or size is None:
             return None
-        return chain_keys(tokens, sizes[0], lora)  # one block size per fleet (ours and vLLM's default: 16)
+        try:
+            keys = chain_keys(tokens, size, lora)
+        except Exception as error:  # noqa: BLE001 -- precise routing is a refinement: approximate instead
+            self._failed(error)
+            return None
+        self._block_size = size
+        return keys
 
     def tracks(self, pod: str) -> bool:
-        return pod in self.index.pods
+        return self.index.tracks(pod, self._block_size)
+
+    def _failed(self, error: Exception) -> None:
+        if not self._failed_logged:
+            self._failed_logged = True
+            logger.warning("precise prefix scoring failed (%s: %s); such requests are scored approximately",
+                           type(error).__name__, error)
 
     def matched(self, keys: list[int], pods: list[str]) -> dict[str, float]:
         """Per pod, its leading blocks in block units: device run + OFFLOADED_WEIGHT x the offloaded rest,
         at least the in-flight run of a prefix just routed there."""
-        runs = self.index.leading_runs(keys, pods)
+        try:
+            runs = self.index.leading_runs(keys, pods)
+        except Exception as error:  # noqa: BLE001 -- see keys()
+            self._failed(error)
+            runs = {}
         now = self.clock()
         out = {}
         for pod in pods:

@@ -228,3 +228,11 @@ objects are created, patched and deleted; pods are only relabelled (active/stand
 {{- end }}
 {{- concat $peers .Values.networkPolicy.extraApiPeers | toJson }}
 {{- end }}
+
+{{/* NetworkPolicyPeers (JSON) allowed to the engines' KV-event ports: this release's gateway pods alone (not the
+API peers: the events carry prompts' token ids), plus extraKvEventsPeers. */}}
+{{- define "kubeinfer.kvEventsPeers" -}}
+{{- $labels := include "kubeinfer.selectorLabels" (dict "root" . "component" "gateway") | fromYaml }}
+{{- $peers := list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" $labels)) }}
+{{- concat $peers .Values.networkPolicy.extraKvEventsPeers | toJson }}
+{{- end }}
