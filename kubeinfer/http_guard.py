@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -20,6 +21,10 @@ DEFAULT_MAX_BODY_BYTES = 16 << 20  # a full 128k-token context as text or token 
 DEFAULT_BODY_READ_TIMEOUT = 60.0
 DEFAULT_HEADER_READ_TIMEOUT = 10.0
 ERROR_TYPES = {408: "RequestTimeoutError", 413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
+# Error messages quote what the client sent (a field name, a type, a model name): quoted words are cut short and
+# the whole message bounded, so that an error never echoes megabytes of the body back (or into a proxy's log).
+MAX_MESSAGE_CHARS, QUOTED_WORD_CHARS = 1000, 64
+_LONG_WORD = re.compile(r"\S{200,}")
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,15 @@ class GuardConfig:
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT  # seconds for the whole body, from its first read
     max_concurrent_requests: int | None = None  # None: unlimited
     exempt: frozenset[str] = frozenset({"/health", "/metrics", "/version", "/load"})
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def bounded_message(message: str) -> str:
+    """`message` with every run of 200 or more non-blank characters cut to its first 64, and at most 1,000 long."""
+    return clip(_LONG_WORD.sub(lambda word: clip(word.group(), QUOTED_WORD_CHARS), message), MAX_MESSAGE_CHARS)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:

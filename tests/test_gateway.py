@@ -170,6 +170,8 @@ async def test_proxy_errors(gateway):
     async with httpx.AsyncClient() as http:
         unknown = await complete(http, gateway, "nope", [1, 2])
         assert unknown.status_code == 404 and unknown.json()["error"]["code"] == 404
+        huge = await complete(http, gateway, "m" * 1_000_000, [1, 2])  # the 404 names the model, cut short
+        assert huge.status_code == 404 and len(huge.content) < 2_000 and "mmm..." in huge.json()["error"]["message"]
         bad = await http.post(proxy_url(gateway) + "/v1/completions", content=b"{not json", timeout=10)
         assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
         engine_error = await complete(http, gateway, "base", [1, 2], temperature=-3)

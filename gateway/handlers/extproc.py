@@ -43,7 +43,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from ...grpc_health import HealthCheckedServer
-from ...http_guard import DEFAULT_MAX_BODY_BYTES
+from ...http_guard import DEFAULT_MAX_BODY_BYTES, bounded_message
 from ..datastore.engine_auth import engine_authorization
 from ..flowcontrol.deadline import TIMEOUT_HEADER, remaining_ms_header
 from ..scheduling.picker import Decision, RoutingError
@@ -117,8 +117,9 @@ def streamed_body(phase: str, body: bytes, end_of_stream: bool) -> ep.Processing
 
 
 def error_body(status: int, message: str) -> dict:
-    """OpenAI's error shape, as the engines answer: clients handle the gateway's refusals the same way."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": None, "code": status}}
+    """OpenAI's error shape, as the engines answer: clients handle the gateway's refusals the same way. The message
+    is bounded: it may quote the client (an unknown model's name)."""
+    return {"error": {"message": bounded_message(message), "type": ERROR_TYPES.get(status, "APIError"), "param": None, "code": status}}
 
 
 def refused(error: RoutingError) -> ep.ProcessingResponse:

@@ -2,9 +2,9 @@
 anywhere in a handler and rendered by the app's exception handler."""
 from __future__ import annotations
 
-import re
-
 from fastapi.responses import JSONResponse
+
+from kubeinfer.http_guard import bounded_message, clip
 
 RETRY_AFTER_SECONDS = 1
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
@@ -22,18 +22,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
 
-# Messages quote what the client sent (a field name, a type, a model name): quoted words are cut short and the
-# whole message bounded, so that an error never echoes megabytes of the body back (or into a proxy's log).
-MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, QUOTED_WORD_CHARS = 1000, 128, 64
-_LONG_WORD = re.compile(r"\S{200,}")
-
-
-def clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def bounded_message(message: str) -> str:
-    return clip(_LONG_WORD.sub(lambda word: clip(word.group(), QUOTED_WORD_CHARS), message), MAX_MESSAGE_CHARS)
+MAX_PARAM_CHARS = 128
 
 
 def error_response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
