@@ -15,7 +15,7 @@ import crd_schema
 import monitoring_checks as promql
 from repo_tools import load_tool
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
 CRD = ROOT / "crds" / "inferencemodels.serving.kubeinfer.io.yaml"
 DASHBOARD = MANIFESTS / "dashboards" / "kubeinfer.json"

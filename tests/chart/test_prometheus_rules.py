@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "manifests" / "alerts" / "kubeinfer-rules.yaml"
 UNIT_TESTS = ROOT / "tests" / "prometheus" / "alerts"
 PROMTOOL = shutil.which("promtool")

@@ -19,7 +19,7 @@ from test_chart import helm  # noqa: F401 - the session's helm binary
 
 from kubeinfer.prometheus_local import CHART_MONITORS, LocalPrometheus, Target, binary, config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "manifests" / "dashboards" / "kubeinfer.json"
 NS = "serving"
 RATE_INTERVAL = "15s"  # Grafana's $__rate_interval for a 1 s scrape: several samples per window

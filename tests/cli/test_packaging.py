@@ -1,19 +1,35 @@
-"""Every Python package in the tree is listed in pyproject.toml: setuptools is given an explicit list
-(the three folders map to subpackages of `kubeinfer`), so a package left out installs fine in editable
-mode and goes missing from a wheel or a container image (kubeinfer.engine.spec_decode did)."""
+"""Every Python package in the tree is found by setuptools and every file it reads at run time is shipped: the
+folders are the import names (kubeinfer/{engine,gateway,operator,...}, no package-dir mapping) and setuptools finds
+the packages under kubeinfer/, so a folder without an `__init__.py` installs fine in editable mode and goes missing
+from a wheel or a container image (kubeinfer.engine.spec_decode did, when the packages were an explicit list)."""
+import fnmatch
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from setuptools import find_packages
+
+ROOT = Path(__file__).resolve().parents[2]
+TOOL = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
 
 
-def test_every_package_is_listed_for_setuptools():
-    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {path: name for name, path in tool["package-dir"].items()}
-    found = set()
-    for folder, package in folders.items():
-        for init in (ROOT / folder).rglob("__init__.py"):
-            parts = init.parent.relative_to(ROOT / folder).parts
-            if ".venv" not in parts and "build" not in parts:
-                found.add(".".join((package, *parts)))
-    assert found - set(tool["packages"]) == set(), "add these to [tool.setuptools] packages"
+def source_folders() -> dict[str, Path]:
+    """Every folder under kubeinfer/ that holds Python or data files, by its import name."""
+    folders = {}
+    for path in (ROOT / "kubeinfer").rglob("*"):
+        if path.is_file() and "__pycache__" not in path.parts:
+            folders[".".join(path.parent.relative_to(ROOT).parts)] = path.parent
+    return folders
+
+
+def test_every_package_is_found_by_setuptools():
+    assert "package-dir" not in TOOL, "the folders are the import names: no package-dir mapping"
+    assert TOOL["packages"]["find"]["include"] == ["kubeinfer", "kubeinfer.*"]
+    found = set(find_packages(str(ROOT), include=TOOL["packages"]["find"]["include"]))
+    assert set(source_folders()) - found == set(), "add an __init__.py to these folders"
+    # The gRPC .proto and the native library's C sources are read at run time: package-data must name them.
+    data = TOOL["package-data"]
+    missing = [str(path.relative_to(ROOT)) for package, folder in source_folders().items()
+               for path in folder.iterdir()
+               if path.is_file() and path.suffix not in (".py", ".pyc")
+               and not any(fnmatch.fnmatch(path.name, pattern) for pattern in data.get(package, []))]
+    assert missing == [], "add these to [tool.setuptools.package-data]"

@@ -18,7 +18,7 @@ langchain_openai = pytest.importorskip("langchain_openai")
 from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
 from langchain_core.tools import tool  # noqa: E402
 
-GUIDELLM = Path(__file__).resolve().parents[1] / ".venv-clients" / "bin" / "guidellm"
+GUIDELLM = Path(__file__).resolve().parents[2] / ".venv-clients" / "bin" / "guidellm"
 
 
 @pytest.fixture(scope="module")

@@ -239,7 +239,7 @@ def test_the_crafted_moe_checkpoint_never_corrupts_the_heap(tmp_path, bypass):
     checkpoint by name; with that check switched off, ki_a16_linear refuses the call (NativeArgumentError) where it
     used to write 128 rows a token into a buffer of 64 (rc 134)."""
     env = {**os.environ, "KUBEINFER_QUANT_KERNEL": "cpu_int8_a16"}
-    script = REPRO.format(tests=str(Path(__file__).parent), root=str(tmp_path), bypass=bypass)
+    script = REPRO.format(tests=str(Path(__file__).parents[1]), root=str(tmp_path), bypass=bypass)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     if bypass:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ENGINE = Path(__file__).parents[1] / "engine"
+ENGINE = Path(__file__).parents[2] / "kubeinfer" / "engine"
 PACKAGE = "kubeinfer.engine"
 # Top to bottom; a module may import its own layer or any layer below. The shared modules at the
 # engine's top level (config, sampling_params, sequence, triton_utils) are the bottom layer; distributed (the

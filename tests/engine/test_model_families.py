@@ -164,7 +164,7 @@ def test_readme_carries_the_registry_table():
 
     from kubeinfer.engine.model_executor.models.registry import markdown_table
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
     assert markdown_table() in readme, "README's model table is stale: paste `kubeinfer models --format markdown`"
 
 

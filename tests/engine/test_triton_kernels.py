@@ -400,7 +400,7 @@ def test_compile_check_covers_every_launched_kernel():
     import pkgutil
 
     import kubeinfer.engine as engine
-    sys.path.insert(0, os.path.dirname(__file__))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/
     try:
         from triton_compile_check import variants
     finally:
@@ -420,7 +420,7 @@ def test_compile_check_covers_every_launched_kernel():
 @pytest.mark.slow  # about a minute on 2 cores: ptxas on the kernel variants
 def test_kernels_compile_for_gpus_without_one():
     """What the interpreter cannot see: the kernels lower to sm_80 and sm_90 machine code."""
-    script = os.path.join(os.path.dirname(__file__), "triton_compile_check.py")
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "triton_compile_check.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, script, "80", "90"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from test_engine_layout import find_cycle, import_graph
 
-ROOT = Path(__file__).parents[1]
-GATEWAY, OPERATOR = ROOT / "gateway", ROOT / "operator"
+ROOT = Path(__file__).parents[2]
+GATEWAY, OPERATOR = ROOT / "kubeinfer" / "gateway", ROOT / "kubeinfer" / "operator"
 GATEWAY_PACKAGE = "kubeinfer.gateway"
 # Top to bottom; a module may import its own layer or any below. app.py and cli.py (and the package
 # itself) are the top: they assemble the rest.

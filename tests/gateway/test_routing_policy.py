@@ -20,7 +20,7 @@ from kubeinfer.gateway import cli
 from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState
 from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingError, RoutingRequest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import routing_sim as sim  # noqa: E402
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import scale_sim  # noqa: E402
 
 SMALL = scale_sim.WakeScenario(pods=8, rate_per_pod=0.5, busy_s=30.0, idle_s=340.0, scale_down_delay_s=300,

@@ -14,7 +14,7 @@ import yaml
 from kubeinfer.operator.names import GROUP, KIND, PLURAL, VERSION
 from kubeinfer.operator.spec import parse_spec
 
-CRD_PATH = Path(__file__).parents[1] / "crds" / "inferencemodels.serving.kubeinfer.io.yaml"
+CRD_PATH = Path(__file__).parents[2] / "crds" / "inferencemodels.serving.kubeinfer.io.yaml"
 CRD = yaml.safe_load(CRD_PATH.read_text())
 VERSION_ENTRY = CRD["spec"]["versions"][0]
 SCHEMA = VERSION_ENTRY["schema"]["openAPIV3Schema"]

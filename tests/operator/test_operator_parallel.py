@@ -117,7 +117,7 @@ def crd_strict_errors(spec: dict) -> list[str]:
 def test_chart_crd_is_the_same_file():
     from pathlib import Path
 
-    root = Path(crd.__file__).resolve().parents[1]
+    root = Path(crd.__file__).resolve().parents[2]
     chart = root / "charts" / "kubeinfer" / "crds" / crd.CRD_PATH.name
     assert chart.read_text() == crd.CRD_PATH.read_text()
 
