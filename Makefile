@@ -30,10 +30,11 @@ test-all: setup clients-venv
 # run (ASan exits non-zero; its reports, one file per process, under ASAN_LOG, printed: pytest's capture would swallow
 # a report on stderr). Leaks are not checked (CPython's own would drown the kernels').
 ASAN_LOG ?= /tmp/kubeinfer-asan
-ASAN_TESTS := tests/test_checkpoint_native_shapes.py tests/test_cpu_native_bounds.py tests/test_cpu_native_kernels.py \
-              tests/test_cpu_a16_kernel.py tests/test_q8_0_tiles.py tests/test_w4a8_kernels.py \
-              tests/test_cpu_f32_linear.py tests/test_cpu_native_decoder.py tests/test_cpu_native_attention.py \
-              tests/test_w4a8_decoder.py
+ASAN_TESTS := tests/engine/test_checkpoint_native_shapes.py tests/engine/test_cpu_native_bounds.py \
+              tests/engine/test_cpu_native_kernels.py tests/engine/test_cpu_a16_kernel.py \
+              tests/engine/test_q8_0_tiles.py tests/engine/test_w4a8_kernels.py tests/engine/test_cpu_f32_linear.py \
+              tests/engine/test_cpu_native_decoder.py tests/engine/test_cpu_native_attention.py \
+              tests/engine/test_w4a8_decoder.py
 test-asan: setup
 	rm -rf $(ASAN_LOG) && mkdir -p $(ASAN_LOG)
 	KUBEINFER_CPU_NATIVE_SANITIZE=address LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" \
@@ -41,7 +42,7 @@ test-asan: setup
 	status=$$?; if ls $(ASAN_LOG)/report* >/dev/null 2>&1; then cat $(ASAN_LOG)/report*; exit 1; fi; exit $$status
 
 # Client programs that pin their own dependencies (guidellm), in a virtual environment of their own,
-# for the client-compatibility tests (tests/test_client_compat.py) and the guidellm benchmark.
+# for the client-compatibility tests (tests/engine/test_client_compat.py) and the guidellm benchmark.
 CLIENTS_VENV := .venv-clients
 clients-venv: $(CLIENTS_VENV)/.installed
 $(CLIENTS_VENV)/.installed:
@@ -76,10 +77,12 @@ bench-gpu:
 	else echo "bench-gpu: one GPU, tensor parallelism not measured (benchmarks/bench_tensor_parallel.py)"; fi
 
 # The GPU path's tests, compiled kernels and captured graphs included (their CUDA cases skip without a GPU).
-GPU_TESTS := tests/test_triton_kernels.py tests/test_triton_fused.py tests/test_cuda_graphs.py tests/test_kv_cache_sizing.py \
-             tests/test_engine_deferred_text.py tests/test_sampler.py tests/test_triton_windows.py tests/test_gpt_oss.py \
-             tests/test_triton_fp8_matmul.py tests/test_triton_int_matmul.py tests/test_triton_moe_int.py \
-             tests/test_fused_moe.py tests/test_fused_moe_w8a8.py tests/test_quantized_fp8_kept.py tests/test_kv_cache_dtype.py
+GPU_TESTS := tests/engine/test_triton_kernels.py tests/engine/test_triton_fused.py tests/engine/test_cuda_graphs.py \
+             tests/engine/test_kv_cache_sizing.py tests/engine/test_engine_deferred_text.py \
+             tests/engine/test_sampler.py tests/engine/test_triton_windows.py tests/engine/test_gpt_oss.py \
+             tests/engine/test_triton_fp8_matmul.py tests/engine/test_triton_int_matmul.py \
+             tests/engine/test_triton_moe_int.py tests/engine/test_fused_moe.py tests/engine/test_fused_moe_w8a8.py \
+             tests/engine/test_quantized_fp8_kept.py tests/engine/test_kv_cache_dtype.py
 test-gpu:
 	$(GPU_PYTHON) -m pytest -q -rs $(GPU_TESTS)
 
@@ -91,9 +94,10 @@ gpu-check:
 gpu-wheels: setup
 	bash scripts/gpu-wheels.sh
 
-# Regenerate the gRPC stubs after editing engine/entrypoints/grpc/proto/engine.proto (a test checks they are current).
+# Regenerate the gRPC stubs after editing kubeinfer/engine/entrypoints/grpc/proto/engine.proto (a test checks they
+# are current).
 proto: setup
-	$(PY) engine/entrypoints/grpc/proto/generate.py
+	$(PY) kubeinfer/engine/entrypoints/grpc/proto/generate.py
 
 # The whole stack locally: demo model (trained on first use, cached in .cache/demo-model), two engine
 # replicas with one adapter each, the gateway on http://127.0.0.1:8080. Ctrl-C stops it.

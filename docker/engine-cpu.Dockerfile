@@ -9,9 +9,6 @@ ENV PATH=/opt/kubeinfer/bin:$PATH
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md /src/
 COPY kubeinfer /src/kubeinfer
-COPY engine /src/engine
-COPY gateway /src/gateway
-COPY operator /src/operator
 RUN pip install /src
 
 FROM python:3.11.11-slim-bookworm
@@ -20,7 +17,7 @@ COPY --from=build /opt/kubeinfer /opt/kubeinfer
 # HOME and caches under /tmp: pods run with a read-only root filesystem and an emptyDir on /tmp.
 ENV PATH=/opt/kubeinfer/bin:$PATH HOME=/tmp PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # OpenBLAS's idle workers sleep after 2**4 cycles instead of spinning ~0.1 s: quantized models' small steps then
-# share the cores (engine/model_executor/layers/two_cores.py; float32 decode measured no slower).
+# share the cores (kubeinfer/engine/model_executor/layers/two_cores.py; float32 decode measured no slower).
 ENV OPENBLAS_THREAD_TIMEOUT=4
 # No C compiler in this image: the native VNNI kernels (layers/quantization/cpu_native, built with -march=native
 # on the node that runs them) are not built here, and the engine says so once and uses torch's kernels

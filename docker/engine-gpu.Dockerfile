@@ -11,9 +11,6 @@ ENV PATH=/opt/kubeinfer/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md /src/
 COPY kubeinfer /src/kubeinfer
-COPY engine /src/engine
-COPY gateway /src/gateway
-COPY operator /src/operator
 RUN pip install /src
 
 FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04

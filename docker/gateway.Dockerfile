@@ -4,15 +4,12 @@ FROM python:3.11.11-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/kubeinfer
 ENV PATH=/opt/kubeinfer/bin:$PATH
-# The gateway's imports; keep in step with gateway/ (a `gateway` extra in pyproject.toml would own this list).
+# The gateway's imports; keep in step with kubeinfer/gateway/ (a `gateway` extra in pyproject.toml would own this list).
 RUN pip install "fastapi>=0.110" "uvicorn>=0.30" "httpx>=0.27" "prometheus-client>=0.20" "pydantic>=2.6" \
     "grpcio>=1.85.1" "grpcio-health-checking>=1.85.1" "protobuf>=7.35.1,<8" "xds-protos" "kubernetes>=30" \
     "pyzmq>=27" "msgpack>=1.0" "tokenizers>=0.21" "jinja2>=3"
 COPY pyproject.toml README.md /src/
 COPY kubeinfer /src/kubeinfer
-COPY engine /src/engine
-COPY gateway /src/gateway
-COPY operator /src/operator
 RUN pip install --no-deps /src
 
 FROM python:3.11.11-slim-bookworm

@@ -7,9 +7,6 @@ ENV PATH=/opt/kubeinfer/bin:$PATH
 RUN pip install "kopf>=1.45,<2" "aiohttp>=3.9" "httpx>=0.27" "prometheus-client>=0.20" "kubernetes>=30"
 COPY pyproject.toml README.md /src/
 COPY kubeinfer /src/kubeinfer
-COPY engine /src/engine
-COPY gateway /src/gateway
-COPY operator /src/operator
 # --no-deps: the engine's dependencies (torch, transformers) are not needed to run the operator.
 RUN pip install --no-deps /src
 

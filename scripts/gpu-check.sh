@@ -4,7 +4,7 @@
 #      kubeinfer itself without dependencies (or, if pip refuses, links its subpackages in place);
 #   2. runs the GPU tests (the Makefile's GPU_TESTS) with xdist in parallel on the one GPU: their CUDA engines
 #      take a fixed KV cache (num_kv_blocks), so they share it;
-#   3. runs tests/test_kv_cache_sizing.py alone: it sizes engines from the GPU's free memory, which parallel
+#   3. runs tests/engine/test_kv_cache_sizing.py alone: it sizes engines from the GPU's free memory, which parallel
 #      tests would change under it;
 #   4. `make bench-gpu`.
 # Everything goes under $OUT (default ./gpu-out): setup.log, test-gpu.log, fails.log and slow.log (written as
@@ -47,21 +47,21 @@ say "setup done"
 # machines run it in `make test-all`, and here the CUDA tests compile what they launch for this GPU.
 GPU_TESTS=${GPU_TESTS:-$(awk '/^GPU_TESTS :=/{on=1; sub(/^GPU_TESTS :=/, "")} on{more=/\\$/; sub(/\\$/, ""); print;
                               if (!more) exit}' Makefile)}
-PARALLEL=$(for f in $GPU_TESTS; do [ "$f" = tests/test_kv_cache_sizing.py ] || echo "$f"; done)
+PARALLEL=$(for f in $GPU_TESTS; do [ "$f" = tests/engine/test_kv_cache_sizing.py ] || echo "$f"; done)
 # OMP_NUM_THREADS=1: the transformers references run on the CPU, 12 workers x 16 threads thrashed 16 cores
 OMP_NUM_THREADS=1 timeout -k 10 "$TEST_S" "$PY" -m pytest -q -rfEs --tb=short -n "$WORKERS" -p no:cacheprovider \
   -p gpu_failure_log --timeout "$PER_TEST_S" \
-  --deselect tests/test_triton_kernels.py::test_kernels_compile_for_gpus_without_one $PARALLEL \
+  --deselect tests/engine/test_triton_kernels.py::test_kernels_compile_for_gpus_without_one $PARALLEL \
   > "$OUT/test-gpu.log" 2>&1
 say "parallel GPU tests: exit $?"; summary "$OUT/test-gpu.log"
 
 # -- 3. what sizes engines from free memory, alone -------------------------------------------------------
 timeout -k 10 "$SIZING_S" "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider -p gpu_failure_log \
-  --timeout "$SIZING_S" tests/test_kv_cache_sizing.py > "$OUT/test-sizing.log" 2>&1
+  --timeout "$SIZING_S" tests/engine/test_kv_cache_sizing.py > "$OUT/test-sizing.log" 2>&1
 say "sizing tests: exit $?"; summary "$OUT/test-sizing.log" 10
 if [ "$COMPILE_S" -gt 0 ]; then
   timeout -k 10 "$COMPILE_S" "$PY" -m pytest -q -rfEs -p no:cacheprovider -p gpu_failure_log \
-    tests/test_triton_kernels.py::test_kernels_compile_for_gpus_without_one > "$OUT/test-compile.log" 2>&1
+    tests/engine/test_triton_kernels.py::test_kernels_compile_for_gpus_without_one > "$OUT/test-compile.log" 2>&1
   say "compile check: exit $?"; summary "$OUT/test-compile.log" 5
 fi
 

@@ -10,7 +10,7 @@ DEST=.whl
 PACKAGES=(
   fastapi starlette pydantic pydantic_core annotated-types annotated-doc typing-inspection uvicorn msgspec pyzmq
   llguidance pytest-asyncio opentelemetry-api
-  openai distro jiter sniffio httpx2 httpcore2 truststore  # openai (tests/test_engine_deferred_text.py)
+  openai distro jiter sniffio httpx2 httpcore2 truststore  # openai (tests/engine/test_engine_deferred_text.py)
   compressed-tensors loguru                                   # the quantized-checkpoint tests' reference
 )
 # pip matches a manylinux_2_N tag exactly: every N up to the image's glibc (2.39: Ubuntu 24.04's)

@@ -2,7 +2,7 @@
 
 The dashboard is code so that its layout, units and queries stay consistent; edit this file, run
 `python tools/build_dashboard.py`, then `python tools/sync_chart.py` to refresh the chart's copy.
-tests/test_manifests.py checks that the committed JSON is what this script writes.
+tests/chart/test_manifests.py checks that the committed JSON is what this script writes.
 
 Engine panels filter on the $namespace / $model / $pod variables; gateway panels on $namespace.
 `namespace` and `pod` come from Prometheus' Kubernetes discovery, `model_name` from the engine.

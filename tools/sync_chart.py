@@ -1,7 +1,7 @@
 """Copy the files the Helm chart ships from their sources of truth into charts/kubeinfer/.
 
 A chart can only read files inside its own directory, so the CRDs (crds/), the Grafana dashboard and
-the alert rules (manifests/) are copied in, byte for byte. tests/test_chart.py fails while a copy is
+the alert rules (manifests/) are copied in, byte for byte. tests/chart/test_chart.py fails while a copy is
 stale; this script fixes it:
 
     python tools/sync_chart.py          # copy
