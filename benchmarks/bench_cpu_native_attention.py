@@ -16,7 +16,8 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")  # as the `kubeinfer` command does, before numpy loads
 import torch  # noqa: E402
 
-sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tests")]
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tests"),
+                str(Path(__file__).parents[1] / "tests" / "engine")]
 
 
 def per_call(rounds: int, calls: int) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).parents[1] / "tests"), str(Path(__file__).parents[1] / "tests" / "engine")]
 import kernel_ab  # noqa: E402
 from results import update_results  # noqa: E402
 from test_cpu_native_attention import make_step  # noqa: E402

@@ -1,7 +1,7 @@
 """The MoE experts' CPU grouped path (layers/fused_moe/grouped.py) with and without activation quantization
 inside the experts (W8A8: layers/fused_moe/input_quant.py), one Qwen3-MoE-sized layer slice (32 experts,
 hidden 1024, expert intermediate 512, top 4), one thread, interleaved rounds, medians. With `--baseline
-FILE` (another grouped.py, e.g. `git show main:engine/model_executor/layers/fused_moe/grouped.py > /tmp/g.py`)
+FILE` (another grouped.py, e.g. `git show main:kubeinfer/engine/model_executor/layers/fused_moe/grouped.py > /tmp/g.py`)
 the float path is also timed against it and checked bit-equal.
 
     python benchmarks/bench_moe_w8a8.py [--baseline /tmp/g.py] [--rounds 30]

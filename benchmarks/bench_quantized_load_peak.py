@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).parents[1] / "tests"), str(Path(__file__).parents[1] / "tests" / "engine")]
 FORMATS = ("w4a16", "w8a16", "fp8", "fp8-at-load")
 
 
@@ -62,18 +62,25 @@ def child(source: str | None, model_dir: str, fmt: str) -> dict:
     code = ("import sys, json; sys.path.insert(0, %r)\n" % str(Path(__file__).parent)
             + (f"from bench_quantized_load_peak import use_source; use_source({source!r})\n" if source else "")
             + f"from bench_quantized_load_peak import measure; print(json.dumps(measure({model_dir!r}, {fmt!r})))")
+    # Not from the repository root: `python -c` puts the working folder first on sys.path, where this checkout's
+    # kubeinfer/ would win over the `source` the editable install is pointed at.
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parents[1])
+                         cwd=Path(__file__).parent)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def use_source(source: str) -> None:
-    """Points the editable install's packages at another checkout (its engine measured instead of this one's)."""
+    """Points the editable install's packages at another checkout (its engine measured instead of this one's); a
+    checkout from before the folders became the import names (engine/ beside kubeinfer/) is mapped as it was."""
+    source_root = Path(source).resolve()
+    old = {f"kubeinfer.{part}": str(source_root / part) for part in ("engine", "gateway", "operator")
+           if not (source_root / "kubeinfer" / part).is_dir() and (source_root / part).is_dir()}
     for finder in sys.meta_path:
         mapping = getattr(sys.modules.get(getattr(finder, "__module__", "")), "MAPPING", None)
-        if isinstance(mapping, dict) and "kubeinfer.engine" in mapping:
-            root = str(Path(mapping["kubeinfer.engine"]).parent)
-            mapping.update({k: v.replace(root, str(Path(source).resolve()), 1) for k, v in mapping.items()})
+        if isinstance(mapping, dict) and "kubeinfer" in mapping:
+            root = str(Path(mapping["kubeinfer"]).parent)
+            mapping.update({k: v.replace(root, str(source_root), 1) for k, v in mapping.items()})
+            mapping.update(old)
 
 
 def main() -> None:

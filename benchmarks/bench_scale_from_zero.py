@@ -2,8 +2,8 @@
 by promoting a warm standby against starting an engine cold, through the real gateway.
 
 Each trial starts the gateway (proxy mode) with no engine for the model, so the request is held
-(gateway/flowcontrol/hold.py) and the gateway asks for capacity once, as it asks an InferenceModel's /scale in a
-cluster. What answers the ask stands in for the operator:
+(kubeinfer/gateway/flowcontrol/hold.py) and the gateway asks for capacity once, as it asks an InferenceModel's
+/scale in a cluster. What answers the ask stands in for the operator:
   * warm standby: an engine already running with the model loaded, but not routed (a standby pod);
     the ask adds its address to the gateway's pool, as the promotion's relabel does through discovery;
   * cold: the ask starts `kubeinfer serve` (what a new pod runs once scheduled: load the model and

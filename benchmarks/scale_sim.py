@@ -76,7 +76,7 @@ class WakeResult:
 
 
 FAIR_QUEUE_TIMEOUT_S = 30.0  # the gateway's --fair-queue-timeout default
-REASK_S = 1.0  # gateway/flowcontrol/hold.py's REASK_SECONDS
+REASK_S = 1.0  # kubeinfer/gateway/flowcontrol/hold.py's REASK_SECONDS
 
 
 def simulate_wake(s: WakeScenario, standby: int, scale_to_zero: bool = True, spec: PodSpec = PodSpec(),
