@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RULES = REPO_ROOT / "manifests" / "alerts" / "kubeinfer-rules.yaml"
 POD_LABEL_META = "__meta_kubernetes_pod_label_"
 # The endpoints of the chart's monitors (charts/kubeinfer/templates/monitoring/servicemonitor.yaml);
-# tests/test_prometheus_stack.py checks that they match what the chart renders.
+# tests/chart/test_prometheus_stack.py checks that they match what the chart renders.
 CHART_MONITORS = {
     "gateway": {"path": "/metrics", "interval": "15s", "scrapeTimeout": "10s",
                 "relabelings": [{"targetLabel": "job", "replacement": "kubeinfer-gateway"}]},

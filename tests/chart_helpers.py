@@ -1,4 +1,4 @@
-"""Rendering the Helm chart and checking what it renders, shared by tests/test_chart.py."""
+"""Rendering the Helm chart and checking what it renders, shared by tests/chart/test_chart.py."""
 from __future__ import annotations
 
 import subprocess

@@ -12,7 +12,7 @@ on our tiny test models (found on the GPU image's transformers 5.17, reproduced 
 On those releases `apply()` (called by conftest.py) gives the reference the fixed behaviour, so that the tests
 check the engine against the model's definition rather than against a bug. On fixed releases it does nothing,
 and imports nothing. (MXFP4 dequantized to bfloat16 whatever the dtype, fixed in 5.23, is handled where
-tests/test_gpt_oss.py loads it.)
+tests/engine/test_gpt_oss.py loads it.)
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """One W8A8 row-parallel layer over a real tensor-parallel group (2 ranks, gloo, spawned processes), against the
-same layer on one rank (tests/test_quantized_w8a8_tp.py). A module of its own so the spawned ranks import it
+same layer on one rank (tests/engine/test_quantized_w8a8_tp.py). A module of its own so the spawned ranks import it
 by name."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """kubeinfer's inference engine: paged KV cache, continuous batching, prefix caching, sampling, multi-LoRA.
 
-Layers, each importing only those below it (tests/test_engine_layout.py checks it, and that no module
+Layers, each importing only those below it (tests/engine/test_engine_layout.py checks it, and that no module
 imports in a cycle):
 
     entrypoints/      offline LLM, `kubeinfer serve`, OpenAI HTTP API, gRPC API, Prometheus metrics

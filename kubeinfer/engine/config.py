@@ -52,7 +52,8 @@ class EngineConfig:
     # off by default, as in vLLM (`--async-scheduling`). On a CPU it only delays outputs by a step.
     async_scheduling: bool = False
 
-    # Tensor parallelism (engine/distributed/): ranks in the whole group, as in vLLM; split evenly over nnodes.
+    # Tensor parallelism (kubeinfer/engine/distributed/): ranks in the whole group, as in vLLM; split evenly over
+    # nnodes.
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0  # this node's place; node 0 runs the scheduler, the others follow it (--headless)

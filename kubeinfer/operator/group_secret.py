@@ -4,7 +4,8 @@ it), and never rewritten: a changed value would split running groups from the po
 
 The operator only creates it (RBAC `create` on secrets, no `get`): an existing Secret of that name is kept as
 it is (409), so a user may also bring their own, with the same key. Every pod of every group (leader and
-workers) reads it through a secretKeyRef; a rank without it cannot join its group (engine/distributed/group_auth.py)."""
+workers) reads it through a secretKeyRef; a rank without it cannot join its group
+(kubeinfer/engine/distributed/group_auth.py)."""
 from __future__ import annotations
 
 import base64

@@ -53,7 +53,8 @@ def engine_args(spec: InferenceModelSpec, worker: bool = False) -> list[str]:
     """`kubeinfer serve` flags: the operator's first, then spec.engine.args (workers build the same model)."""
     args = ["serve", MODEL_DIR, "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--grpc-port", str(GRPC_PORT),
             "--served-model-name", spec.served_name,
-            # The gateway writes each request's priority into the body (gateway/handlers/request_info.py): honour it.
+            # The gateway writes each request's priority into the body (kubeinfer/gateway/handlers/request_info.py):
+            # honour it.
             "--scheduling-policy", "priority"]
     if spec.engine.resources.gpus > 0:
         args += ["--device", "cuda"]

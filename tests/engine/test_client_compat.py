@@ -98,7 +98,7 @@ def test_guidellm_runs_without_errors(server, long_context_dir, tmp_path):
                "--tokenizer", f"kind=huggingface_auto,model={long_context_dir}", "--output", f"kind=json,path={out}",
                "--disable-console-interactive"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GUIDELLM__LOGGING__CONSOLE_LOG_LEVEL": "WARNING"}
-    # Not from the repository root: its operator/ folder would shadow the standard library's operator.
+    # In a folder of its own, not the repository root (whose folders must not shadow the clients' modules).
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())

@@ -1,4 +1,4 @@
-"""The CPU path through OpenBLAS (engine/model_executor/layers/cpu_blas.py): the same products as torch's
+"""The CPU path through OpenBLAS (kubeinfer/engine/model_executor/layers/cpu_blas.py): the same products as torch's
 `F.linear`, only inside small steps (decodes, drafts, short chunks) and not over long contexts, with
 torch on one thread there and its threads given back after (also when the step raises);
 `KUBEINFER_CPU_OPENBLAS=0` keeps torch's matmuls. Greedy outputs against transformers with this path on

@@ -1,4 +1,4 @@
-"""The native CPU kernels (engine/.../quantization/cpu_native): the W8A8 product equals torch._int_mm and
+"""The native CPU kernels (kubeinfer/engine/.../quantization/cpu_native): the W8A8 product equals torch._int_mm and
 activations.int8_linear's scaling bit for bit; the llama.cpp arithmetic (Q8_0 activations) equals a reference
 built from the `gguf` package's Q8_0 (llama.cpp's own numpy port: quantize, dequantize, float64 product);
 the portable C build (KUBEINFER_CPU_NATIVE_PORTABLE=1) gives the VNNI build's bits; an engine serving a W8A8

@@ -1,4 +1,5 @@
-"""Decode steps through captured graphs (engine/cuda_graphs.py) give exactly the eager engine's tokens.
+"""Decode steps through captured graphs (kubeinfer/engine/model_executor/cuda_graphs.py) give exactly the eager
+engine's tokens.
 
 On the CPU the graph path runs with `replay_eagerly` in place of the CUDA capture: static buffers,
 padding to the next captured size, padding rows that must not touch the KV cache, and logits read

@@ -1,4 +1,5 @@
-"""The gRPC API, driven by the client generated from engine/proto/engine.proto, against a real server."""
+"""The gRPC API, driven by the client generated from kubeinfer/engine/entrypoints/grpc/proto/engine.proto, against a
+real server."""
 from __future__ import annotations
 
 import asyncio

@@ -1,6 +1,6 @@
 """The 8-bit KV cache (issue 29): `kv_cache_dtype` fp8 / fp8_e4m3 / fp8_e5m2 (vLLM's names) stores K and V in
 one byte with per-tensor scales (the checkpoint's k_scale / v_scale, else 1.0 as vLLM's default), on the CPU
-path and in the Triton kernels (tests/test_triton_kernels.py). Accuracy against the model-dtype cache is
+path and in the Triton kernels (tests/engine/test_triton_kernels.py). Accuracy against the model-dtype cache is
 measured on a tiny random model (initializer_range 0.3: chaotic, near-tied logits, the hard case) over 32
 prompts, first generated token and its log-probability: e4m3 measured 28/32 equal tokens and at most 0.45
 nats apart, e5m2 (two mantissa bits fewer) 23/32 and 1.33; the bounds below leave a little room.

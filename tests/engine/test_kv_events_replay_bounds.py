@@ -1,6 +1,6 @@
 """Issue #44, finding 4: each replay client that did not read held up to 1,000 batches in the engine (150 such
 clients: RSS 44 -> 83 MiB and growing). Replay clients are now bounded in number and in the batches held for
-them (engine/core/kv_event_replay.py). Counted in batches sent to clients, not in RSS."""
+them (kubeinfer/engine/core/kv_event_replay.py). Counted in batches sent to clients, not in RSS."""
 from __future__ import annotations
 
 import time

@@ -271,7 +271,7 @@ def test_models_table_lists_the_served_methods():
     assert dense == {"fp8, compressed-tensors, awq, gptq"}
     moe = {row["architecture"]: row["quantized"] for row in feature_table() if "(MoE)" in row["family"]}
     assert moe["GptOssForCausalLM"] == "fp8, mxfp4"  # its experts' own format
-    # the others' per-expert tensors go through every dense format's reader (tests/test_quantized_moe.py)
+    # the others' per-expert tensors go through every dense format's reader (tests/engine/test_quantized_moe.py)
     assert {served for name, served in moe.items() if name != "GptOssForCausalLM"} == dense
     methods = {row["architecture"]: row["quantized"].split(", ") for row in feature_table()}
     assert all("fp8" in served for served in methods.values())

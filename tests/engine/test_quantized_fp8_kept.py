@@ -2,7 +2,7 @@
 multiplied through the Triton kernel that decodes e4m3 inside it: the default on CUDA. Here, without a GPU,
 the kernel is forced (KUBEINFER_QUANT_KERNEL=triton) and runs in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1): greedy tokens equal transformers' `FineGrainedFP8Config(dequantize=True)` load with the
-format's activation quantization (tests/test_quantized_fp8.py), under tensor parallelism each rank keeps its
+format's activation quantization (tests/engine/test_quantized_fp8.py), under tensor parallelism each rank keeps its
 slice, `--quantization fp8` on a float checkpoint keeps its per-channel e4m3 weights, and the start-up log's
 weight bytes are the bytes held. On the CPU by default fp8 stays dequantized (no fp8 matmul)."""
 import logging

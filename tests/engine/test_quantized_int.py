@@ -209,7 +209,7 @@ def test_a_method_the_architecture_does_not_serve_is_refused_by_name(tmp_path, a
 
 def test_a_quantized_checkpoint_splits_over_tensor_parallel_ranks(tmp_path):
     """On the CPU's float32 default the int weights are dequantized whole, then each rank keeps its slice of
-    the float weight: still the reference's tokens (kept quantized per rank: tests/test_quantized_tp.py)."""
+    the float weight: still the reference's tokens (kept quantized per rank: tests/engine/test_quantized_tp.py)."""
     from kubeinfer.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=7, **SHAPE)

@@ -5,7 +5,7 @@ exact A16 product), under tensor parallelism each rank holds its vocabulary rows
 and the start-up log's weight bytes count its integers. With tied embeddings the head is untied and kept
 quantized, the embedding float (model_executor/quantized_head.py). References: transformers loading the same
 checkpoint decompressed by the compressed-tensors package (`CompressedTensorsConfig(run_compressed=False)`),
-each quantized layer's input rounded to bf16 as the A16 definition says (tests/test_quantized_kept.py)."""
+each quantized layer's input rounded to bf16 as the A16 definition says (tests/engine/test_quantized_kept.py)."""
 import json
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from kubeinfer.engine.model_executor.model_files import ModelLoadError
 NATIVE = pytest.mark.skipif(not native_ops.available(), reason="no C compiler: the native A16 kernels do not build")
 W8 = ("pack-quantized", 8, "int", "channel", True, None)
 W4 = ("pack-quantized", 4, "int", "group", False, 32)
-LOGPROB_BOUND = 0.25  # as tests/test_quantized_kept.py: top-3 first-token log-probabilities against float32
+LOGPROB_BOUND = 0.25  # as tests/engine/test_quantized_kept.py: top-3 first-token log-probabilities against float32
 
 
 def set_config(model_dir, **values) -> str:
@@ -194,7 +194,8 @@ def test_tied_embeddings_with_only_a_quantized_copy_are_refused(dirs):
 @NATIVE
 def test_gptq_with_a_quantized_head(dirs, tmp_path, monkeypatch):
     """GPTQ's `lm_head: true` (as GPTQModel writes it and vLLM reads it): the head's qweight kept; tokens are
-    transformers' on the float weights the integers mean (tests/test_quantized_int.py), inputs rounded to bf16."""
+    transformers' on the float weights the integers mean (tests/engine/test_quantized_int.py), inputs rounded to
+    bf16."""
     import quant_checkpoints
     from quant_checkpoints import gptq_pack
     from transformers import AutoModelForCausalLM

@@ -2,10 +2,10 @@
 holds its slice of the integers, scales and zeros (column-parallel layers their output rows, row-parallel
 ones their input columns, model_executor/int_weights.py), and greedy tokens equal transformers' on the
 decompressed checkpoint (`CompressedTensorsConfig(run_compressed=False)`; AWQ through compressed-tensors'
-own converter; GPTQ on the float weights its integers mean, as tests/test_quantized_int.py explains).
+own converter; GPTQ on the float weights its integers mean, as tests/engine/test_quantized_int.py explains).
 
 The kernels are forced (KUBEINFER_QUANT_KERNEL, inherited by the rank processes): torch's int4/int8 CPU
-products with float32 activations, exact enough for greedy tokens (tests/test_quantized_kept.py). The
+products with float32 activations, exact enough for greedy tokens (tests/engine/test_quantized_kept.py). The
 ranks' layers are inspected by loading each rank's slice in this process with the Triton layout (plain int
 tensors: int8 values, or two int4 per byte), compared with the one-rank model's."""
 import pytest

@@ -1,4 +1,4 @@
-"""The tensor-parallel channel's schema (engine/distributed/wire.py, core/tp_messages.py): every message kind
+"""The tensor-parallel channel's schema (kubeinfer/engine/distributed/wire.py, core/tp_messages.py): every message kind
 rank 0 sends survives the round trip exactly, tensors of every dtype that travels included; anything outside
 the schema raises on encode and on decode, whatever bytes arrive."""
 from __future__ import annotations

@@ -2,7 +2,7 @@
 kernel (layers/quantization/triton_int_matmul.py), against torch: the decoder against torch's own float8_e4m3fn
 over all 256 bit patterns, the product against F.linear on the weight torch dequantizes (fp8.dequantize), for
 per-tensor, per-channel and block-wise scales with partial last blocks. Run in Triton's CPU interpreter when
-there is no GPU (TRITON_INTERPRET=1 set before triton is imported, as tests/test_triton_int_matmul.py)."""
+there is no GPU (TRITON_INTERPRET=1 set before triton is imported, as tests/engine/test_triton_int_matmul.py)."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
-"""The fused RMSNorm and rotary kernels (engine/triton_norm.py) against the engine's torch modules.
+"""The fused RMSNorm and rotary kernels (kubeinfer/engine/model_executor/layers/triton_norm.py) against the engine's
+torch modules.
 
 References are the modules the torch path runs: `RMSNorm` from models/llama.py and `RotaryEmbedding`
 from rope.py. Inputs are column slices of wider tensors (as the model's qkv split gives), so a kernel

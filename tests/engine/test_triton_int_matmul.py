@@ -1,6 +1,6 @@
 """The Triton dequantize-and-multiply kernel (layers/quantization/triton_int_matmul.py) against torch's matmul
 on the dequantized weight, (q - zero) * scale, run in Triton's CPU interpreter when there is no GPU (as
-tests/test_triton_kernels.py does, TRITON_INTERPRET=1 is set before triton is imported)."""
+tests/engine/test_triton_kernels.py does, TRITON_INTERPRET=1 is set before triton is imported)."""
 from __future__ import annotations
 
 import os

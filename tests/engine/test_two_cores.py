@@ -1,5 +1,5 @@
-"""Kept-int products of small steps in two halves on both cores (engine/model_executor/layers/two_cores.py): the
-halves give the bits of the whole product (torch's int8 and int4 weight-only kernels), only inside a small step,
+"""Kept-int products of small steps in two halves on both cores (kubeinfer/engine/model_executor/layers/two_cores.py):
+the halves give the bits of the whole product (torch's int8 and int4 weight-only kernels), only inside a small step,
 a failing half raises in the caller; decode attention in two halves of the sequences gives the bits of the whole;
 and an engine's greedy tokens and log-probabilities (float32, kept int8 and int4) are the same with the halves as
 without them."""

@@ -105,7 +105,7 @@ async def test_ext_proc_budget_runs_out_in_the_fair_queue(tmp_path):
     assert {h.header.key: h.header.raw_value for h in answer.headers.set_headers}["retry-after"] == b"1"
 
 
-# -- the engine honours the budget it is forwarded (engine/entrypoints/openai/streaming.py) ------------
+# -- the engine honours the budget it is forwarded (kubeinfer/engine/entrypoints/openai/streaming.py) ------------
 class SlowEngine:
     """Streams one more token every 50 ms, for ever; records the requests it aborted."""
 

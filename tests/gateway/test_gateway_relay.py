@@ -1,6 +1,6 @@
 """The proxy relays whatever the engine answers (status, body, headers minus hop-by-hop ones, each header
-once) and takes only the inference routes (gateway/handlers/routes.py): anything else is answered by the gateway
-in OpenAI's shape, checked with the official openai client where it has an opinion."""
+once) and takes only the inference routes (kubeinfer/gateway/handlers/routes.py): anything else is answered by the
+gateway in OpenAI's shape, checked with the official openai client where it has an opinion."""
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,5 @@
 """Reads an engine's state over one kept-alive connection per engine, with the HTTP/1.1 exchange
-written out by hand: its compact load report (`GET /load`, engine/entrypoints/load_report.py), or, for
+written out by hand: its compact load report (`GET /load`, kubeinfer/engine/entrypoints/load_report.py), or, for
 engines without one (vLLM), `GET /health` and `GET /metrics` (metrics_text.py reads the latter).
 
 Why by hand: the gateway polls every engine several times a second, and a general client's request

@@ -6,7 +6,7 @@ The gateway has no model hub: it reads the model's own tokenizer files from a di
 in a ConfigMap). Only `tokenizers` (Rust) and `jinja2` are used, not transformers: the gateway image has
 no torch. Chat requests are rendered with the model's chat template and encoded without adding special
 tokens (the template writes them), completions' prompts with them, as the engine does
-(engine/entrypoints/openai/serving_chat.py). Token ids given as the prompt are used as they are.
+(kubeinfer/engine/entrypoints/openai/serving_chat.py). Token ids given as the prompt are used as they are.
 A request this cannot tokenize (no tokenizer for its model, a template error) gets None: the picker then
 scores it with the approximate index.
 """

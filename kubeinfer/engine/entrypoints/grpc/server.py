@@ -1,5 +1,5 @@
-"""The engine's gRPC API (engine/proto/engine.proto): a server-streaming `Generate`, `ListModels`, and
-the standard gRPC health service, served beside the HTTP API from the same engine loop.
+"""The engine's gRPC API (kubeinfer/engine/entrypoints/grpc/proto/engine.proto): a server-streaming `Generate`,
+`ListModels`, and the standard gRPC health service, served beside the HTTP API from the same engine loop.
 
 Requests are validated exactly as over HTTP (the same SamplingParams checks, before any model work);
 errors map to gRPC status codes: INVALID_ARGUMENT, NOT_FOUND (unknown model), UNAUTHENTICATED,

@@ -4,9 +4,9 @@ at batch 1 a step's ~100 such calls are most of its time outside the products.
 
 Each function returns None where it does not apply (not a CPU tensor of a dtype it takes, a layout it does not
 take, KUBEINFER_CPU_NATIVE_LAYERS=0, no compiler): the caller then runs its torch code. float32; the norm bf16 too
-(rounded where torch rounds); other dtypes stay in torch. Accuracy (tests/test_cpu_fused_ops.py): the residual sum
-and the rotation are torch's bits; the norm and the activation within a few float32 ulps (sums and exp in another
-order)."""
+(rounded where torch rounds); other dtypes stay in torch. Accuracy (tests/engine/test_cpu_fused_ops.py): the residual
+sum and the rotation are torch's bits; the norm and the activation within a few float32 ulps (sums and exp in
+another order)."""
 from __future__ import annotations
 
 import ctypes

@@ -1,4 +1,4 @@
-"""Projections split across the ranks of a tensor-parallel group (engine/distributed/parallel_state.py).
+"""Projections split across the ranks of a tensor-parallel group (kubeinfer/engine/distributed/parallel_state.py).
 
 Column-parallel layers hold a slice of the output features: each rank computes its own columns and no
 collective runs (the attention heads and MLP columns that follow are split alike). A fused projection

@@ -6,7 +6,7 @@ started, so where the helper is not scheduled (a loaded machine) the stepping th
 is no slower than on one thread. Torch's own two threads (KUBEINFER_CPU_OPENBLAS=0) wait at a barrier for a
 descheduled worker: steps ran 20-30x slower in rounds where other jobs held a core (cpu_blas.py).
 
-The halves give the same bits as the whole (tests/test_two_cores.py): torch's int8 and int4 weight-only
+The halves give the same bits as the whole (tests/engine/test_two_cores.py): torch's int8 and int4 weight-only
 kernels compute each output column from its own weight row (cut at a multiple of 64 rows, the int4 packing's
 block), and the CPU SDPA computes each (sequence, head) alone over the same keys on one thread.
 

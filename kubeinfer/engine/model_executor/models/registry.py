@@ -12,7 +12,7 @@ from ..layers.quantization import SERVED as QUANTIZATION_METHODS
 @dataclass(frozen=True)
 class Architecture:
     name: str  # as in config.json's "architectures"
-    module: str  # under engine/model_executor/models/
+    module: str  # under kubeinfer/engine/model_executor/models/
     class_name: str
     family: str
     lora: bool  # adapters load and apply (checked against PEFT)

@@ -22,7 +22,7 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   dequantized weights and the output rounded to bf16 (`cpu_int4_bf16`, `cpu_int8_bf16`; int4 groups of 32-256,
   int8 per channel symmetric), the only way torch's products are fast here (float32 activations: 30-190x
   slower). Figures: a16_method.py and benchmarks/RESULTS.md "cpu-a16-native". Numerics: log-probabilities
-  within 0.25 of transformers' float32 on the decompressed checkpoint (tests/test_quantized_kept.py; measured
+  within 0.25 of transformers' float32 on the decompressed checkpoint (tests/engine/test_quantized_kept.py; measured
   on a tiny random model 0.04-0.06 A16, 0.07-0.13 torch's bf16), and the A16 product's greedy tokens are
   transformers' with bf16-rounded inputs to the quantized layers. Other int layouts, and the weights of
   checkpoints that quantize activations (W8A8: w8a8.py quantizes them exactly, which a bf16 rounding would undo;

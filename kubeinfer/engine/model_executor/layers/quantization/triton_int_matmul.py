@@ -9,7 +9,7 @@ interpreter runs as well as a GPU, so the kernel is checked here; the decoded va
 
 y[m, n] = sum_k x[m, k] * (q[n, k] - zero[n, k // G]) * scale[n, k // G] (+ bias[n]); q signed, zero signed
 (0 when symmetric). Accumulation in fp32; checked against torch under TRITON_INTERPRET=1
-(tests/test_triton_int_matmul.py). Where each K tile lies in one group (per channel, or groups of 16 or more
+(tests/engine/test_triton_int_matmul.py). Where each K tile lies in one group (per channel, or groups of 16 or more
 columns in powers of two), the dot multiplies the exact integers and each tile's sums are scaled: a bf16 dot
 on the scaled weight rounded it to 8 significant bits, 3-5% of the outputs of an int8 layer off by 0.2-0.4
 on the first GPU run (2026-11-27)."""
