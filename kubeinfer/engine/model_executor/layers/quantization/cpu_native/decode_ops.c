@@ -8,7 +8,7 @@
  * - RMSNorm (float32, or bf16 as torch rounds it): s = x + r (one float add: torch's bits),
  *   y = w * (s * (1 / sqrtf(mean(s * s) + eps))). The sum of
  *   squares is summed in 16 lanes then a tree (torch sums in another order), and torch's rsqrt is its own
- *   vectorized 1 / sqrt: y within a few float32 ulps of torch's (tests/test_cpu_fused_ops.py states the bound).
+ *   vectorized 1 / sqrt: y within a few float32 ulps of torch's (tests/engine/test_cpu_fused_ops.py states the bound).
  * - silu(g) * u = (g / (1 + exp(-g))) * u, torch's formula, with exp below (within 2 ulps of expf; torch's
  *   Sleef exp is within 1): a few ulps of torch.
  * - rotary: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in float32: the products and sums of
