@@ -36,7 +36,7 @@ from bench_throughput import MODEL_SHAPE  # noqa: E402
 from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 PROMPT_LEN = 32
 

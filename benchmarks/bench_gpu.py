@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, LoRARequest, SamplingParams  # noqa: E402
-from kubeinfer.testing.random_model import build_random_adapter, build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_adapter, build_random_model  # noqa: E402
 
 LORA_RANK = 16
 LLAMA3 = dict(vocab_size=128256, max_position_embeddings=4096, rope_theta=500000.0)

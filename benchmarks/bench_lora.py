@@ -25,7 +25,7 @@ from bench_throughput import MODEL_SHAPE, workload  # noqa: E402
 from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, LoRARequest, SamplingParams  # noqa: E402
-from kubeinfer.testing.random_model import build_random_adapter, build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_adapter, build_random_model  # noqa: E402
 
 NUM_ADAPTERS, RANK = 4, 16
 

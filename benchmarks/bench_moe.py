@@ -31,7 +31,7 @@ from bench_throughput import (  # noqa: E402
 from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 # Qwen3-30B-A3B's proportions shrunk: experts' intermediate size 3/8 of hidden, top-8 of 128 -> top-4 of 32.
 MODEL_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536,

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from load_peak import LiveBytes, held_bytes  # noqa: E402
 
 from kubeinfer.engine import LLM  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 MIB = 1 << 20
 

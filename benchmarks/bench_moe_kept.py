@@ -48,7 +48,7 @@ from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import Experts
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
 from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, ops  # noqa: E402
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 E, H, INTER, K = 32, 1024, 512, 4
 MODEL = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1024, vocab_size=8192,

@@ -42,7 +42,7 @@ from routing_sim import Workload, simulate  # noqa: E402
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
 from kubeinfer.gateway.scheduling.picker import DEFAULT_WEIGHTS, PickerConfig  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 POLICIES = ("precise", "approximate", "load-only", "round-robin")
 LOAD_ONLY = {**DEFAULT_WEIGHTS, "prefix": 0.0, "affinity": 0.0}

@@ -56,7 +56,7 @@ from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
 from kubeinfer.engine.model_executor.layers import cpu_blas  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 PROMPT_LEN = 32
 BATCHES = (1, 16)

@@ -25,7 +25,7 @@ from results import update_results
 
 from kubeinfer.engine.model_executor.layers.attention_selector import get_attention_backend
 from kubeinfer.engine.model_executor.model_loader import inspect_model_dir, load_model
-from kubeinfer.testing.random_model import build_random_model
+from kubeinfer.dev.testing.random_model import build_random_model
 
 KERNELS = {"dequantized": "dequantized (float)", "cpu_int4": "cpu_int4", "triton": "triton layout"}
 

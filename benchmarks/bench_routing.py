@@ -41,11 +41,11 @@ from results import update_results  # noqa: E402
 from routing_sim import (SCRAPE_INTERVAL_S, PodSpec, Workload, build_workload, percentile,  # noqa: E402
                          place_adapters, simulate)
 
-from kubeinfer.testing.random_model import build_random_adapter, build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_adapter, build_random_model  # noqa: E402
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
 from kubeinfer.gateway.datastore.endpoints import Endpoint, EndpointPool, EngineState  # noqa: E402
 from kubeinfer.gateway.scheduling.picker import Picker, PickerConfig, RoutingRequest  # noqa: E402
-from kubeinfer.local_stack import wait_healthy  # noqa: E402
+from kubeinfer.dev.local_stack import wait_healthy  # noqa: E402
 
 CACHE = Path(".cache")
 MODEL_DIR = CACHE / "bench-routing-model"

@@ -36,7 +36,7 @@ from scale_sim import WakeScenario, simulate_wake  # noqa: E402
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
 from kubeinfer.gateway.datastore.discovery import static_endpoints  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 CACHE = Path(__file__).resolve().parents[1] / ".cache"
 DEMO_DIR = CACHE / "demo-model"  # what `kubeinfer local-stack` serves (built, about two minutes, if missing)
@@ -55,7 +55,7 @@ def prepare_model(larger: bool) -> str:
         if not (MODEL_DIR / "config.json").exists():
             build_random_model(MODEL_DIR, "llama", **LARGER_SHAPE)
         return "a random-init Llama of the throughput benchmark's shape (8 layers, hidden 512)"
-    from kubeinfer.demo_model import build_demo_model
+    from kubeinfer.dev.demo_model import build_demo_model
 
     MODEL_DIR = build_demo_model(DEMO_DIR) / "base"  # the base model; its adapters are not needed here
     return "the local stack's demo model (`kubeinfer demo-model`)"

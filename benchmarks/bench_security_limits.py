@@ -43,7 +43,7 @@ def wait(url):
         time.sleep(0.1)
     raise SystemExit("not healthy " + url)
 
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 model = str(build_random_model(WORK / "model"))
 ep, gp = free(), free()

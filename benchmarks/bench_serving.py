@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_throughput import MODEL_SHAPE  # noqa: E402
 from results import update_results  # noqa: E402
 
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 HERE = Path(__file__).parent
 PLOT = HERE / "serving.png"

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 from results import update_results  # noqa: E402
 
-from kubeinfer.demo.recipe import DEMO_QUESTIONS  # noqa: E402
-from kubeinfer.demo_model import build_demo_model  # noqa: E402
+from kubeinfer.dev.demo.recipe import DEMO_QUESTIONS  # noqa: E402
+from kubeinfer.dev.demo_model import build_demo_model  # noqa: E402
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
 
 DEMO_DIR = Path(__file__).parents[1] / ".cache" / "demo-model"

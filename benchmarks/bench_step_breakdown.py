@@ -27,7 +27,7 @@ from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
 from kubeinfer.engine.model_executor.step_timer import PHASES  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 BATCH_SIZES = (1, 16, 64)
 PROMPT_LEN = 32

@@ -22,8 +22,8 @@ from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
 from kubeinfer.engine.sampling_params import StructuredOutputsParams  # noqa: E402
-from kubeinfer.testing.json_schemas import SCHEMAS  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.json_schemas import SCHEMAS  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 # An array of bounded integers: every document is as long as the output length asked for (no early stop),
 # so both runs decode exactly the same number of tokens.
@@ -100,7 +100,7 @@ def main() -> None:
             f"{args.repeats} after one warm-up pass; the constraint is a JSON array of digits, so constrained and "
             "free sequences decode the same number of tokens.\n\n"
             "| batch | free ms/token | constrained ms/token | overhead |\n|---|---|---|---|\n" + "\n".join(rows) +
-            f"\n\nGrammar compile over the {len(SCHEMAS)}-schema set (kubeinfer/testing/json_schemas.py): cold "
+            f"\n\nGrammar compile over the {len(SCHEMAS)}-schema set (kubeinfer/dev/testing/json_schemas.py): cold "
             f"p50 {pct(cold, .5) * 1e3:.2f} ms, p99 {pct(cold, .99) * 1e3:.2f} ms; cached p50 "
             f"{pct(cached, .5) * 1e3:.3f} ms (a fresh matcher from the cached grammar).\n\n"
             "| engine | compile p50 / p99 | schemas compiled |\n|---|---|---|\n"

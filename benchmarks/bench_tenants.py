@@ -34,7 +34,7 @@ from results import update_results  # noqa: E402
 
 from kubeinfer.gateway.app import Gateway, GatewayConfig  # noqa: E402
 from kubeinfer.gateway.scheduling.picker import PickerConfig  # noqa: E402
-from kubeinfer.local_stack import wait_healthy  # noqa: E402
+from kubeinfer.dev.local_stack import wait_healthy  # noqa: E402
 
 CACHE = Path(".cache")
 TENANTS = """tenants:

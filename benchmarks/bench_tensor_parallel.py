@@ -30,7 +30,7 @@ from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
 from kubeinfer.engine.core.tp_messages import check_message  # noqa: E402
 from kubeinfer.engine.distributed import wire  # noqa: E402
 from kubeinfer.engine.model_executor.step_inputs import StepInputs  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536, vocab_size=8192)
 

@@ -41,7 +41,7 @@ def engine_rates(tokens: int, repeats: int) -> None:
     from bench_throughput import MODEL_SHAPE
     from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_checkpoint
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = Path(".cache")
     model_dir = root / "bench-llama-33m"

@@ -23,7 +23,7 @@ from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
 from kubeinfer.engine.model_executor.model_runner import ModelRunner  # noqa: E402
-from kubeinfer.testing.random_model import build_random_model  # noqa: E402
+from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 LAYER_TYPES = (["sliding_attention"] * 5 + ["full_attention"]) * 2  # Gemma 3's 5:1 pattern, 12 layers
 BLOCK_SIZE = 16

@@ -27,7 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _random_model(args: argparse.Namespace) -> int:
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     overrides = dict(hidden_size=args.hidden_size, num_layers=args.num_layers, num_heads=args.num_heads,
                      num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size)
@@ -75,7 +75,7 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
 
 def _random_model_arguments(rnd: argparse.ArgumentParser) -> None:
     rnd.add_argument("out")
-    from kubeinfer.testing.random_model import ALL_FAMILIES
+    from kubeinfer.dev.testing.random_model import ALL_FAMILIES
     rnd.add_argument("--family", default="llama", choices=list(ALL_FAMILIES))
     for name in ("hidden-size", "num-layers", "num-heads", "num-kv-heads", "intermediate-size"):
         rnd.add_argument(f"--{name}", type=int, default=None)
@@ -100,8 +100,10 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[], tuple[Callable, Callable]]]] = {
     "serve": ("OpenAI-compatible engine server (HTTP + optional gRPC)", lambda: (_serve_arguments, _serve)),
     "gateway": ("endpoint picker: Envoy ext_proc server and OpenAI-compatible proxy", _module("kubeinfer.gateway.cli")),
     "operator": ("InferenceModel operator (kopf)", _module("kubeinfer.operator.cli")),
-    "local-stack": ("the whole stack on this machine on the demo model (make run)", _module("kubeinfer.local_stack")),
-    "demo-model": ("train the tiny demo model and its two LoRA adapters", _module("kubeinfer.demo_model")),
+    # Dev tools (kubeinfer.dev, loaded only when chosen): local-stack, demo-model and random-model.
+    "local-stack": ("the whole stack on this machine on the demo model (make run)",
+                    _module("kubeinfer.dev.local_stack")),
+    "demo-model": ("train the tiny demo model and its two LoRA adapters", _module("kubeinfer.dev.demo_model")),
     "generate": ("generate offline from a local Hugging Face model directory",
                  lambda: (_generate_arguments, _generate)),
     "models": ("list the model architectures the engine serves, with the features each supports",

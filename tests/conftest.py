@@ -26,7 +26,7 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    from kubeinfer.testing.random_model import FAMILIES, build_random_model
+    from kubeinfer.dev.testing.random_model import FAMILIES, build_random_model
 
     root = tmp_path_factory.mktemp("models")
     return {family: str(build_random_model(root / family, family, seed=i)) for i, family in enumerate(FAMILIES)}
@@ -36,7 +36,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 def long_context_dir(tmp_path_factory) -> str:
     """A llama with a context of 2048: rendered tools take ~500 tokens of this byte-level vocabulary (tools,
     the Responses API, client libraries)."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return str(build_random_model(tmp_path_factory.mktemp("long_context"), "llama", max_position_embeddings=2048))
 
@@ -63,7 +63,7 @@ def hf_models(model_dirs):
 # -- LoRA: a base model, three PEFT adapters and the greedy continuations transformers + PEFT give -------
 @pytest.fixture(scope="session")
 def lora_base_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("lora_base"), "qwen2", tokenizer=False, seed=3)
 

@@ -13,7 +13,7 @@ from kubeinfer.engine.entrypoints.openai.api_server import ServerState, build_ap
 from kubeinfer.engine.core.async_engine import AsyncEngine
 from kubeinfer.engine.config import EngineConfig
 from kubeinfer.engine.core.llm_engine import LLMEngine
-from kubeinfer.http_server import server_config
+from kubeinfer.common.http_server import server_config
 
 
 def free_port() -> int:

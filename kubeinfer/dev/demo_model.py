@@ -18,13 +18,13 @@ renamed to OUT at the end, so OUT is either absent or complete.
 """
 from __future__ import annotations
 
-# The code lives in the kubeinfer.demo package (recipe, corpus, training, build, cli); this module keeps the
+# The code lives in the kubeinfer.dev.demo package (recipe, corpus, training, build, cli); this module keeps the
 # names the rest of kubeinfer and the tests use, and is what `kubeinfer demo-model` loads (add_arguments, run).
-from kubeinfer.demo.build import build_demo_model, greedy_samples, read_manifest
-from kubeinfer.demo.cli import add_arguments, run
-from kubeinfer.demo.corpus import load_corpora
-from kubeinfer.demo.recipe import MANIFEST, DemoModelError, DemoRecipe
-from kubeinfer.demo.training import LoRAHooks
+from kubeinfer.dev.demo.build import build_demo_model, greedy_samples, read_manifest
+from kubeinfer.dev.demo.cli import add_arguments, run
+from kubeinfer.dev.demo.corpus import load_corpora
+from kubeinfer.dev.demo.recipe import MANIFEST, DemoModelError, DemoRecipe
+from kubeinfer.dev.demo.training import LoRAHooks
 
 __all__ = ["MANIFEST", "DemoModelError", "DemoRecipe", "LoRAHooks", "add_arguments", "build_demo_model",
            "greedy_samples", "load_corpora", "read_manifest", "run"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from kubeinfer.local_scaler import LocalScaler, Replica
+from kubeinfer.dev.local_scaler import LocalScaler, Replica
 
 DEFAULT_DEMO_DIR = Path(".cache/demo-model")
 SERVED_NAME = "demo"
@@ -84,7 +84,7 @@ def _wait_ready(url: str, process: subprocess.Popen, timeout: float) -> None:
 
 def start_prometheus(port: int, metrics_port: int, engine_urls: list[str], directory: Path):
     """A LocalPrometheus scraping this stack every 5 s, or None (with the reason printed) without the binary."""
-    from kubeinfer.prometheus_local import LocalPrometheus, Target, binary, config
+    from kubeinfer.dev.prometheus_local import LocalPrometheus, Target, binary, config
 
     if binary() is None:
         print("local-stack: --prometheus: no `prometheus` binary on PATH (Debian/Ubuntu: apt-get install prometheus); "
@@ -139,7 +139,7 @@ def handle_stop_signals() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kubeinfer.demo_model import build_demo_model
+    from kubeinfer.dev.demo_model import build_demo_model
 
     handle_stop_signals()
     demo = build_demo_model(args.demo_dir)

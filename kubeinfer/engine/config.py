@@ -46,7 +46,7 @@ class EngineConfig:
     # "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}; parsed by core/kv_event_publisher.py
     kv_events_config: str | dict | None = None
     # The API key the KV-event sockets are CURVE-authenticated with (serve: --api-key, unless --kv-events-auth
-    # none); None: vLLM's unauthenticated sockets. Not one of vLLM's keys: kubeinfer/kv_events_curve.py.
+    # none); None: vLLM's unauthenticated sockets. Not one of vLLM's keys: kubeinfer/common/kv_events_curve.py.
     kv_events_key: str | None = field(default=None, repr=False)
     # Schedule and launch step N+1 before step N's ids reach the host (core/async_scheduling.py). For a GPU;
     # off by default, as in vLLM (`--async-scheduling`). On a CPU it only delays outputs by a step.

@@ -11,8 +11,9 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from ..http_guard import DEFAULT_HEADER_READ_TIMEOUT, GuardConfig, RequestGuard
-from ..http_server import server_config
+from kubeinfer.common.http_guard import DEFAULT_HEADER_READ_TIMEOUT, GuardConfig, RequestGuard
+from kubeinfer.common.http_server import server_config
+
 from .datastore.discovery import KubernetesDiscovery, static_endpoints
 from .datastore.endpoints import EndpointPool
 from .datastore.kv_block_index import MAX_BLOCKS_PER_POD, KVBlockIndex

@@ -6,9 +6,10 @@ import asyncio
 import logging
 import signal
 
-from ..http_guard import add_http_limit_arguments, guard_from_args
+from kubeinfer.common.engine_key import gateway_key_from_env
+from kubeinfer.common.http_guard import add_http_limit_arguments, guard_from_args
+
 from .datastore.discovery import parse_selector
-from .datastore.engine_auth import engine_key_from_env
 from .datastore.kv_block_index import MAX_BLOCKS_PER_POD
 from .flowcontrol.fallback import parse_fallback
 from .flowcontrol.tenant_limits import SCOPES
@@ -122,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-resync", type=float, default=60.0, metavar="SECONDS",
                         help="InferenceModels and InferenceObjectives are watched (changes count at once); they are "
                              "also listed again this often, a safety net for events a watch missed")
-    parser.add_argument("--engine-api-key", default=engine_key_from_env(),
+    parser.add_argument("--engine-api-key", default=gateway_key_from_env(),
                         help="key presented to engines as 'Authorization: Bearer KEY' on everything sent to them, in "
                              "place of the client's (env KUBEINFER_ENGINE_API_KEY; the engines' --api-key)")
     parser.add_argument("--trust-priority-headers", action="store_true",

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kubeinfer.common.engine_key import ENGINE_KEY_ENVS
+
 # Every flag pod_template.engine_args may set, and the engine's key (its env var is the operator's).
 OWNED_FLAGS = ("--host", "--port", "--grpc-port", "--served-model-name", "--lora-catalog-dir",
                "--lora-placement-file", "--lora-modules", "--enable-lora", "--max-loras", "--max-lora-rank",
@@ -21,7 +23,7 @@ OWNED_FLAGS = ("--host", "--port", "--grpc-port", "--served-model-name", "--lora
 # Single-dash spellings of owned flags (vLLM's `-tp N`, `-tp=N`, `-tpN`).
 OWNED_SHORT = {"-tp": "--tensor-parallel-size"}
 # The engine reads its key from these; the operator sets KUBEINFER_API_KEY from its Secret.
-OWNED_ENV = ("KUBEINFER_API_KEY", "VLLM_API_KEY")
+OWNED_ENV = ENGINE_KEY_ENVS
 
 
 def option_of(arg: str) -> str | None:

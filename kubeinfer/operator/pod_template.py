@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+from kubeinfer.common.engine_key import ENGINE_KEY_ENV
 from kubeinfer.operator.config import OperatorConfig
 from kubeinfer.operator.credentials import serving_env
 from kubeinfer.operator.names import (ADAPTERS_ANNOTATION, ADAPTERS_DIR, GRPC_PORT, HTTP_PORT, KV_EVENTS_PORT,
@@ -93,7 +94,7 @@ def api_key_env(config: OperatorConfig) -> list[dict[str, Any]]:
     and scrapers. The Secret must exist in the model's namespace: without it the pod does not start."""
     if not config.engine_api_key_secret:
         return []
-    return [{"name": "KUBEINFER_API_KEY", "valueFrom": {"secretKeyRef": {
+    return [{"name": ENGINE_KEY_ENV, "valueFrom": {"secretKeyRef": {
         "name": config.engine_api_key_secret, "key": config.engine_api_key_secret_key}}}]
 
 

@@ -17,7 +17,7 @@ from chart_helpers import CHART, KUBE_VERSION, NAMESPACE, find, run_helm
 from server_harness import RunningServer, free_port
 from test_chart import helm  # noqa: F401 - the session's helm binary
 
-from kubeinfer.prometheus_local import CHART_MONITORS, LocalPrometheus, Target, binary, config
+from kubeinfer.dev.prometheus_local import CHART_MONITORS, LocalPrometheus, Target, binary, config
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "manifests" / "dashboards" / "kubeinfer.json"

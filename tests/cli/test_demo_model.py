@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kubeinfer import demo_model
-from kubeinfer.demo_model import DemoModelError, DemoRecipe, build_demo_model, read_manifest
+from kubeinfer.dev.demo_model import DemoModelError, DemoRecipe, build_demo_model, read_manifest
 from kubeinfer.engine import LLM, LoRARequest, SamplingParams
-from kubeinfer.testing.random_model import BOS_ID, EOS_ID, PAD_ID
+from kubeinfer.dev.testing.random_model import BOS_ID, EOS_ID, PAD_ID
 
 # A few seconds on 2 cores, yet trained enough that greedy choices are not coin flips between tied logits.
 TINY = DemoRecipe(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=400,

@@ -16,8 +16,8 @@ import openai
 import pytest
 from server_harness import free_port
 
-from kubeinfer.demo_model import DemoRecipe, build_demo_model
-from kubeinfer.local_stack import placements
+from kubeinfer.dev.demo_model import DemoRecipe, build_demo_model
+from kubeinfer.dev.local_stack import placements
 
 # A demo model trained for a few steps only: the stack, not the model's quality, is under test here.
 QUICK = replace(DemoRecipe(), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,

@@ -21,7 +21,7 @@ EXPERT = f"{LAYER}.mlp.experts"
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("shapes") / "qwen3_moe", "qwen3_moe", tokenizer=False, seed=44,
                               hidden_size=64, intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=1,

@@ -83,7 +83,7 @@ def test_engine_greedy_tokens_equal_transformers_with_the_native_lm_head(tied, t
     from transformers import AutoModelForCausalLM
 
     from kubeinfer.engine import LLM, SamplingParams
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     model_dir = build_random_model(tmp_path / "llama", "llama", tokenizer=False, seed=7, vocab_size=203,
                                    tie_word_embeddings=tied)

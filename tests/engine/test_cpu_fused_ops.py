@@ -161,7 +161,7 @@ def test_engine_greedy_tokens_equal_transformers_with_native_ops(family, tmp_pat
     from transformers import AutoModelForCausalLM
 
     from kubeinfer.engine import LLM, SamplingParams
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     model_dir = build_random_model(tmp_path / family, family, tokenizer=False, seed=5)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -189,7 +189,7 @@ def test_engine_bf16_native_norms_keep_the_torch_paths_tokens(tmp_path, monkeypa
     from test_engine_correctness import MAX_TOKENS, PROMPTS
 
     from kubeinfer.engine import LLM, SamplingParams
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     model_dir = build_random_model(tmp_path / "llama", "llama", tokenizer=False, seed=6)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]

@@ -173,7 +173,7 @@ def test_mixed_step_takes_native_decodes_and_torch_prefills(monkeypatch):
 @pytest.fixture(scope="module")
 def window_llama(tmp_path_factory):
     """A tiny Llama-shaped Mistral with an 8-token window, shorter than most prompts: the window matters."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return str(build_random_model(tmp_path_factory.mktemp("native_attn"), "mistral", tokenizer=False,
                                   sliding_window=8, seed=13))

@@ -204,7 +204,7 @@ REPRO = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from pathlib import Path
     from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_checkpoint
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
     from kubeinfer.engine import LLM, SamplingParams
     from kubeinfer.engine.model_executor import checkpoint_shapes, expert_int_weights
     root = Path({root!r})

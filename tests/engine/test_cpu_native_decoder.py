@@ -37,7 +37,7 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root, made = tmp_path_factory.mktemp("decoder"), {}
     for family, extra in FAMILIES.items():

@@ -29,7 +29,7 @@ def q8_0_fake_quantize(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("native")
     float_dir = build_random_model(root / "float", "llama", tokenizer=False, seed=11, **SHAPE)
@@ -98,7 +98,7 @@ def test_without_the_library_torch_kernels_serve(dirs, monkeypatch):
 def test_without_the_library_w8a8_runs_int_mm(tmp_path, monkeypatch):
     from test_quantized_w8a8 import w8a8_checkpoint
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     monkeypatch.setitem(ops._state, "lib", None)
     monkeypatch.delenv("KUBEINFER_W8A8_KERNEL", raising=False)

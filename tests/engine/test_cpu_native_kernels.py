@@ -152,7 +152,7 @@ def test_w8a8_engine_tokens_equal_int_mm(tmp_path, monkeypatch):
     from quant_checkpoints import SHAPE, engine_greedy
     from test_quantized_w8a8 import w8a8_checkpoint
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=3, **SHAPE)
     model_dir = w8a8_checkpoint(float_dir, "int8_dynamic")

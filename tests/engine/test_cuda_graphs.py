@@ -67,7 +67,7 @@ def test_decode_graphs_match_transformers_with_padding_and_preemption(device, as
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_graphs_with_a_sliding_window(device, tmp_path):
     from kubeinfer.engine import LLM
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
     from transformers import AutoModelForCausalLM
 
     model_dir = str(build_random_model(tmp_path / "mistral", "mistral", tokenizer=False, sliding_window=8, seed=11))

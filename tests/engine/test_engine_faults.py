@@ -25,7 +25,7 @@ from server_harness import RunningServer, free_port
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.core.async_engine import AsyncEngine
 from kubeinfer.engine.core.errors import EngineDeadError, RequestFailedError, StepFailedError
-from kubeinfer.local_stack import wait_healthy
+from kubeinfer.dev.local_stack import wait_healthy
 
 PROMPT = "The licensee may copy and distribute"
 

@@ -16,7 +16,7 @@ from kubeinfer.engine.lora.request import LoRARequest
 @pytest.fixture(scope="module")
 def draft_dirs(tmp_path_factory) -> dict[str, str]:
     """A smaller model of each family (one layer, half the width), same tokenizer, other weights."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("drafts")
     return {family: str(build_random_model(root / family, family, hidden_size=32, num_layers=1, num_heads=2,
@@ -93,7 +93,7 @@ def test_sampled_drafts_from_the_target_itself_are_accepted(llama_dir):
 def test_sampled_and_lora_requests_run_beside_greedy_ones(llama_dir, draft_dirs, tmp_path):
     """The draft has no adapter (its guesses for a LoRA request are worse, not wrong); sampled
     requests keep the target's distribution by rejection sampling and are reproducible by seed."""
-    from kubeinfer.testing.random_model import build_random_adapter
+    from kubeinfer.dev.testing.random_model import build_random_adapter
 
     adapter = build_random_adapter(tmp_path / "adapter", llama_dir, rank=4, scale=0.3, seed=3)
 
@@ -122,7 +122,7 @@ def test_sampled_and_lora_requests_run_beside_greedy_ones(llama_dir, draft_dirs,
     (lambda d: {"model": d["other_tokenizer"], "num_speculative_tokens": 4}, "another tokenizer"),
 ])
 def test_bad_draft_models_are_refused_before_serving(llama_dir, tmp_path_factory, make, message):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("bad-drafts")
     drafts = {"short": str(build_random_model(root / "short", "llama", max_position_embeddings=64)),

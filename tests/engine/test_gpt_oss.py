@@ -23,7 +23,7 @@ VARIANT = dict(num_layers=2, rope_scaling=YARN, rope_theta=1000.0)
 
 @pytest.fixture(scope="module")
 def oss_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return str(build_random_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", tokenizer=False, seed=50, **VARIANT))
 
@@ -52,7 +52,7 @@ def test_chunked_prefill_and_preemption_keep_outputs_exact(oss_dir, oss_referenc
 @pytest.mark.parametrize("switch", [dict(swiglu_limit=100.0), dict(rope_scaling=None), dict(sliding_window=4096)],
                          ids=["no-clamp", "no-yarn", "no-window"])
 def test_the_switches_change_the_reference(switch, tmp_path, oss_reference):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     twin = build_random_model(tmp_path / "twin", "gpt_oss", tokenizer=False, seed=50, **{**VARIANT, **switch})
     assert hf_references(twin, PROMPTS[:3], MAX_TOKENS[:3]) != oss_reference[:3]
@@ -122,7 +122,7 @@ def test_mxfp4_dequantization_equals_transformers():
 def test_mxfp4_checkpoint_matches_transformers_dequantized(tmp_path):
     from transformers import Mxfp4Config
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "gpt_oss", tokenizer=False, seed=51, num_layers=2,
                                    intermediate_size=32)  # one 32-value group per down row

@@ -29,7 +29,7 @@ BF16_BOUNDS = (0.65, 0.4)  # measured 24/32 and 0.28 nats (see above)
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("kv") / "float", "qwen3", tokenizer=False, seed=29, **SHAPE)
 
@@ -68,7 +68,7 @@ def test_bf16_cache_keeps_greedy_tokens_and_logprobs_near_transformers(tmp_path)
     from test_engine_correctness import hf_greedy
     from transformers import AutoModelForCausalLM
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     model_dir = build_random_model(tmp_path / "llama", "llama", tokenizer=False, seed=16, **SHAPE)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

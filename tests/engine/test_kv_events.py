@@ -97,7 +97,7 @@ def test_adapter_blocks_carry_lora_id_and_name(lora_base_dir, lora_adapters, sub
 
 
 def test_windowed_models_report_the_full_attention_pool(tmp_path, subscribed):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     layers = ["sliding_attention", "full_attention", "sliding_attention"]
     gemma = build_random_model(tmp_path / "gemma3", "gemma3", tokenizer=False, seed=12, num_layers=3,

@@ -1,6 +1,6 @@
 """Issue #44, finding 4: KV events carry every tenant's token ids, so where the engine has an API key only the
 gateway (holding the same key) may subscribe. ZMQ CURVE on the engine's PUB and replay sockets, keys derived
-from the API key (kubeinfer/kv_events_curve.py); engines without a key, and vLLM's, work as before."""
+from the API key (kubeinfer/common/kv_events_curve.py); engines without a key, and vLLM's, work as before."""
 from __future__ import annotations
 
 import time
@@ -13,7 +13,7 @@ from parallel_helpers import serve_parser
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.gateway.datastore.kv_block_index import KVBlockIndex
 from kubeinfer.gateway.datastore.kv_event_subscriber import EventSource, KVEventSubscriber
-from kubeinfer.kv_events_curve import CurveKeys
+from kubeinfer.common.kv_events_curve import CurveKeys
 
 KEY = "engine-api-key-for-tests"
 POD = "127.0.0.1:8000"

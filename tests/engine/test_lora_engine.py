@@ -157,7 +157,7 @@ def test_random_adapter_builder_writes_peft_format(lora_base_dir, lora_base_refe
     from lora_helpers import hf_greedy, load_hf
     from peft import PeftModel
 
-    from kubeinfer.testing.random_model import build_random_adapter
+    from kubeinfer.dev.testing.random_model import build_random_adapter
 
     path = build_random_adapter(tmp_path / "random", lora_base_dir, rank=4, scale=0.3, seed=5)
     reference = hf_greedy(PeftModel.from_pretrained(load_hf(lora_base_dir), path).eval(), PROMPTS[0])

@@ -18,7 +18,7 @@ FAMILIES = ["gemma2", "gemma3", "phi3", "olmo2", "granite"]
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mixed_adapters_match_peft(family, tmp_path):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     base = build_random_model(tmp_path / "base", family, tokenizer=False, seed=40, **VARIANTS[family])
     want_base = [hf_greedy(load_hf(base), p) for p in PROMPTS]
@@ -48,7 +48,7 @@ def test_phi3_refuses_adapters_for_split_projections(tmp_path):
 
     from kubeinfer.engine.config import ModelSpec
     from kubeinfer.engine.lora.adapter import LoRALoadError, load_adapter
-    from kubeinfer.testing.random_model import build_random_adapter, build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_adapter, build_random_model
 
     base = build_random_model(tmp_path / "phi", "phi3", tokenizer=False)
     llama = build_random_model(tmp_path / "llama", "llama", tokenizer=False)

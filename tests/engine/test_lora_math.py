@@ -27,7 +27,7 @@ IDS = {name: i + 1 for i, name in enumerate(ADAPTERS)}
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     # head_dim 24 makes the attention width (96) differ from hidden (64): in/out mix-ups show.
     return build_random_model(tmp_path_factory.mktemp("lora_base"), "llama", tokenizer=False, head_dim=24, seed=7)

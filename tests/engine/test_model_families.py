@@ -7,7 +7,7 @@ import torch
 from test_engine_correctness import MAX_TOKENS, PROMPTS, hf_greedy
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.testing.random_model import save_gemma3_multimodal
+from kubeinfer.dev.testing.random_model import save_gemma3_multimodal
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # family -> the config switches its tiny model exercises (each family's own defaults come from random_model)
@@ -35,7 +35,7 @@ def run(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("families")
     return {family: str(build_random_model(root / family, family, tokenizer=False, seed=20 + i, **variant))
@@ -89,7 +89,7 @@ def test_layers_get_their_own_windows(family_dirs):
 ])
 def test_the_switches_change_the_reference(family, without, tmp_path, references):
     """The same weights without the switch give other outputs: the equality tests above can fail on it."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     variant = {**VARIANTS[family], **without}
     seed = 20 + list(VARIANTS).index(family)
@@ -106,7 +106,7 @@ LONG = [2.0, 2.5, 3.0, 3.5]
 def test_longrope_matches_transformers(original, max_model_len, tmp_path):
     """Short factors when the served context fits the trained one; long factors beyond it. transformers picks
     per forward pass by the longest sequence, so the long case uses prompts all longer than `original`."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     path = build_random_model(tmp_path / "phi", "phi3", tokenizer=False, partial_rotary_factor=0.5, seed=5,
                               rope_scaling={"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG},
@@ -182,7 +182,7 @@ def test_gemma3_multimodal_checkpoint_serves_its_text(family_dirs, references, t
 def test_qwen_mixing_windowed_and_full_layers_matches_transformers(family, tmp_path):
     """use_sliding_window with max_window_layers=1: layer 0 attends to everything, the others to 6 tokens
     (refused before per-layer windows existed)."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     variant = dict(num_layers=3, use_sliding_window=True, sliding_window=6, max_window_layers=1)
     path = build_random_model(tmp_path / family, family, tokenizer=False, seed=9, **variant)

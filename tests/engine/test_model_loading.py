@@ -7,7 +7,7 @@ import torch
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.model_executor.model_loader import ModelLoadError
-from kubeinfer.testing.random_model import build_random_model
+from kubeinfer.dev.testing.random_model import build_random_model
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 

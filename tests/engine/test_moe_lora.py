@@ -22,7 +22,7 @@ def test_attention_adapters_match_peft(family, tp, tmp_path):
     """tp 2: A and B cut like the attention projections on each rank, beside each rank's slice of the experts."""
     from test_moe_models import hf_model
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     base = build_random_model(tmp_path / "base", family, tokenizer=False, seed=60, num_layers=2)
     want_base = [hf_greedy(hf_model(base), p) for p in PROMPTS]
@@ -60,7 +60,7 @@ def moe_spec(tmp_path_factory):
     from transformers import AutoConfig
 
     from kubeinfer.engine.config import ModelSpec
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     path = build_random_model(tmp_path_factory.mktemp("moe_lora"), "qwen2_moe", tokenizer=False, num_layers=2)
     return ModelSpec(AutoConfig.from_pretrained(path), "Qwen2MoeForCausalLM")

@@ -38,7 +38,7 @@ def run(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("moe")
     return {family: str(build_random_model(root / family, family, tokenizer=False, seed=40 + i, **variant))
@@ -90,7 +90,7 @@ def test_layers_are_sparse_or_dense_as_configured(moe_dirs):
 ])
 def test_the_switches_change_the_reference(family, switch, tmp_path, references):
     """The same seed without the switch gives other outputs: the equality tests above can fail on it."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     seed = 40 + list(VARIANTS).index(family)
     twin = build_random_model(tmp_path / family, family, tokenizer=False, seed=seed, **{**VARIANTS[family], **switch})

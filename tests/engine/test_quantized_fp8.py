@@ -67,7 +67,7 @@ def fp8_config(block) -> dict:
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("fp8") / "float", "qwen3", tokenizer=False, seed=29, **SHAPE)
 
@@ -281,7 +281,7 @@ def test_models_table_lists_the_served_methods():
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma2", "gemma3", "phi3", "olmo2", "granite"])
 def test_every_family_serves_block_fp8(tmp_path, family):
     """The loader dequantizes per checkpoint tensor, so every family takes it: Phi-3's fused qkv/gate_up too."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", family, tokenizer=False, seed=7, **SHAPE)
     weights = fp8_quantize(load_file(str(float_dir / "model.safetensors")), [32, 16])
@@ -291,9 +291,9 @@ def test_every_family_serves_block_fp8(tmp_path, family):
 def test_gemma3_multimodal_fp8_checkpoint_serves_its_text(tmp_path):
     """An FP8 Gemma3ForConditionalGeneration (language model quantized, vision tower float and unread) gives what
     transformers gives on the same language model as an FP8 Gemma3ForCausalLM checkpoint."""
-    from kubeinfer.testing.random_model import save_gemma3_multimodal
+    from kubeinfer.dev.testing.random_model import save_gemma3_multimodal
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "gemma3", tokenizer=False, seed=3, tie_word_embeddings=True,
                                    **SHAPE)

@@ -34,7 +34,7 @@ LINEAR_LAYERS = 4 * SHAPE["num_layers"]  # qkv, o, gate_up, down
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("fp8_kept")
     float_dir = build_random_model(root / "float", "qwen3", tokenizer=False, seed=29, **SHAPE)

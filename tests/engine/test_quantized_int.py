@@ -55,7 +55,7 @@ def dequantized_kernel(monkeypatch):
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("int") / "float", "qwen3", tokenizer=False, seed=29, **SHAPE)
 
@@ -183,7 +183,7 @@ def test_broken_checkpoint_is_a_clear_start_up_error(float_dir, tmp_path, case, 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "phi3", "olmo2"])
 def test_every_family_serves_w4a16(tmp_path, family):
     """The loader dequantizes per checkpoint tensor: Phi-3's fused qkv/gate_up and Gemma's norms alike."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", family, tokenizer=False, seed=7, **SHAPE)
     model_dir = ct_checkpoint(float_dir, "w4a16_group_asym")
@@ -210,7 +210,7 @@ def test_a_method_the_architecture_does_not_serve_is_refused_by_name(tmp_path, a
 def test_a_quantized_checkpoint_splits_over_tensor_parallel_ranks(tmp_path):
     """On the CPU's float32 default the int weights are dequantized whole, then each rank keeps its slice of
     the float weight: still the reference's tokens (kept quantized per rank: tests/engine/test_quantized_tp.py)."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=7, **SHAPE)
     model_dir = ct_checkpoint(float_dir, "w4a16_group_asym")

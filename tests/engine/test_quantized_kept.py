@@ -27,7 +27,7 @@ from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops a
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("kept")
     float_dir = build_random_model(root / "float", "qwen3", tokenizer=False, seed=29, **SHAPE)

@@ -48,7 +48,7 @@ def set_config(model_dir, **values) -> str:
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("lm_head")
     float_dir = build_random_model(root / "float", "qwen3", tokenizer=False, seed=29, **SHAPE)
@@ -229,7 +229,7 @@ def test_the_heads_float_weight_is_never_allocated(tmp_path, monkeypatch, tied):
     1.0x on top (measured 2.91x, both cases)."""
     from load_peak import LiveBytes, held_bytes
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     monkeypatch.delenv("KUBEINFER_QUANT_KERNEL", raising=False)
     shape = {**SHAPE, "num_layers": 1, "vocab_size": 4096}
@@ -262,7 +262,7 @@ def test_the_last_ranks_padding_rows_are_zero_weights(tmp_path, monkeypatch):
     (zero integers; its logit is dropped by the gather). Its 254 real rows are the one-rank model's."""
     from test_quantized_tp import rank_model
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     monkeypatch.setenv("KUBEINFER_QUANT_KERNEL", "triton")  # the loaded layout only: nothing is multiplied
     float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=4,

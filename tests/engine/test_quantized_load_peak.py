@@ -22,7 +22,7 @@ TRANSIT = 0.4  # the peak over the held bytes, as a share of the float projectio
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("load_peak")
     float_dir = build_random_model(root / "float", "llama", tokenizer=False, seed=5, **SHAPE)

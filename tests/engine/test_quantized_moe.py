@@ -64,7 +64,7 @@ def dequantized_kernel(monkeypatch):
 
 @pytest.fixture(scope="module")
 def float_dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root, built = tmp_path_factory.mktemp("moe_quant"), {}
 
@@ -223,7 +223,7 @@ def test_fp8_flag_on_a_float_moe_checkpoint_quantizes_the_experts(tmp_path):
     from test_quantized_fp8 import fp8_config, fp8_quantize
     from test_quantized_moe_w8a8 import fp8_moe_reference
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "qwen2_moe", tokenizer=False, seed=31, hidden_size=64,
                                    intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64,
@@ -257,7 +257,7 @@ def test_fp8_flag_on_float_gpt_oss_quantizes_its_stacked_experts_per_output_chan
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "gpt_oss", tokenizer=False, seed=3, hidden_size=64,
                                    intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=2)

@@ -149,7 +149,7 @@ def test_kept_bytes_are_a_quarter_of_the_float_stacks_and_never_float_at_load(tm
     e4m3 experts in transit (per expert, then stacked: measured 0.33 of one layer's float stacks, 0.46 before
     the per-expert parts were let go as they were stacked; bound 0.45),
     where the round trip's load holds every float stack (measured peak 1.17-1.28x their bytes)."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     model_dir = str(build_random_model(tmp_path / "float", "qwen3_moe", tokenizer=False, seed=7, **MEMORY_SHAPE))
 

@@ -48,7 +48,7 @@ slow = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def float_dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root, built = tmp_path_factory.mktemp("moe_w8a8"), {}
 
@@ -180,7 +180,7 @@ def test_fp8_flag_on_float_gpt_oss_quantizes_its_experts_inputs(tmp_path):
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "gpt_oss", tokenizer=False, seed=3, hidden_size=64,
                                    intermediate_size=64, num_heads=4, num_kv_heads=2, num_layers=2)

@@ -42,7 +42,7 @@ LAYERS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.dow
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("quant_tp") / "float", "llama", tokenizer=False, seed=11,
                               **SHAPE)
@@ -247,7 +247,7 @@ def test_fused_checkpoint_biases_and_replicated_kv_heads_over_two_ranks(tmp_path
     column-parallel biases (Qwen2's q/k/v) are cut beside the kept integers and added by the quant method,
     row-parallel ones (o_proj's, down_proj's) once, after the ranks' partial sums; one KV head is held by both
     ranks (the same rows of k and v on each)."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", family, tokenizer=False, seed=7,
                                    **{**SHAPE, "num_kv_heads": kv_heads}, **switches)
@@ -265,7 +265,7 @@ def test_cuts_on_word_and_group_boundaries_are_read_alone(float_dir, tmp_path, m
     whole one, is never called), and the parts are the ones inspected above. With biases on every projection
     (row-parallel ones too), the float biases load beside the kept integers."""
     if fmt == "biases":
-        from kubeinfer.testing.random_model import build_random_model
+        from kubeinfer.dev.testing.random_model import build_random_model
 
         biased = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=3, attention_bias=True,
                                     mlp_bias=True, **SHAPE)

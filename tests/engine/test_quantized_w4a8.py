@@ -47,7 +47,7 @@ PROMPTS = [list(range(3 + i, 40 + 3 * i)) for i in range(8)]
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("w4a8") / "float", "qwen3", tokenizer=False, seed=29, **SHAPE)
 

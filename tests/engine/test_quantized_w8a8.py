@@ -50,7 +50,7 @@ FAST = ("int8_static_asym", "fp8_static")  # the rest run in make test-all; test
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("w8a8") / "float", "qwen3", tokenizer=False, seed=29, **SHAPE)
 
@@ -301,7 +301,7 @@ def test_w8a8_tensor_parallel_group_cuts_are_refused_by_name(tmp_path):
     128; the rest of W8A8 under tensor parallelism is served: test_quantized_w8a8_tp.py). W8A8 MoE experts are
     served (test_quantized_moe_w8a8.py; their refusals: test_fused_moe_w8a8.py)."""
     from kubeinfer.engine import LLM
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     dense_dir = build_random_model(tmp_path / "dense", "llama", tokenizer=False, seed=3, **SHAPE)
     dense = w8a8_checkpoint(dense_dir, "fp8_group", dst=tmp_path / "dense_w8a8",

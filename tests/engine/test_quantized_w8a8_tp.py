@@ -68,7 +68,7 @@ def test_a_rank_cut_inside_an_activation_group_is_refused_by_name():
 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return build_random_model(tmp_path_factory.mktemp("w8a8_tp") / "float", "qwen3", tokenizer=False, seed=29,
                               **SHAPE)
@@ -138,7 +138,7 @@ def test_fp8_over_two_ranks_equals_the_reference(name, tmp_path_factory):
     import test_quantized_fp8 as fp8
     from safetensors.torch import load_file
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("fp8_tp")
     float_fp8 = build_random_model(root / "float", "qwen3", tokenizer=False, seed=29, **fp8.SHAPE)
@@ -158,7 +158,7 @@ def test_fp8_over_two_ranks_equals_the_reference(name, tmp_path_factory):
 def test_phi3_fused_checkpoint_over_two_ranks_equals_the_reference(tmp_path):
     """Phi-3's checkpoint fuses q/k/v and gate/up in one tensor each: each rank's int_mm layers take their rows
     of the fused per-channel scales at the parts' checkpoint offsets (w8a8_tp.rank_rows)."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     phi3 = build_random_model(tmp_path / "float", "phi3", tokenizer=False, seed=7, **SHAPE)
     model_dir = w8a8_checkpoint(phi3, "int8_dynamic")

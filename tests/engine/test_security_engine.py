@@ -29,7 +29,7 @@ from kubeinfer.engine.entrypoints.request_limits import (
     MAX_STOP_TOKEN_IDS,
     PROMPT_CHARS_PER_TOKEN,
 )
-from kubeinfer.http_guard import GuardConfig
+from kubeinfer.common.http_guard import GuardConfig
 
 LIMIT = 1 << 20  # the body limit these servers run with: a few MB stand in for hundreds
 GUARD = GuardConfig(max_body_bytes=LIMIT, body_read_timeout=1.0, max_concurrent_requests=64)

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from server_harness import free_port
 
 from kubeinfer.engine.entrypoints.grpc.proto import engine_pb2, engine_pb2_grpc
-from kubeinfer.local_stack import wait_healthy
+from kubeinfer.dev.local_stack import wait_healthy
 
 
 def test_sigterm_drains_in_flight_work_then_exits_zero(llama_dir):

@@ -15,7 +15,7 @@ import pytest
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.sampling_params import StructuredOutputsParams
-from kubeinfer.testing.json_schemas import SCHEMAS
+from kubeinfer.dev.testing.json_schemas import SCHEMAS
 
 PROMPT = "Answer in JSON:"
 

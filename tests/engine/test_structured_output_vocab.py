@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.model_executor.sampler import GrammarMasks, process_logits
 from kubeinfer.engine.sampling_params import StructuredOutputsParams
-from kubeinfer.testing.random_model import build_random_model
+from kubeinfer.dev.testing.random_model import build_random_model
 
 ADDED_SPECIALS = ["<tool_call>", "</tool_call>", "<|extra|>"]  # ids 512, 513, 514 after the trained 512
 PROMPT = "Answer:"

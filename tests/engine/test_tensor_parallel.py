@@ -35,7 +35,7 @@ DEFAULT_SUITE = ("llama-kv-replicated", "gemma3")
 
 @pytest.fixture(scope="module")
 def tp_dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("tp_models")
     cache = {}
@@ -72,7 +72,7 @@ def assert_two_ranks_equal_transformers(model_dir: str, run, hf_references, insp
 
 @pytest.mark.slow
 def test_gemma3_multimodal_checkpoint_serves_its_text_model(tp_dirs, tmp_path):
-    from kubeinfer.testing.random_model import save_gemma3_multimodal
+    from kubeinfer.dev.testing.random_model import save_gemma3_multimodal
 
     text_dir = tp_dirs("gemma3")
     save_gemma3_multimodal(text_dir, tmp_path / "mm")

@@ -17,7 +17,7 @@ DEFAULT_SUITE = ("qwen3_moe",)  # the others (about 5 s each here) run with the 
 
 @pytest.fixture(scope="module")
 def tp_moe_dirs(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("tp_moe")
     cache = {}
@@ -48,7 +48,7 @@ def _expert_size(config, family: str) -> int:
 
 @pytest.mark.parametrize("field, size", [("moe_intermediate_size", 49), ("shared_expert_intermediate_size", 81)])
 def test_an_expert_size_that_does_not_split_is_refused_by_name(field, size, tmp_path):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     model_dir = build_random_model(tmp_path / "odd", "qwen2_moe", tokenizer=False, num_layers=1, **{field: size})
     with pytest.raises(ValueError, match=rf"{field} \({size}\) is not divisible by the tensor parallel size \(2\)"):
@@ -77,7 +77,7 @@ def test_mxfp4_experts_dequantized_then_cut(tmp_path):
     import torch
     from test_gpt_oss import mxfp4_checkpoint
 
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "gpt_oss", tokenizer=False, seed=51, num_layers=2,
                                    intermediate_size=64)  # 32 columns per rank: one MXFP4 group per down row

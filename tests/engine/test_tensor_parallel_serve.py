@@ -14,7 +14,7 @@ import openai
 import pytest
 from server_harness import free_port
 
-from kubeinfer.local_stack import wait_healthy
+from kubeinfer.dev.local_stack import wait_healthy
 
 
 def rank_processes(pid: int) -> list[int]:

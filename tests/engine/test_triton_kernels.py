@@ -358,7 +358,7 @@ def engine_greedy(llm) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def window_model_dir(tmp_path_factory):
     """A Mistral whose 8-token sliding window is shorter than the prompts, so the window matters."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return str(build_random_model(tmp_path_factory.mktemp("mistral_window"), "mistral", tokenizer=False,
                                   sliding_window=8, seed=11))

@@ -69,7 +69,7 @@ def test_engine_on_triton_matches_transformers(family, device, tmp_path):
     from test_model_families import MAX_TOKENS, PROMPTS, VARIANTS, hf_references, run
 
     from kubeinfer.engine import LLM
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     path = build_random_model(tmp_path / family, family, tokenizer=False, seed=7, **VARIANTS[family])
     llm = LLM(str(path), device=device, dtype="float32", attention_backend="triton", block_size=4,
@@ -87,7 +87,7 @@ def test_decode_graphs_with_local_and_global_layers(device, tmp_path):
     from test_model_families import MAX_TOKENS, PROMPTS, VARIANTS, hf_references, run
 
     from kubeinfer.engine import LLM
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     path = build_random_model(tmp_path / "gemma2", "gemma2", tokenizer=False, seed=8, **VARIANTS["gemma2"])
     llm = LLM(str(path), device=device, dtype="float32", attention_backend="triton", block_size=4, max_num_seqs=8,

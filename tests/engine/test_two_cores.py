@@ -105,7 +105,7 @@ def test_decode_attention_in_halves_gives_the_bits_of_the_whole(shape, dtype, mo
 def test_engine_outputs_are_the_same_with_and_without_the_cut(tmp_path, monkeypatch, scheme):
     """Kept int8 / int4: products and attention in halves, the same outputs; float32: nothing shared (its
     projections go through OpenBLAS, whose spinning worker the helper would compete with)."""
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=3, **SHAPE)
     model_dir = float_dir

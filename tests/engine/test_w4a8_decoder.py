@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_fused_w4a8_layers_give_the_per_module_paths_bits(tmp_path, monkeypatch, family):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     float_dir = build_random_model(tmp_path / "float", family, tokenizer=False, seed=5, vocab_size=96, **SHAPE,
                                    **FAMILIES[family])

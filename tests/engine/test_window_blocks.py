@@ -14,7 +14,7 @@ LONG = list(range(20, 80))
 
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory):
-    from kubeinfer.testing.random_model import build_random_model
+    from kubeinfer.dev.testing.random_model import build_random_model
 
     return str(build_random_model(tmp_path_factory.mktemp("gemma3_window"), "gemma3", tokenizer=False, seed=12,
                                   num_layers=3, sliding_window=WINDOW, layer_types=[S, F, S]))

@@ -9,7 +9,7 @@ import httpx
 from server_harness import RunningServer
 from test_gateway_tenants import metrics_text, start_gateway, write_tenants
 
-from kubeinfer.testing.random_model import build_random_model
+from kubeinfer.dev.testing.random_model import build_random_model
 
 
 async def test_a_spent_budget_ends_the_request_with_usage_counted_for_the_tenant(tmp_path):

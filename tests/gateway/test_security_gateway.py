@@ -22,7 +22,7 @@ from test_gateway import full_duplex
 from test_gateway_tenants import USAGE, Engine, _processor, _request, _response, _run, post, start_gateway, write_tenants
 
 from kubeinfer.gateway.flowcontrol.token_estimate import estimate_request_tokens
-from kubeinfer.http_guard import GuardConfig
+from kubeinfer.common.http_guard import GuardConfig
 
 LIMIT = 1 << 20
 GUARD = GuardConfig(max_body_bytes=LIMIT, body_read_timeout=1.0, max_concurrent_requests=64)

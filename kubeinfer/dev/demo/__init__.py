@@ -1,4 +1,4 @@
-"""The tiny demo model behind `kubeinfer demo-model`; `kubeinfer.demo_model` is its public face.
+"""The tiny demo model behind `kubeinfer demo-model`; `kubeinfer.dev.demo_model` is its public face.
 
   * recipe   - the constants, the recipe that decides the weights, and the error type;
   * corpus   - the training texts, the tokenizer trained on them, and the sampling of training windows;

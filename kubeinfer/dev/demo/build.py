@@ -11,9 +11,9 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from kubeinfer.demo.recipe import (ADAPTER_STYLES, DEMO_QUESTIONS, FORMAT_VERSION, MANIFEST, STYLES, DemoModelError,
+from kubeinfer.dev.demo.recipe import (ADAPTER_STYLES, DEMO_QUESTIONS, FORMAT_VERSION, MANIFEST, STYLES, DemoModelError,
                                    DemoRecipe)
-from kubeinfer.demo.training import _train_all
+from kubeinfer.dev.demo.training import _train_all
 
 
 # -- the build ----------------------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from kubeinfer.demo.build import build_demo_model, greedy_samples, read_manifest
-from kubeinfer.demo.recipe import DEMO_QUESTIONS, DemoModelError, DemoRecipe
+from kubeinfer.dev.demo.build import build_demo_model, greedy_samples, read_manifest
+from kubeinfer.dev.demo.recipe import DEMO_QUESTIONS, DemoModelError, DemoRecipe
 
 
 # -- CLI ----------------------------------------------------------------------------------------------------

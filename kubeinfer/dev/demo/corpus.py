@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kubeinfer.demo.recipe import DemoModelError, DemoRecipe
+from kubeinfer.dev.demo.recipe import DemoModelError, DemoRecipe
 
 if TYPE_CHECKING:  # torch is imported where it is used: `kubeinfer --help` and the gateway never pay for it
     import torch
@@ -26,7 +26,7 @@ def load_corpora(max_chars: int) -> dict[str, list[str]]:
     corpora = {"docs": _docs_texts(), "legal": _licence_texts(), "python": _python_texts()}
     for style, texts in corpora.items():
         if not texts:
-            raise DemoModelError(f"found no {style} text to train on; see kubeinfer/demo/corpus.py for the sources")
+            raise DemoModelError(f"found no {style} text to train on; see kubeinfer/dev/demo/corpus.py for the sources")
     return {style: _truncate(texts, max_chars) for style, texts in corpora.items()}
 
 
@@ -96,11 +96,11 @@ def _truncate(texts: list[str], max_chars: int) -> list[str]:
 # -- tokenizer ----------------------------------------------------------------------------------------------
 def train_tokenizer(corpora: dict[str, list[str]], vocab_size: int, max_length: int):
     """Byte-level BPE with GPT-2's split (runs of spaces stay tokens: code's indentation is cheap), the
-    project's special tokens and ChatML template (kubeinfer.testing.random_model), no automatic BOS."""
+    project's special tokens and ChatML template (kubeinfer.dev.testing.random_model), no automatic BOS."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from kubeinfer.testing.random_model import CHATML_TEMPLATE, SPECIAL_TOKENS
+    from kubeinfer.dev.testing.random_model import CHATML_TEMPLATE, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kubeinfer.demo.corpus import WindowSampler, _encode, batch_sampler, load_corpora, train_tokenizer
-from kubeinfer.demo.recipe import ADAPTER_STYLES, LORA_TARGETS, STYLES, DemoRecipe
+from kubeinfer.dev.demo.corpus import WindowSampler, _encode, batch_sampler, load_corpora, train_tokenizer
+from kubeinfer.dev.demo.recipe import ADAPTER_STYLES, LORA_TARGETS, STYLES, DemoRecipe
 
 if TYPE_CHECKING:  # torch is imported where it is used: `kubeinfer --help` and the gateway never pay for it
     import torch
@@ -99,7 +99,7 @@ def _train_all(work: Path, final: Path, recipe: DemoRecipe, progress: bool) -> d
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from kubeinfer.testing.random_model import BOS_ID, EOS_ID, PAD_ID
+    from kubeinfer.dev.testing.random_model import BOS_ID, EOS_ID, PAD_ID
 
     torch.manual_seed(recipe.seed)
     generator = torch.Generator().manual_seed(recipe.seed)

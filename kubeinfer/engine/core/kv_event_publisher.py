@@ -8,7 +8,7 @@ Wire protocol (vLLM's, so llm-d's indexer and our gateway subscribe to us as to 
   `[b"", seq -1, b""]`. The last `buffer_steps` batches are kept; clients and what they hold unread are
   bounded (kv_event_replay.py).
 
-With an API key (`curve`, derived from `--api-key`: kubeinfer/kv_events_curve.py) every socket the engine
+With an API key (`curve`, derived from `--api-key`: kubeinfer/common/kv_events_curve.py) every socket the engine
 binds is a CURVE server that admits only the gateway's derived key, and `/load` says `"auth": "curve"`; a PUB
 that connects goes, unauthenticated, to the address its operator named. Without a key, as vLLM.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass, fields
 import msgspec
 import zmq
 
-from kubeinfer.kv_events_curve import AUTH_CURVE, CurveKeys, ZapGate
+from kubeinfer.common.kv_events_curve import AUTH_CURVE, CurveKeys, ZapGate
 
 from .kv_event_replay import ReplayServer
 from .kv_events import EventBatch, KVEventRecorder

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kubeinfer.kv_events_curve import CurveKeys
+from kubeinfer.common.kv_events_curve import CurveKeys
 
 logger = logging.getLogger(__name__)
 

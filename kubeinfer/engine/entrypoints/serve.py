@@ -19,8 +19,9 @@ import signal
 
 import uvicorn
 
-from kubeinfer.http_guard import add_http_limit_arguments, guard_from_args
-from kubeinfer.http_server import server_config
+from kubeinfer.common.engine_key import engine_key_from_env
+from kubeinfer.common.http_guard import add_http_limit_arguments, guard_from_args
+from kubeinfer.common.http_server import server_config
 
 from .parallel_args import add_parallel_arguments, serve_headless
 
@@ -37,7 +38,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="model name clients send (default: the directory)")
-    parser.add_argument("--api-key", default=os.environ.get("KUBEINFER_API_KEY") or os.environ.get("VLLM_API_KEY"),
+    parser.add_argument("--api-key", default=engine_key_from_env(),
                         help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version "
                              "(env KUBEINFER_API_KEY; the gateway presents it with --engine-api-key)")
     parser.add_argument("--grpc-port", type=int, default=None, help="also serve the gRPC API on this port")

@@ -1,7 +1,7 @@
 """Structured output: decoding constrained to a JSON Schema, any JSON object, a regex, a choice of strings
 or a grammar, with llguidance as the grammar engine (also one of vLLM's backends).
 
-Chosen by measurement on the schema set in kubeinfer/testing/json_schemas.py (12 schemas: nested
+Chosen by measurement on the schema set in kubeinfer/dev/testing/json_schemas.py (12 schemas: nested
 objects, bounded arrays, enums, ranges, optional fields, patterns, formats, anyOf, $defs), on this
 2-core CPU with an 8,192-token BPE vocabulary (`python benchmarks/bench_structured_output.py`):
 

@@ -9,14 +9,7 @@ mutation Envoy applies before it dials the engine. Without a key the client's he
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Collection, Mapping
-
-ENGINE_KEY_ENV = "KUBEINFER_ENGINE_API_KEY"
-
-
-def engine_key_from_env() -> str | None:
-    return os.environ.get(ENGINE_KEY_ENV) or None
 
 
 def engine_authorization(key: str | None) -> dict[str, str]:

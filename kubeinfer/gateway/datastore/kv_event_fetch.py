@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from kubeinfer.kv_events_curve import CurveKeys
+from kubeinfer.common.kv_events_curve import CurveKeys
 
 END_SEQ = -1
 MAX_MESSAGE_BYTES = 8 << 20  # one frame (a batch's payload): a long prompt's prefill is a few MB at most

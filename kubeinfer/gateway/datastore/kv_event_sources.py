@@ -4,7 +4,7 @@ An engine's report (or whatever answers at its address) names the addresses the 
 each is checked: `tcp://HOST:PORT` on the pod's own host (its IP, or one its name resolves to: a report
 cannot send the gateway to another host, a local `ipc://` path or any other transport), a port in range, a
 topic that is a short string, and an `auth` the gateway knows (`null`, or `"curve"`:
-kubeinfer/kv_events_curve.py). A report that fails is logged once per pod and reason, and the pod is not
+kubeinfer/common/kv_events_curve.py). A report that fails is logged once per pod and reason, and the pod is not
 followed: its prefixes are scored approximately. vLLM (read from
 Prometheus text, no report) is followed at `tcp://POD_HOST:--kv-events-port`, without CURVE.
 """
@@ -16,7 +16,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from kubeinfer.kv_events_curve import AUTH_CURVE
+from kubeinfer.common.kv_events_curve import AUTH_CURVE
 
 logger = logging.getLogger(__name__)
 

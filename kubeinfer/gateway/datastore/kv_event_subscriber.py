@@ -3,7 +3,7 @@
 Sources come from the endpoint pool at each refresh (kv_event_sources.py: an engine's `/load` report, checked;
 vLLM at `tcp://HOST:--kv-events-port`). One SUB socket per pod (the message does not say who sent it). An
 engine that announces `"auth": "curve"` is subscribed as the CURVE client keyed from the engine API key
-(kubeinfer/kv_events_curve.py); without that key the gateway cannot follow it and says so once.
+(kubeinfer/common/kv_events_curve.py); without that key the gateway cannot follow it and says so once.
 
 Sequence numbers: a gap (a batch dropped by the engine or by ZMQ) asks the pod's replay socket for the
 missing batches before applying the one that arrived; the first message from a pod asks for what is still
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kubeinfer.kv_events_curve import AUTH_CURVE, CurveKeys
+from kubeinfer.common.kv_events_curve import AUTH_CURVE, CurveKeys
 
 from .kv_block_index import IndexFault, KVBlockIndex
 from .kv_event_fetch import FETCH_DEADLINE_S, MAX_MESSAGE_BYTES, Fetch, ReplayError

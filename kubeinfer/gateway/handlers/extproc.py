@@ -42,8 +42,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from ...grpc_health import HealthCheckedServer
-from ...http_guard import DEFAULT_MAX_BODY_BYTES, bounded_message
+from kubeinfer.common.grpc_health import HealthCheckedServer
+from kubeinfer.common.http_guard import DEFAULT_MAX_BODY_BYTES, bounded_message
+
 from ..datastore.engine_auth import engine_authorization
 from ..flowcontrol.deadline import TIMEOUT_HEADER, remaining_ms_header
 from ..scheduling.picker import Decision, RoutingError

@@ -16,7 +16,7 @@ import secrets
 
 import grpc
 
-from kubeinfer.grpc_health import HealthCheckedServer
+from kubeinfer.common.grpc_health import HealthCheckedServer
 
 from ...core.errors import EngineDeadError, QueueFullError, RequestFailedError
 from ...sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kubeinfer import __version__
-from kubeinfer.http_guard import GuardConfig, RequestGuard
+from kubeinfer.common.http_guard import GuardConfig, RequestGuard
 
 from ..load_report import add_load_route
 from ..request_budget import TIMEOUT_HEADER

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from kubeinfer.http_guard import bounded_message, clip
+from kubeinfer.common.http_guard import bounded_message, clip
 
 RETRY_AFTER_SECONDS = 1
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",

@@ -2,7 +2,7 @@
 decoded and validated against the route's model on a worker thread. Parsing megabytes of JSON, or
 validating a list of millions of token ids, takes the CPU for up to seconds, and on the event loop that
 time is stolen from every stream and from /health (issue #34: a 40 MB body held /health for 5 s). The
-body's size is bounded before this (kubeinfer.http_guard).
+body's size is bounded before this (kubeinfer.common.http_guard).
 
 The validated model is handed to FastAPI in place of the parsed JSON: validating an instance of the
 model itself is free (pydantic does not revalidate instances), so FastAPI's own step costs nothing.
