@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,3 +207,22 @@ def test_an_unknown_plugin_type_is_refused_with_the_registered_ones(tmp_path):
 def test_a_broken_config_is_refused_at_start(config, error):
     with pytest.raises(ValueError, match=error):
         PickerConfig(scheduler=config)
+
+
+def test_the_docs_recipe_for_a_scorer_works():
+    """docs/gateway-plugins.md's example scorer, run as the module it tells you to write."""
+    doc = (Path(__file__).parents[2] / "docs" / "gateway-plugins.md").read_text()
+    source = textwrap.dedent(doc.split("```python\n", 1)[1].split("```", 1)[0])
+    module = {"__name__": "kubeinfer.gateway.scheduling.plugins.prefill_cost",
+              "__package__": "kubeinfer.gateway.scheduling.plugins"}
+    exec(compile(source, "gateway-plugins.md", "exec"), module)
+    try:
+        parser = argparse.ArgumentParser()
+        cli.add_arguments(parser)
+        args = parser.parse_args(["--endpoints", "a:1", "--scorer-weights", "queue=0,prefill-cost=100"])
+        config = cli.config_from_args(args).picker
+        pool, endpoints = fixed_pool()
+        decision = Picker(pool, config, rng=random.Random(0)).pick(RoutingRequest("base"))
+        assert 0.0 <= decision.scores["prefill-cost"] <= 1.0 and decision.scores["prefill-cost"] > 0
+    finally:
+        unregister("prefill-cost")

@@ -64,27 +64,27 @@ def configured_profiles(config: dict[str, Any], handle: PluginHandle) -> Profile
             handler = instances[name][1]
     profiles = {}
     for spec in config.get("schedulingProfiles") or []:
-        profile = Profile(spec.get("name") or "default", [], [], None, handle.fallbacks)
+        name = spec.get("name") or "default"
+        filters, scorers, picker = [], [], None
         for ref in spec.get("plugins") or []:
-            name = ref.get("pluginRef") if isinstance(ref, dict) else None
-            if name not in instances:
-                raise ValueError(f"scheduler config: profile `{profile.name}` refers to no plugin `{name}`; "
+            ref_name = ref.get("pluginRef") if isinstance(ref, dict) else None
+            if ref_name not in instances:
+                raise ValueError(f"scheduler config: profile `{name}` refers to no plugin `{ref_name}`; "
                                  f"plugins: {', '.join(instances) or 'none'}")
-            kind, plugin = instances[name]
+            kind, plugin = instances[ref_name]
             if kind == "filter":
-                profile.filters.append(plugin)
+                filters.append(plugin)
             elif kind == "scorer":
                 weight = float(ref.get("weight", 1.0))
                 if weight < 0:
-                    raise ValueError(f"scheduler config: scorer `{name}` has a negative weight")
-                profile.scorers.append(WeightedScorer(name, plugin, weight))
-            elif kind == "picker" and profile.picker is None:
-                profile.picker = plugin
+                    raise ValueError(f"scheduler config: scorer `{ref_name}` has a negative weight")
+                scorers.append(WeightedScorer(ref_name, plugin, weight))
+            elif kind == "picker" and picker is None:
+                picker = plugin
             else:
-                raise ValueError(f"scheduler config: profile `{profile.name}` cannot take `{name}` ({kind}): "
+                raise ValueError(f"scheduler config: profile `{name}` cannot take `{ref_name}` ({kind}): "
                                  "one picker per profile; profile handlers are listed under `plugins` only")
-        profile.picker = profile.picker or create("max-score", {}, handle)
-        profiles[profile.name] = profile
+        profiles[name] = Profile(name, filters, scorers, picker or create("max-score", {}, handle), handle.fallbacks)
     if not profiles:
         raise ValueError("scheduler config: no `schedulingProfiles`")
     return handler or create("single-profile-handler", {}, handle), profiles

@@ -5,9 +5,11 @@
                baseline the routing benchmark measures against"""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
-from ..framework import Context, Picker
+from ..framework import Context, Picker, PluginHandle
 from ..registry import register_picker
 
 TIE_BREAK = 1e-9  # random noise this small only orders equal totals
@@ -31,7 +33,7 @@ class MaxScorePicker(Picker):
 class RoundRobinPicker(Picker):
     uses_scores = False
 
-    def __init__(self, parameters=None, handle=None) -> None:
+    def __init__(self, parameters: dict[str, Any] | None = None, handle: PluginHandle | None = None) -> None:
         super().__init__(parameters, handle)
         self._turns: dict[str, int] = {}  # rotation position, per model
 
