@@ -93,6 +93,11 @@ class Profile:
     picker: Picker
     fallbacks: int = 2
 
+    def __post_init__(self) -> None:
+        # Fixed once built: a pick walks these lists only (weight-0 scorers are not run).
+        self._weighted = [s for s in self.scorers if s.weight]
+        self._pre_request = [p.pre_request for p in self.plugins() if hasattr(p, "pre_request")]
+
     def plugins(self) -> list[Plugin]:
         return [*self.filters, *(s.scorer for s in self.scorers), self.picker]
 
@@ -106,16 +111,14 @@ class Profile:
         scores: dict[str, np.ndarray] = {}
         totals = np.zeros(len(rows))
         if self.picker.uses_scores:
-            scores = {s.name: s.scorer.score(ctx, rows) for s in self.scorers if s.weight}
-            for s in self.scorers:
-                if s.weight:
-                    totals += s.weight * scores[s.name]
+            for s in self._weighted:
+                values = scores[s.name] = s.scorer.score(ctx, rows)
+                totals += s.weight * values
         order = self.picker.pick(ctx, rows, totals, 1 + self.fallbacks)
         best = table.endpoints[rows[order[0]]]
         sent = best.record_dispatch(clock())
-        for plugin in self.plugins():
-            if hasattr(plugin, "pre_request"):
-                plugin.pre_request(ctx, best)
+        for hook in self._pre_request:
+            hook(ctx, best)
         chosen = {name: float(values[order[0]]) for name, values in scores.items()}
         if self.picker.uses_scores:
             chosen["total"] = float(totals[order[0]])

@@ -41,4 +41,4 @@ class RoundRobinPicker(Picker):
         model = ctx.request.model
         turn = self._turns.get(model, 0)
         self._turns[model] = turn + 1
-        return np.roll(np.arange(len(rows)), -(turn % len(rows)))[:count]
+        return (turn + np.arange(min(count, len(rows)))) % len(rows)
