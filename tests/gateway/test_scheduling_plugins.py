@@ -226,3 +226,12 @@ def test_the_docs_recipe_for_a_scorer_works():
         assert 0.0 <= decision.scores["prefill-cost"] <= 1.0 and decision.scores["prefill-cost"] > 0
     finally:
         unregister("prefill-cost")
+
+
+def test_the_docs_config_example_builds(tmp_path):
+    doc = (Path(__file__).parents[2] / "docs" / "gateway-plugins.md").read_text()
+    path = tmp_path / "epp.yaml"
+    path.write_text(doc.split("```yaml\n", 1)[1].split("```", 1)[0])
+    pool, _ = fixed_pool()
+    decision = Picker(pool, PickerConfig(scheduler=read_config(path)), rng=random.Random(0)).pick(RoutingRequest("base"))
+    assert set(decision.scores) == {"queue", "prefix", "total"}
