@@ -233,5 +233,6 @@ def test_the_docs_config_example_builds(tmp_path):
     path = tmp_path / "epp.yaml"
     path.write_text(doc.split("```yaml\n", 1)[1].split("```", 1)[0])
     pool, _ = fixed_pool()
-    decision = Picker(pool, PickerConfig(scheduler=read_config(path)), rng=random.Random(0)).pick(RoutingRequest("base"))
+    picker = Picker(pool, PickerConfig(scheduler=read_config(path)), rng=random.Random(0))
+    decision = picker.pick(RoutingRequest("base"))
     assert set(decision.scores) == {"queue", "prefix", "total"}
