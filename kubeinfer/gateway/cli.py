@@ -15,6 +15,7 @@ from .flowcontrol.fallback import parse_fallback
 from .flowcontrol.tenant_limits import SCOPES
 from .flowcontrol.tenants import load_tenants
 from .scheduling.picker import DEFAULT_WEIGHTS, POLICIES, PickerConfig
+from .scheduling.profiles import read_config
 from .scheduling.prompt_tokens import Tokenizers
 
 
@@ -64,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a baseline for comparisons)")
     parser.add_argument("--scorer-weights", type=_weights, default=dict(DEFAULT_WEIGHTS),
                         help="e.g. queue=2,active=1,kv_cache=1,lora=2,prefix=4,affinity=1")
+    parser.add_argument("--scheduler-config", metavar="FILE",
+                        help="an EndpointPickerConfig (YAML): plugins and scheduling profiles in place of "
+                             "--scorer-weights and --routing (docs/gateway-plugins.md)")
     parser.add_argument("--prefix-routing", choices=("approximate", "precise"), default="approximate",
                         help="approximate: where this gateway sent each prompt's chunks; precise: which KV blocks each "
                              "engine holds, from its KV events (engines run with --kv-events-config; needs "
@@ -143,7 +147,8 @@ def config_from_args(args: argparse.Namespace):
     try:
         picker = PickerConfig(weights=args.scorer_weights, queue_threshold=args.queue_threshold,
                               kv_threshold=args.kv_threshold, stale_after=args.stale_after,
-                              policy=args.routing)
+                              policy=args.routing,
+                              scheduler=read_config(args.scheduler_config) if args.scheduler_config else None)
         selector = parse_selector(args.selector)
         if args.prefix_routing == "precise":
             if not args.tokenizer:
