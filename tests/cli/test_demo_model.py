@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubeinfer import demo_model
+from kubeinfer.dev import demo_model
 from kubeinfer.dev.demo_model import DemoModelError, DemoRecipe, build_demo_model, read_manifest
 from kubeinfer.engine import LLM, LoRARequest, SamplingParams
 from kubeinfer.dev.testing.random_model import BOS_ID, EOS_ID, PAD_ID
