@@ -38,7 +38,8 @@ def _default_cache_dir(text: str) -> str:
 
 QUANT_KERNEL: EnvVar[str | None] = EnvVar(
     "KUBEINFER_QUANT_KERNEL", "forces the quantized layers' kernel where it applies (docs/quantization.md)",
-    one_of(QUANT_KERNELS, allow_empty=True), accepts="one of " + ", ".join(QUANT_KERNELS),
+    lambda text: text_or_none(one_of(QUANT_KERNELS, allow_empty=True)(text)),
+    accepts="one of " + ", ".join(QUANT_KERNELS),
     shown_default="unset: the measured choice")
 W8A8_KERNEL: EnvVar[str] = EnvVar(
     "KUBEINFER_W8A8_KERNEL", "the exact int8 product of W8A8/W4A8 layers on a float32 CPU model; fake_quant "
