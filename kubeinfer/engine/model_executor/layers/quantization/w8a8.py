@@ -212,7 +212,7 @@ def _int4_kernel(layer: nn.Linear, scheme: ActivationScheme) -> str | None:
 def wanted_kernel() -> str:
     try:
         return envs.W8A8_KERNEL.get()
-    except envs.EnvVarError as err:  # a quantization setting: refused as the others are
+    except ValueError as err:  # envs.EnvVarError; a quantization setting, refused as the others are
         raise QuantizationError(str(err)) from None
 
 
