@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from .. import envs
+import kubeinfer.engine.envs as envs
 from ..config import EngineConfig, ModelSpec
 from ..lora.pool import LoRAPool
 from ..model_executor.layers.attention_selector import check_attention_backend

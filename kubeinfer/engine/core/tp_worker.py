@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from .. import envs
+import kubeinfer.engine.envs as envs
 from ..config import EngineConfig, ModelSpec
 from ..distributed.group_auth import HandshakeError, group_secret
 from ..distributed.launch import RankPlan, cpu_threads_per_rank, start_local_ranks

@@ -23,7 +23,7 @@ from kubeinfer.common.engine_key import engine_key_from_env
 from kubeinfer.common.http_guard import add_http_limit_arguments, guard_from_args
 from kubeinfer.common.http_server import server_config
 
-from .. import envs
+import kubeinfer.engine.envs as envs
 from .parallel_args import add_parallel_arguments, serve_headless
 
 logger = logging.getLogger("kubeinfer.serve")

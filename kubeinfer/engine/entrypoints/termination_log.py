@@ -13,7 +13,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from .. import envs
+import kubeinfer.engine.envs as envs
 
 PATH_ENV = envs.TERMINATION_LOG.name
 DEFAULT_PATH = "/dev/termination-log"

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ... import envs
+import kubeinfer.engine.envs as envs
 from . import two_cores
 from .quantization.cpu_native import f32_ops
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from ... import envs
+import kubeinfer.engine.envs as envs
 
 MIN_SPLIT_WEIGHTS = 1 << 21
 BLOCK = 64  # rows: the int4 CPU packing's block along the output

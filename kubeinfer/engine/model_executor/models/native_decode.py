@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ... import envs
+import kubeinfer.engine.envs as envs
 from ..layers import cpu_decoder
 from ..layers.attention import TorchAttentionBackend
 from ..layers.layernorm import RMSNorm

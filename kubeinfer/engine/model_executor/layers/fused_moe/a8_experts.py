@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .... import envs
+import kubeinfer.engine.envs as envs
 from ..quantization import w8a8
 from ..quantization.activations import ActivationScheme, int8_linear
 from ..quantization.cpu_native import ops, w4a8_ops

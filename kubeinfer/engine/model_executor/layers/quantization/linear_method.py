@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .... import envs
+import kubeinfer.engine.envs as envs
 from .. import two_cores
 from ..deferred_weight import allocated, device_of, stand_in
 

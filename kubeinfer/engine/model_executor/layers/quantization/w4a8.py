@@ -33,7 +33,7 @@ import logging
 import torch
 from torch import nn
 
-from .... import envs
+import kubeinfer.engine.envs as envs
 from ..deferred_weight import allocated, device_of
 from ..vocab_parallel import ParallelLMHead
 from .activations import ActivationScheme

@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .... import envs
+import kubeinfer.engine.envs as envs
 from ..deferred_weight import device_of
 from . import w4a8
 from .activations import ActivationScheme, fake_quantize, int8_linear

@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ..... import envs
+import kubeinfer.engine.envs as envs
 
 SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "decoder_layer.c", "f32_linear.c",
            "a16_linear.c", "a16_tiles.c", "w4a8_linear.c")

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..... import envs
+import kubeinfer.engine.envs as envs
 from ..activations import ActivationScheme, dynamic_qparams, quantize
 from . import build
 from .build import load
