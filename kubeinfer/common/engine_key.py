@@ -3,27 +3,23 @@
 The engine requires the key on its API (`kubeinfer serve --api-key`); the operator sets ENGINE_KEY_ENV in the
 engine's pod from a Secret and keeps both names out of `spec.engine.env`; the gateway presents the same key to
 engines (`--engine-api-key`), read from GATEWAY_KEY_ENV, a name of its own so that a gateway and an engine in one
-environment (the local stack) never mistake one side's setting for the other's.
+environment (the local stack) never mistake one side's setting for the other's. Declared in common/envs.py.
 """
 from __future__ import annotations
 
-import os
+from kubeinfer.common import envs
 
-ENGINE_KEY_ENV = "KUBEINFER_API_KEY"
-VLLM_KEY_ENV = "VLLM_API_KEY"  # vLLM's name, read too so that its manifests carry over
+ENGINE_KEY_ENV = envs.API_KEY.name
+VLLM_KEY_ENV = envs.VLLM_API_KEY.name  # vLLM's name, read too so that its manifests carry over
 ENGINE_KEY_ENVS = (ENGINE_KEY_ENV, VLLM_KEY_ENV)  # the engine reads the first one set
-GATEWAY_KEY_ENV = "KUBEINFER_ENGINE_API_KEY"
-
-
-def _first_set(*names: str) -> str | None:
-    return next((os.environ[name] for name in names if os.environ.get(name)), None)
+GATEWAY_KEY_ENV = envs.ENGINE_API_KEY.name
 
 
 def engine_key_from_env() -> str | None:
     """The key the engine requires, or None: its API is open."""
-    return _first_set(*ENGINE_KEY_ENVS)
+    return envs.API_KEY.get() or envs.VLLM_API_KEY.get()
 
 
 def gateway_key_from_env() -> str | None:
     """The key the gateway presents to engines, or None: it forwards the client's Authorization as sent."""
-    return _first_set(GATEWAY_KEY_ENV)
+    return envs.ENGINE_API_KEY.get()

@@ -5,14 +5,14 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 from typing import Any
 
+from kubeinfer.common.engine_key import GATEWAY_KEY_ENV, gateway_key_from_env
 from kubeinfer.operator.config import OperatorConfig
 from kubeinfer.operator.policy import PodPolicy, PolicyError
 
 # The key the operator presents to engines (GET /v1/models): from the environment, never a flag (ps shows flags).
-API_KEY_ENV = "KUBEINFER_ENGINE_API_KEY"
+API_KEY_ENV = GATEWAY_KEY_ENV
 PEER_FIELDS = {"podSelector", "namespaceSelector", "ipBlock"}
 
 
@@ -99,7 +99,7 @@ def config_from(args: argparse.Namespace) -> OperatorConfig:
         s3_fetcher_image=args.s3_fetcher_image, endpoint_picker_service=args.endpoint_picker_service,
         endpoint_picker_port=args.endpoint_picker_port, resync_seconds=args.resync_seconds, policy=policy,
         engine_api_key_secret=args.engine_api_key_secret, engine_api_key_secret_key=args.engine_api_key_secret_key,
-        engine_api_key=os.environ.get(API_KEY_ENV, ""), network_policy=args.network_policy,
+        engine_api_key=gateway_key_from_env() or "", network_policy=args.network_policy,
         api_peers=args.network_policy_api_peers, metrics_peers=args.network_policy_metrics_peers,
         kv_events_peers=args.network_policy_kv_events_peers)
 

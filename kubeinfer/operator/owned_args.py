@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kubeinfer.common import envs
 from kubeinfer.common.engine_key import ENGINE_KEY_ENVS
 
 # Every flag pod_template.engine_args may set, and the engine's key (its env var is the operator's).
@@ -58,7 +59,7 @@ def args_problems(args: Sequence[str]) -> list[str]:
 
 
 # The operator sets it on every pod of a multi-node model from the model's Secret (group_secret.py).
-TP_SECRET_ENV = "KUBEINFER_TP_SECRET"
+TP_SECRET_ENV = envs.TP_SECRET.name
 
 
 def env_problems(env: Sequence[dict[str, Any]]) -> list[str]:

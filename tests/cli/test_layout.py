@@ -1,7 +1,8 @@
 """The layout between the parts, with the engine's graph tools (test_engine_layout.py): the product (engine,
 gateway, operator and what they share, common) never imports the developer tools in kubeinfer.dev, and the CLI
 only inside the dev subcommands; common imports none of the parts; the packages under kubeinfer/ import one
-another without a cycle, and common's modules too."""
+another without a cycle, and common's modules too; KUBEINFER_* variables are read only through their
+declarations (kubeinfer/engine/envs.py, kubeinfer/common/envs.py)."""
 from __future__ import annotations
 
 import ast
@@ -13,6 +14,7 @@ from test_engine_layout import find_cycle, import_graph, module_name
 KUBEINFER = Path(__file__).parents[2] / "kubeinfer"
 PRODUCT = ("engine", "gateway", "operator", "common")
 PARTS = ("engine", "gateway", "operator", "cli", "dev")  # what common must not import
+ENVS_MODULES = {"kubeinfer/engine/envs.py", "kubeinfer/common/envs.py"}  # the only readers of KUBEINFER_* variables
 
 
 def package_of(module: str) -> str:
@@ -34,6 +36,47 @@ def module_level_imports(path: Path) -> set[str]:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             found.update([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)])
+    return found
+
+
+def _is_environ(node: ast.AST) -> bool:
+    """`os.environ` or a bare `environ` (`from os import environ`)."""
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (isinstance(node, ast.Name)
+                                                                            and node.id == "environ")
+
+
+def _is_getenv(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "getenv") or (isinstance(node, ast.Name)
+                                                                           and node.id == "getenv")
+
+
+def kubeinfer_env_reads(source: str, where: str) -> list[str]:
+    """Reads of a KUBEINFER_* variable, named by a literal or a module-level constant holding one:
+    os.environ[NAME] (not an assignment), os.environ.get(NAME), os.getenv(NAME), NAME in os.environ."""
+    tree = ast.parse(source, where)
+    constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                 and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+                 for target in node.targets if isinstance(target, ast.Name)}
+
+    def kubeinfer_name(node: ast.AST) -> str | None:
+        value = node.value if isinstance(node, ast.Constant) else constants.get(getattr(node, "id", None))
+        return value if isinstance(value, str) and value.startswith("KUBEINFER_") else None
+
+    found = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
+            key = node.slice
+        elif isinstance(node, ast.Call) and node.args and (
+                _is_getenv(node.func) or (isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                                          and _is_environ(node.func.value))):
+            key = node.args[0]
+        elif (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn))
+              and _is_environ(node.comparators[0])):
+            key = node.left
+        name = kubeinfer_name(key) if key is not None else None
+        if name:
+            found.append(f"{where}:{node.lineno} reads {name}")
     return found
 
 
@@ -97,6 +140,25 @@ def test_only_the_cli_and_the_packages_sit_at_the_top():
     top = {p.name for p in KUBEINFER.glob("*.py")}
     assert top <= {"__init__.py", "cli.py"}, f"put {sorted(top - {'__init__.py', 'cli.py'})} in a package"
     assert {"engine", "gateway", "operator", "common", "dev"} <= {p.name for p in KUBEINFER.iterdir() if p.is_dir()}
+
+
+def test_kubeinfer_variables_are_read_only_through_their_declarations():
+    root = KUBEINFER.parent
+    found = [read for path in sorted(KUBEINFER.rglob("*.py")) if path.relative_to(root).as_posix() not in ENVS_MODULES
+             for read in kubeinfer_env_reads(path.read_text(), path.relative_to(root).as_posix())]
+    assert not found, "declare the variable in kubeinfer/engine/envs.py (or common/envs.py) and read it there:\n" + \
+        "\n".join(found)
+
+
+def test_the_env_read_check_sees_reads_and_not_writes():
+    planted = ('import os\nfrom os import environ, getenv\nNAME = "KUBEINFER_X"\n'
+               'a = os.environ["KUBEINFER_A"]\nb = os.environ.get("KUBEINFER_B", "1")\nc = os.getenv(NAME)\n'
+               'd = getenv("KUBEINFER_D")\ne = "KUBEINFER_E" in environ\n'
+               'os.environ["KUBEINFER_W"] = "1"\nos.environ.setdefault("KUBEINFER_S", "1")\n'
+               'f = os.environ.get("OMP_NUM_THREADS")\n')
+    assert kubeinfer_env_reads(planted, "m.py") == [
+        "m.py:4 reads KUBEINFER_A", "m.py:5 reads KUBEINFER_B", "m.py:6 reads KUBEINFER_X",
+        "m.py:7 reads KUBEINFER_D", "m.py:8 reads KUBEINFER_E"]
 
 
 def test_the_checks_see_violations(tmp_path):

@@ -7,12 +7,12 @@ sliding-window and full layers, the windowed layers get a pool of their own (cor
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 
 import torch
 
+import kubeinfer.engine.envs as envs
 from ..config import EngineConfig, ModelSpec
 from ..lora.pool import LoRAPool
 from ..model_executor.layers.attention_selector import check_attention_backend
@@ -63,7 +63,7 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
     send = ranks.send if ranks is not None else (lambda message: None)
 
     check_kv_cache_dtype(config.kv_cache_dtype, backend, device)
-    if os.environ.get("KUBEINFER_QUANT_KERNEL") == "triton":  # forced (quantization/linear_method.choose_kernel)
+    if envs.QUANT_KERNEL.get() == "triton":  # forced (quantization/linear_method.choose_kernel)
         from ..triton_utils import check_device
 
         check_device(device, "KUBEINFER_QUANT_KERNEL=triton", "the CPU's kernels (unset KUBEINFER_QUANT_KERNEL)")

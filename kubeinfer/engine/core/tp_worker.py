@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 
 import torch
 
+import kubeinfer.engine.envs as envs
 from ..config import EngineConfig, ModelSpec
 from ..distributed.group_auth import HandshakeError, group_secret
 from ..distributed.launch import RankPlan, cpu_threads_per_rank, start_local_ranks
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 def run_worker(config: EngineConfig, plan: RankPlan) -> None:
     """A spawned rank's whole life; ends the process with its exit code."""
-    logging.basicConfig(level=os.environ.get("KUBEINFER_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=envs.LOG_LEVEL.get(),
                         format=f"%(asctime)s %(levelname)s rank{plan.rank} %(name)s: %(message)s")
     sys.exit(serve_rank(config, plan))
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
 import socket
 import struct
 
+from kubeinfer.common import envs as shared_envs
+
 from .wire import VERSION
 
-SECRET_ENV = "KUBEINFER_TP_SECRET"
+SECRET_ENV = shared_envs.TP_SECRET.name
 MIN_SECRET_CHARS = 32
 MAGIC = b"KITP"
 NONCE_BYTES = 32
@@ -40,7 +41,7 @@ def group_secret(nnodes: int) -> bytes:
     """The secret of a group starting here: random on one node, SECRET_ENV's over several."""
     if nnodes == 1:
         return secrets.token_bytes(32)
-    value = os.environ.get(SECRET_ENV, "")
+    value = shared_envs.TP_SECRET.get()
     if len(value) < MIN_SECRET_CHARS:
         state = "is not set" if not value else f"has {len(value)} characters"
         raise ValueError(f"a tensor-parallel group over {nnodes} nodes authenticates its ranks with a shared secret, "

@@ -23,6 +23,7 @@ from kubeinfer.common.engine_key import engine_key_from_env
 from kubeinfer.common.http_guard import add_http_limit_arguments, guard_from_args
 from kubeinfer.common.http_server import server_config
 
+import kubeinfer.engine.envs as envs
 from .parallel_args import add_parallel_arguments, serve_headless
 
 logger = logging.getLogger("kubeinfer.serve")
@@ -100,7 +101,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lora-rank", type=int, default=64)
     parser.add_argument("--max-cpu-loras", type=int, default=None,
                         help="adapters cached in host memory, device ones included (default: --max-loras)")
-    parser.add_argument("--allowed-lora-dirs", nargs="*", default=os.environ.get("KUBEINFER_ALLOWED_LORA_DIRS", "").split(),
+    parser.add_argument("--allowed-lora-dirs", nargs="*", default=envs.ALLOWED_LORA_DIRS.get(),
                         metavar="DIR", help="directories /v1/load_lora_adapter may read adapters from "
                                             "(default: none, runtime loading by path is refused)")
     parser.add_argument("--lora-placement-file", default=None, metavar="FILE",
@@ -280,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
     from .termination_log import termination_message_on_failure
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    os.environ.setdefault("KUBEINFER_LOG_LEVEL", args.log_level.upper())  # the tensor-parallel ranks' level
+    os.environ.setdefault(envs.LOG_LEVEL.name, args.log_level.upper())  # the tensor-parallel ranks' level
     with termination_message_on_failure():  # a failed start's reason reaches the pod's status
         if args.headless:
             return serve_headless(args, engine_config)

@@ -13,13 +13,15 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-PATH_ENV = "KUBEINFER_TERMINATION_LOG"
+import kubeinfer.engine.envs as envs
+
+PATH_ENV = envs.TERMINATION_LOG.name
 DEFAULT_PATH = "/dev/termination-log"
 MAX_BYTES = 4096  # the kubelet reads no more than this of the file
 
 
 def termination_log_path() -> str | None:
-    override = os.environ.get(PATH_ENV)
+    override = envs.TERMINATION_LOG.get()
     if override:
         return override
     return DEFAULT_PATH if os.path.isfile(DEFAULT_PATH) and os.access(DEFAULT_PATH, os.W_OK) else None

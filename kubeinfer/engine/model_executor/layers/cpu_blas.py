@@ -38,7 +38,6 @@ OpenBLAS; whole engine, float32, batch 16 1.47x tok/s, batch 1 unchanged (benchm
 """
 from __future__ import annotations
 
-import os
 import threading
 from contextlib import contextmanager
 
@@ -46,13 +45,14 @@ import numpy as np
 import torch
 from torch import nn
 
+import kubeinfer.engine.envs as envs
 from . import two_cores
 from .quantization.cpu_native import f32_ops
 
 # Per thread, as torch's thread count is (OpenMP keeps it per thread): engines stepping on two threads
 # of one process do not change each other's.
 _step = threading.local()  # .active: this thread is in a small step
-MAX_CONTEXT_TOKENS = int(os.environ.get("KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT", "4096"))
+MAX_CONTEXT_TOKENS = envs.CPU_OPENBLAS_MAX_CONTEXT.get()
 MAX_STEP_TOKENS = 256  # tokens computed in the step (decodes, drafts, a short chunk): OpenBLAS wins to 64 and past
 # ... except at 2-16 tokens, where the native float32 product (f32_linear.c, both cores) beats OpenBLAS's gemm
 NATIVE_MAX_TOKENS = 16
@@ -60,7 +60,7 @@ NATIVE_MAX_TOKENS = 16
 
 def use_openblas_for_small_steps(model: nn.Module) -> bool:
     """Route the float32 CPU nn.Linear layers of `model` through OpenBLAS during small steps; whether it did."""
-    if os.environ.get("KUBEINFER_CPU_OPENBLAS", "1") == "0":
+    if not envs.CPU_OPENBLAS.get():
         return False
     layers = [m for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, "quant_method")
               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]  # quant methods run their own

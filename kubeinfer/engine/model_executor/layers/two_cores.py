@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import torch
 
+import kubeinfer.engine.envs as envs
+
 MIN_SPLIT_WEIGHTS = 1 << 21
 BLOCK = 64  # rows: the int4 CPU packing's block along the output
 
@@ -38,9 +40,7 @@ def _enabled() -> bool:
     """KUBEINFER_CPU_SHARE_CORES: 1 on, 0 off, auto (default) on where OpenBLAS's idle workers sleep within
     2**10 cycles (OPENBLAS_THREAD_TIMEOUT <= 10, read by OpenBLAS at load): with its default (2**28 cycles, ~0.1 s)
     the worker lm_head woke spins on the core the helper needs, through the whole next step."""
-    setting = os.environ.get("KUBEINFER_CPU_SHARE_CORES", "auto")
-    if setting not in ("auto", "0", "1"):
-        raise ValueError(f"KUBEINFER_CPU_SHARE_CORES must be auto, 0 or 1; got {setting!r}")
+    setting = envs.CPU_SHARE_CORES.get()
     if setting != "auto":
         return setting == "1"
     timeout = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")

@@ -15,11 +15,11 @@ KUBEINFER_CPU_FUSED_LAYERS not 0 (default 1; 0 keeps the per-module path, for A/
 returns None and the model runs its layers one module at a time."""
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
+import kubeinfer.engine.envs as envs
 from ..layers import cpu_decoder
 from ..layers.attention import TorchAttentionBackend
 from ..layers.layernorm import RMSNorm
@@ -33,10 +33,7 @@ PLAN = "_native_decode_plan"
 
 
 def switched_on() -> bool:
-    wanted = os.environ.get("KUBEINFER_CPU_FUSED_LAYERS", "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"KUBEINFER_CPU_FUSED_LAYERS must be 0 or 1; got {wanted!r}")
-    return wanted == "1"
+    return envs.CPU_FUSED_LAYERS.get()
 
 
 def _norm_ok(norm) -> bool:

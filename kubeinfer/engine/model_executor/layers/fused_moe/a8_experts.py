@@ -26,11 +26,11 @@ before (int_experts.choose_expert_kernel: on a CPU, dequantized with fake-quanti
 up at each product (ops.kernel: per loaded library), never held from load."""
 from __future__ import annotations
 
-import os
 
 import torch
 from torch import nn
 
+import kubeinfer.engine.envs as envs
 from ..quantization import w8a8
 from ..quantization.activations import ActivationScheme, int8_linear
 from ..quantization.cpu_native import ops, w4a8_ops
@@ -44,7 +44,7 @@ TOKEN = ActivationScheme("int", "token", True, True)  # the only input scheme th
 def choose(sample: IntWeight, inputs: ActivationScheme | None, device: torch.device, dtype: torch.dtype) -> str | None:
     """The exact integer product for one expert's weight `sample` whose input scheme is `inputs` (module
     docstring), or None: the other kernels' choice."""
-    forced = os.environ.get("KUBEINFER_QUANT_KERNEL")
+    forced = envs.QUANT_KERNEL.get()
     if (inputs != TOKEN or device.type != "cpu" or dtype != torch.float32 or sample.fp8 or sample.zero is not None
             or sample.values.dim() != 2 or (forced and forced not in NATIVE)):
         return None

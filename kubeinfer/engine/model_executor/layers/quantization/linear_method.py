@@ -44,18 +44,17 @@ the model dtype (float32 included)."""
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kubeinfer.engine.envs as envs
 from .. import two_cores
 from ..deferred_weight import allocated, device_of, stand_in
 
-KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf16", "cpu_int4_a16", "cpu_int8_a16",
-           "cpu_int8_vnni", "cpu_int4_vnni", "dequantized")
+KERNELS = envs.QUANT_KERNELS  # declared with the variable that forces them
 # CPU only, the native kernels: the exact A16 product (cpu_native/a16_method.py) and, opt-in, llama.cpp's arithmetic
 # (cpu_native/method.py); without a C compiler torch's bf16-activation product of the same width (a warning once)
 NATIVE = {"cpu_int4_a16": "cpu_int4_bf16", "cpu_int8_a16": "cpu_int8_bf16", "cpu_int8_vnni": "cpu_int8_bf16",
@@ -125,7 +124,7 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
 def keeps_quantized(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> bool:
     """Whether the loader hands over integer (`fp8`: e4m3) weights (else dequantizes them as it reads): fp8 on CUDA
     only, or where KUBEINFER_QUANT_KERNEL=triton forces the kernel."""
-    forced = os.environ.get("KUBEINFER_QUANT_KERNEL")
+    forced = envs.QUANT_KERNEL.get()
     if forced:
         return forced == "triton" if fp8 else forced != "dequantized"
     return device.type == "cuda" if fp8 else device.type in ("cuda", "cpu")
@@ -135,10 +134,8 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
     """The measured choice (module docstring); KUBEINFER_QUANT_KERNEL forces one where it applies. `w8a8`: the
     checkpoint quantizes activations too (w8a8.py quantizes them, then multiplies), so no kernel rounds them
     to bf16 on the way."""
-    forced = os.environ.get("KUBEINFER_QUANT_KERNEL")
+    forced = envs.QUANT_KERNEL.get()
     if forced:
-        if forced not in KERNELS:
-            raise ValueError(f"KUBEINFER_QUANT_KERNEL must be one of {', '.join(KERNELS)}; got {forced!r}")
         if forced in NATIVE:
             from .cpu_native import ops
 

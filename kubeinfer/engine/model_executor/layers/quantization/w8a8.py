@@ -15,12 +15,12 @@ fake-quantizes the input, and feeds lora_A the original input) and vLLM does (th
 quantizes inside its apply; the LoRA shrink reads the layer's input)."""
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import torch
 from torch import nn
 
+import kubeinfer.engine.envs as envs
 from ..deferred_weight import device_of
 from . import w4a8
 from .activations import ActivationScheme, fake_quantize, int8_linear
@@ -210,10 +210,10 @@ def _int4_kernel(layer: nn.Linear, scheme: ActivationScheme) -> str | None:
 
 
 def wanted_kernel() -> str:
-    wanted = os.environ.get("KUBEINFER_W8A8_KERNEL", "int8_vnni")
-    if wanted not in ("int8_vnni", "int_mm", "fake_quant"):
-        raise QuantizationError(f"KUBEINFER_W8A8_KERNEL must be int8_vnni, int_mm or fake_quant; got {wanted!r}")
-    return wanted
+    try:
+        return envs.W8A8_KERNEL.get()
+    except ValueError as err:  # envs.EnvVarError; a quantization setting, refused as the others are
+        raise QuantizationError(str(err)) from None
 
 
 def _int8_kernel(inputs: int) -> str:

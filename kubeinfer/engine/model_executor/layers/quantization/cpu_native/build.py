@@ -20,12 +20,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import kubeinfer.engine.envs as envs
+
 SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "decoder_layer.c", "f32_linear.c",
            "a16_linear.c", "a16_tiles.c", "w4a8_linear.c")
 HERE = Path(__file__).parent
 
 
-SANITIZERS = ("address",)
+SANITIZERS = envs.SANITIZERS
 
 
 def flags(portable: bool, sanitizer: str | None = None) -> list[str]:
@@ -37,19 +39,15 @@ def flags(portable: bool, sanitizer: str | None = None) -> list[str]:
 
 def sanitizer() -> str | None:
     """KUBEINFER_CPU_NATIVE_SANITIZE: None (the default, unset or empty) or a sanitizer of SANITIZERS."""
-    wanted = os.environ.get("KUBEINFER_CPU_NATIVE_SANITIZE", "")
-    if wanted and wanted not in SANITIZERS:
-        raise ValueError(f"KUBEINFER_CPU_NATIVE_SANITIZE must be one of {', '.join(SANITIZERS)}; got {wanted!r}")
-    return wanted or None
+    return envs.CPU_NATIVE_SANITIZE.get()
 
 
 def portable_requested() -> bool:
-    return os.environ.get("KUBEINFER_CPU_NATIVE_PORTABLE", "0") not in ("", "0")
+    return envs.CPU_NATIVE_PORTABLE.get()
 
 
 def cache_root() -> Path:
-    base = os.environ.get("KUBEINFER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kubeinfer")
-    return Path(base) / "cpu_native"
+    return Path(envs.CACHE_DIR.get()) / "cpu_native"
 
 
 def compiler() -> str | None:

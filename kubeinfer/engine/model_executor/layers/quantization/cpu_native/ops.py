@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
+import kubeinfer.engine.envs as envs
 from ..activations import ActivationScheme, dynamic_qparams, quantize
 from . import build
 from .build import load
@@ -52,11 +53,9 @@ def check(status: int, name: str) -> None:
 
 
 def default_threads() -> int:
-    wanted = os.environ.get("KUBEINFER_CPU_NATIVE_THREADS")
-    if wanted:
-        if not wanted.isdigit() or int(wanted) < 1:
-            raise ValueError(f"KUBEINFER_CPU_NATIVE_THREADS must be a positive integer; got {wanted!r}")
-        return int(wanted)
+    wanted = envs.CPU_NATIVE_THREADS.get()
+    if wanted is not None:
+        return wanted
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
@@ -99,7 +98,7 @@ def library():
             lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = PACKED_SIGNATURE
             lib.ki_quantize_q8_0.argtypes, lib.ki_quantize_q8_0.restype = [p, i, i, p, p, p], None
             lib.ki_quantize_token_int8.argtypes, lib.ki_quantize_token_int8.restype = QUANTIZE_TOKEN_SIGNATURE
-            lib.ki_init(default_threads(), int(os.environ.get("KUBEINFER_CPU_NATIVE_SPIN_US", "50")))
+            lib.ki_init(default_threads(), envs.CPU_NATIVE_SPIN_US.get())
         _state["lib"] = lib
     return _state["lib"]
 
@@ -127,10 +126,7 @@ def layers_enabled() -> bool:
 
 
 def _read_layers_switch() -> bool:
-    wanted = os.environ.get("KUBEINFER_CPU_NATIVE_LAYERS", "1")
-    if wanted not in ("0", "1"):
-        raise ValueError(f"KUBEINFER_CPU_NATIVE_LAYERS must be 0 or 1; got {wanted!r}")
-    return wanted == "1" and available()
+    return envs.CPU_NATIVE_LAYERS.get() and available()
 
 
 @contextmanager
