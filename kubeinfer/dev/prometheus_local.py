@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RULES = REPO_ROOT / "manifests" / "alerts" / "kubeinfer-rules.yaml"
 POD_LABEL_META = "__meta_kubernetes_pod_label_"
 # The endpoints of the chart's monitors (charts/kubeinfer/templates/monitoring/servicemonitor.yaml);

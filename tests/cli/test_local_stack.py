@@ -18,6 +18,7 @@ from server_harness import free_port
 
 from kubeinfer.dev.demo_model import DemoRecipe, build_demo_model
 from kubeinfer.dev.local_stack import placements
+from kubeinfer.dev.prometheus_local import RULES, config as prometheus_config
 
 # A demo model trained for a few steps only: the stack, not the model's quality, is under test here.
 QUICK = replace(DemoRecipe(), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
@@ -173,6 +174,13 @@ def test_local_stack_stops_on_a_signal_to_its_own_process(tmp_path, sig):
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as file:
         return [int(child) for child in file.read().split()]
+
+
+def test_the_local_prometheus_loads_the_repositorys_alert_rules():
+    """The local Prometheus finds the rules from wherever its module sits (a missing file is skipped quietly, so
+    a move of the module once left the stack without alerts)."""
+    assert RULES.is_file()
+    assert prometheus_config([], []).get("rule_files") == [str(RULES)]
 
 
 @pytest.mark.slow  # about 30 s: the stack, then Prometheus' first target batch
