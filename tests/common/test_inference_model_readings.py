@@ -112,3 +112,14 @@ def test_the_gateway_reads_fallbacks():
               {"metadata": {"name": "nulls"}, "spec": {"routing": {"fallback": None}}},
               {"metadata": {"name": "by-name"}, "spec": {"routing": {"fallback": ["other"]}}}]
     assert fallbacks_of(models) == {"llama-3": ["small", "tiny"], "by-name": ["other"]}
+
+
+def test_an_adapter_that_is_not_an_object_is_a_named_problem_not_a_crash():
+    """Before the shared reading, `spec.adapters: [null]` raised AttributeError inside the pass (a bug to the
+    operator: a traceback per pass); now it is refused as InvalidSpec naming the field, and the gateway skips it."""
+    import pytest
+
+    from kubeinfer.operator.spec import SpecError
+
+    with pytest.raises(SpecError, match=r"spec\.adapters\[0\] must be an object"):
+        parse_spec("m", {"model": {"uri": "pvc://m/x"}, "adapters": [None]})
