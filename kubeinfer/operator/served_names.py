@@ -12,11 +12,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from kubeinfer.common.inference_model import read_inference_model
+
 SERVED_NAME_CONFLICT = "ServedNameConflict"
 
 
 def served_name(body: dict[str, Any]) -> str:
-    return ((body.get("spec") or {}).get("model") or {}).get("servedName") or body["metadata"]["name"]
+    """spec.model.servedName, else metadata.name: as the gateway routes it (the one InferenceModel reading)."""
+    return read_inference_model(body)[0].served_name
 
 
 def age_key(body: dict[str, Any]) -> tuple[str, str]:

@@ -8,6 +8,8 @@ body's `model` is rewritten, so the engine's response names the model that serve
 """
 from __future__ import annotations
 
+from kubeinfer.common.inference_model import read_inference_model
+
 
 def parse_fallback(text: str) -> tuple[str, str]:
     model, sep, other = text.partition("=")
@@ -19,12 +21,10 @@ def parse_fallback(text: str) -> tuple[str, str]:
 def fallbacks_of(models: list[dict]) -> dict[str, list[str]]:
     """Served name -> its InferenceModel's `spec.routing.fallback` (models without one left out)."""
     out: dict[str, list[str]] = {}
-    for model in models:
-        spec = model.get("spec") or {}
-        chain = [str(m) for m in (spec.get("routing") or {}).get("fallback") or [] if m]
-        served = (spec.get("model") or {}).get("servedName") or (model.get("metadata") or {}).get("name")
-        if served and chain:
-            out[served] = chain
+    for obj in models:
+        model, _ = read_inference_model(obj)  # the operator reports the problems; routing goes on
+        if model.served_name and model.routing.fallback:
+            out[model.served_name] = list(model.routing.fallback)
     return out
 
 

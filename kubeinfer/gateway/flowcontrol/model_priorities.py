@@ -19,6 +19,8 @@ import math
 import threading
 from dataclasses import dataclass
 
+from kubeinfer.common.inference_model import read_inference_model
+
 from ..datastore.resource_watch import CrdMissing, ResourceWatch
 from .fallback import fallbacks_of
 
@@ -30,13 +32,10 @@ INFERENCE_OBJECTIVES = ("inference.networking.x-k8s.io", "v1alpha2", "inferenceo
 def priorities_of(models: list[dict]) -> dict[str, int]:
     """Served name (and each adapter name) -> the InferenceModel's routing priority."""
     out: dict[str, int] = {}
-    for model in models:
-        spec = model.get("spec") or {}
-        priority = int((spec.get("routing") or {}).get("priority", 0) or 0)
-        served = (spec.get("model") or {}).get("servedName") or (model.get("metadata") or {}).get("name")
-        for name in [served, *((a or {}).get("name") for a in spec.get("adapters") or [])]:
-            if name:
-                out[name] = priority
+    for obj in models:
+        model, _ = read_inference_model(obj)  # the operator reports the problems; routing goes on
+        for name in model.client_names:
+            out[name] = model.routing.priority
     return out
 
 
@@ -60,17 +59,15 @@ class ScaleTarget:
 def scale_targets_of(models: list[dict]) -> dict[str, ScaleTarget]:
     """Served name (and each adapter name) -> the InferenceModel whose /scale brings it back from zero."""
     out: dict[str, ScaleTarget] = {}
-    for model in models:
-        spec, meta = model.get("spec") or {}, model.get("metadata") or {}
-        if not meta.get("name") or not meta.get("namespace"):
+    for obj in models:
+        model, _ = read_inference_model(obj)
+        if not model.name or not model.namespace:
             continue
-        auto = spec.get("autoscaling") or {}
-        target = ScaleTarget(meta["namespace"], meta["name"], int(spec.get("minReplicas", 1) or 0),
-                             spec.get("maxReplicas"), auto.get("targetQueueDepth"))
-        served = (spec.get("model") or {}).get("servedName") or meta["name"]
-        for name in [served, *((a or {}).get("name") for a in spec.get("adapters") or [])]:
-            if name:
-                out[name] = target
+        auto = model.autoscaling
+        target = ScaleTarget(model.namespace, model.name, model.min_replicas, model.max_replicas,
+                             auto.target_queue_depth if auto is not None else None)
+        for name in model.client_names:
+            out[name] = target
     return out
 
 
