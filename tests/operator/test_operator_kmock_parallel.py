@@ -149,7 +149,10 @@ async def test_one_node_to_two_keeps_serving_until_a_group_does():
         async def replaced():
             return await cluster.get("apps/v1", "deployments", "llama") is None
         await eventually(replaced)
-        assert (await cluster.events("WorkloadReplaced"))
+
+        async def event_posted():  # the operator deletes first and posts the event after
+            return bool(await cluster.events("WorkloadReplaced"))
+        await eventually(event_posted)
 
 
 async def test_installing_the_lws_crd_later_builds_the_model(monkeypatch):
