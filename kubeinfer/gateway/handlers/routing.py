@@ -45,11 +45,12 @@ class Router:
 
     async def route_or_hold(self, raw_body: bytes, headers: Mapping[str, str], subset: frozenset[str] | None = None,
                             rewrite_body: bool = True) -> tuple[RoutingRequest, Decision]:
-        """As `route`, after the tenant's admission (401, 429), and with a fallback model when the
-        requested one cannot serve now (only when the caller can rewrite the body: `rewrite_body`). A
-        request for a known model with no ready engine is held until one is ready (503 with Retry-After
-        when the hold is full or times out); cancelling the caller ends the hold. The request's ticket,
-        when routing fails, is settled here; otherwise the caller settles it when the response ends."""
+        """As `route`, after the flow-control layers (`self.flow`), by default: the tenant's admission (401,
+        429); a fallback model when the requested one cannot serve now (only when the caller can rewrite the
+        body: `rewrite_body`); a hold until a known model with no ready engine has one (503 with Retry-After
+        when the hold is full or times out); the fair queue while every pod is saturated. Cancelling the
+        caller ends a wait. The request's ticket, when routing fails, is settled here; otherwise the caller
+        settles it when the response ends."""
         request = (self._parse(raw_body, headers) if len(raw_body) <= PARSE_ON_LOOP_BYTES  # a large one would
                    else await asyncio.to_thread(self._parse, raw_body, headers))  # stall every other request
         try:
