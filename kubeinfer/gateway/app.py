@@ -19,15 +19,10 @@ from .datastore.endpoints import EndpointPool
 from .datastore.kv_block_index import MAX_BLOCKS_PER_POD, KVBlockIndex
 from .datastore.kv_event_subscriber import DEFAULT_EVENTS_PORT, KVEventSubscriber, sources_from_pool
 from .datastore.scraper import Scraper
-from .flowcontrol.fair_queue import FairQueue
+from .flowcontrol.composition import build_flow
 from .flowcontrol.fallback import Fallbacks
-from .flowcontrol.hold import HoldQueue
 from .flowcontrol.model_priorities import ClusterPriorities
 from .flowcontrol.scale_up import ScaleUp
-from .flowcontrol.tenant_gate import TenantGate
-from .flowcontrol.tenant_limits import TenantLimits
-from .flowcontrol.tenants import TenantDirectory
-from .flowcontrol.usage import UsageRecorder
 from .handlers.extproc import start_extproc_server
 from .handlers.metrics import GatewayMetrics
 from .handlers.proxy import build_proxy_app
@@ -69,6 +64,7 @@ class GatewayConfig:
     fair_queue: bool | None = None  # saturated models' requests wait at the gateway; None: on with tenants
     fair_queue_max_per_tenant: int = 128
     fair_queue_timeout: float = 30.0  # then routed as before, onto a saturated pod
+    flow_control: list[dict] | None = None  # --flow-control-config: its checked layers; None: from the flags
     model_resync: float = 60.0  # seconds between re-lists of InferenceModels/Objectives (the watch's safety net)
     engine_api_key: str | None = None  # presented to engines on everything sent to them (engine_auth.py)
     trust_priority_headers: bool = False  # priority/objective headers come from a trusted hop, not clients
@@ -99,18 +95,6 @@ class Gateway:
         self.router.fallbacks = Fallbacks(config.fallbacks)
         self.router.metrics.kv_events = self.kv_subscriber
         self.router.trust_priority_headers = config.trust_priority_headers
-        self.usage = None
-        if config.tenants_file or config.usage_log:
-            self.usage = UsageRecorder(self.router.metrics, config.usage_log)
-            directory = (TenantDirectory(config.tenants_file, config.trust_tenant_header)
-                         if config.tenants_file else None)
-            self.router.tenants = TenantGate(directory, TenantLimits(config.tenant_limit_scope,
-                                                                     config.gateway_replicas),
-                                             self.usage, self.router.model_label)
-        if config.fair_queue or (config.fair_queue is None and config.tenants_file):
-            self.router.fair_queue = FairQueue(self.picker, max_per_tenant=config.fair_queue_max_per_tenant,
-                                               timeout=config.fair_queue_timeout, metrics=self.router.metrics,
-                                               preempt=config.forward_priority)
         self.scraper = Scraper(self.pool, config.scrape_interval, config.scrape_timeout,
                                engine_api_key=config.engine_api_key)
         self.discovery = self.priorities = self.scale_up = None
@@ -128,8 +112,9 @@ class Gateway:
                                                 fallbacks=self.router.fallbacks.discovered)
             self.scale_up = ScaleUp(scale_targets, api_client)
             self.router.scalable = scale_targets
-        self.router.hold = HoldQueue(self.router.has_ready_endpoint, self.scale_up, max_held=config.hold_max,
-                                     timeout=config.hold_timeout, metrics=self.router.metrics)
+        # The flow-control layers, from --flow-control-config or the flags (flowcontrol/composition.py).
+        self.router.flow_handle.scale_up = self.scale_up
+        self.router.flow = build_flow(config, self.router.flow_handle)
         self._tasks: list[asyncio.Task] = []
         self._servers: list[uvicorn.Server] = []
         self._clients: list = []  # upstream HTTP clients to close on stop
@@ -206,5 +191,4 @@ class Gateway:
             await asyncio.to_thread(self.kv_subscriber.stop)
         for client in self._clients:
             await client.aclose()
-        if self.usage is not None:
-            self.usage.close()
+        self.router.flow.close()

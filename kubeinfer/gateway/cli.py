@@ -11,6 +11,7 @@ from kubeinfer.common.http_guard import add_http_limit_arguments, guard_from_arg
 
 from .datastore.discovery import parse_selector
 from .datastore.kv_block_index import MAX_BLOCKS_PER_POD
+from .flowcontrol.composition import read_flow_config
 from .flowcontrol.fallback import parse_fallback
 from .flowcontrol.tenant_limits import SCOPES
 from .flowcontrol.tenants import load_tenants
@@ -122,6 +123,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --tenants)")
     parser.add_argument("--fair-queue-max-per-tenant", type=int, default=128,
                         help="requests of one tenant that may wait in the fair queue; beyond, 429 with Retry-After")
+    parser.add_argument("--flow-control-config", metavar="FILE",
+                        help="a FlowControlConfig (YAML): the flow-control layers a request passes, in order, each "
+                             "parameter defaulting to its flag; default: tenants, tokenize, fallback, hold, "
+                             "fair-queue as the flags enable them (docs/gateway-plugins.md)")
     parser.add_argument("--fair-queue-timeout", type=float, default=30.0,
                         help="seconds a request waits in the fair queue before it is routed to a saturated pod anyway")
     parser.add_argument("--model-resync", type=float, default=60.0, metavar="SECONDS",
@@ -154,6 +159,7 @@ def config_from_args(args: argparse.Namespace):
             if not args.tokenizer:
                 raise ValueError("--prefix-routing precise needs the model's tokenizer: --tokenizer [MODEL=]DIR")
             Tokenizers(args.tokenizer)  # an unreadable tokenizer stops the start with its reason
+        flow_control = read_flow_config(args.flow_control_config) if args.flow_control_config else None
         if args.tenants:
             load_tenants(args.tenants)  # a broken file stops the start with its reason (TenantFileError)
     except ValueError as error:
@@ -169,7 +175,8 @@ def config_from_args(args: argparse.Namespace):
                          tenant_limit_scope=args.tenant_limit_scope, gateway_replicas=max(1, args.gateway_replicas),
                          usage_log=args.usage_log, fallbacks=list(args.fallback), fair_queue=args.fair_queue,
                          fair_queue_max_per_tenant=max(1, args.fair_queue_max_per_tenant),
-                         fair_queue_timeout=args.fair_queue_timeout, model_resync=max(1.0, args.model_resync),
+                         fair_queue_timeout=args.fair_queue_timeout, flow_control=flow_control,
+                         model_resync=max(1.0, args.model_resync),
                          engine_api_key=args.engine_api_key,
                          trust_priority_headers=args.trust_priority_headers, guard=guard_from_args(args),
                          header_read_timeout=args.header_read_timeout, prefix_routing=args.prefix_routing,

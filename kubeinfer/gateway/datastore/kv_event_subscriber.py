@@ -18,7 +18,7 @@ a stale index routes requests to caches that are gone. A lost pod's socket is ma
 Faults stay with their pod: a message or batch out of the wire contract (kv_event_wire.py checks every
 field), a replay out of protocol, events the index refuses, or anything else that goes wrong with one pod's
 stream sets that pod aside: it is forgotten (scored approximately), its messages are ignored for a pause that
-doubles with each fault in a row (FAULT_PAUSE_S up to MAX_FAULT_PAUSE_S), then it starts over. Messages are
+doubles with each fault in a row (kv_event_stream.py), then it starts over. Messages are
 capped at MAX_MESSAGE_BYTES (ZMQ drops the connection of a peer that sends more), the index per pod.
 """
 from __future__ import annotations
@@ -28,16 +28,15 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kubeinfer.common.kv_events_curve import AUTH_CURVE, CurveKeys
 
 from .kv_block_index import IndexFault, KVBlockIndex
 from .kv_event_fetch import FETCH_DEADLINE_S, MAX_MESSAGE_BYTES, Fetch, ReplayError
 from .kv_event_sources import DEFAULT_EVENTS_PORT, EventSource, sources_from_pool
+from .kv_event_stream import FAULT_PAUSE_S, Stream, close_sockets, open_stream, read_monitor
 from .kv_event_wire import Batch, WireError, decode_batch
 
 __all__ = ["DEFAULT_EVENTS_PORT", "EventSource", "KVEventSubscriber", "Stream", "sources_from_pool"]
@@ -46,26 +45,6 @@ logger = logging.getLogger(__name__)
 MAX_REPLAY = 10_000  # batches one replay asks for at most (vLLM's default buffer_steps)
 MAX_PENDING = 1_000  # live batches held while a replay is in flight; more ends the replay
 MESSAGES_PER_CALL = 1_000  # live messages read from one pod per round: the others' turn comes in between
-SUB_RCVHWM = 1_000
-FAULT_PAUSE_S = 10.0
-MAX_FAULT_PAUSE_S = 300.0
-
-
-@dataclass
-class Stream:
-    source: EventSource
-    sub: zmq.Socket | None
-    monitor: zmq.Socket | None
-    last_seq: int | None = None
-    connected: bool = False
-    down_since: float | None = None
-    fetch: Fetch | None = None  # a replay in flight
-    pending: list[tuple[int, bytes]] = field(default_factory=list)  # live messages that came during it
-    paused_until: float | None = None  # set aside after a fault: its messages are ignored until then
-    faults_in_a_row: int = 0
-    last_fault: float = float("-inf")
-    stats: dict = field(default_factory=lambda: {"batches": 0, "gaps": 0, "replayed": 0, "missed": 0, "bad": 0,
-                                                 "restarts": 0, "jumps": 0, "faults": 0, "ignored": 0})
 
 
 class KVEventSubscriber:
@@ -126,7 +105,7 @@ class KVEventSubscriber:
         for pod, stream in list(self.streams.items()):
             try:
                 if stream.monitor in ready:
-                    self._on_monitor(stream)
+                    read_monitor(stream, self.clock)
                 if stream.sub in ready:
                     self._drain(pod, stream)
                 if stream.fetch is not None:
@@ -167,25 +146,7 @@ class KVEventSubscriber:
                            "has none (KUBEINFER_ENGINE_API_KEY): its prefixes are scored approximately", pod)
             self.unfollowed[pod] = source
             return
-        sub, monitor = self._ctx.socket(zmq.SUB), None
-        try:
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RECONNECT_IVL, 200)
-            sub.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-            sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
-            if source.auth == AUTH_CURVE:
-                self.curve.client(sub)
-            sub.setsockopt_string(zmq.SUBSCRIBE, source.topic)
-            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-            sub.connect(source.endpoint)
-        except BaseException:  # whatever the source holds: no socket left open (the context could not end)
-            if monitor is not None:
-                sub.disable_monitor()
-                monitor.close(0)
-            sub.close(0)
-            raise
-        self.streams[pod] = Stream(source, sub, monitor, down_since=self.clock())
+        self.streams[pod] = open_stream(self._ctx, source, self.curve, self.clock())
         logger.info("KV events: following %s at %s%s", pod, source.endpoint,
                     " (CURVE)" if source.auth == AUTH_CURVE else "")
 
@@ -202,17 +163,7 @@ class KVEventSubscriber:
         self._end_fetch(stream)
         for sock in (stream.sub, stream.monitor):
             self._unregister(sock)
-        stream.sub.disable_monitor()
-        stream.monitor.close(0)
-        stream.sub.close(0)
-
-    def _on_monitor(self, stream: Stream) -> None:
-        while stream.monitor.poll(0):
-            event = recv_monitor_message(stream.monitor)["event"]
-            if event == zmq.EVENT_CONNECTED:
-                stream.connected, stream.down_since = True, None
-            elif event == zmq.EVENT_DISCONNECTED and stream.connected:
-                stream.connected, stream.down_since = False, self.clock()
+        close_sockets(stream)
 
     def _expire(self) -> None:
         now = self.clock()
@@ -329,17 +280,8 @@ class KVEventSubscriber:
     # -- faults ------------------------------------------------------------------------------------------------
     def _fault(self, pod: str, stream: Stream, error: Exception) -> None:
         """Set one pod aside: forgotten now, its messages ignored for a while, then it starts over."""
-        now = self.clock()
-        if now - stream.last_fault > MAX_FAULT_PAUSE_S:
-            stream.faults_in_a_row = 0
-        pause = min(MAX_FAULT_PAUSE_S, self.fault_pause * 2 ** stream.faults_in_a_row)
-        stream.faults_in_a_row += 1
-        stream.last_fault = now
-        stream.stats["faults"] += 1
-        if isinstance(error, WireError):
-            stream.stats["bad"] += 1
         self._end_fetch(stream)
-        stream.pending, stream.last_seq, stream.paused_until = [], None, now + pause
+        pause = stream.set_aside(self.clock(), self.fault_pause, bad_message=isinstance(error, WireError))
         self.index.drop(pod)
         expected = isinstance(error, (WireError, IndexFault, ReplayError))  # else a bug of ours: its traceback
         logger.warning("KV events from %s set aside for %.0f s (%s: %.200s); its prefixes are scored approximately",

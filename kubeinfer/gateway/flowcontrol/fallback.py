@@ -38,3 +38,12 @@ class Fallbacks:
     def of(self, model: str) -> list[str]:
         """The fallbacks of `model`, in order, never the model itself."""
         return [m for m in self.static.get(model) or self.discovered.get(model) or [] if m != model]
+
+
+def switch_model(request, model: str, reason: str, metrics) -> None:
+    """`request` is served by `model` from now on (its body's `model` rewritten), counted under `reason`
+    (saturated, no_ready_endpoint, failed) in kubeinfer_gateway_fallbacks."""
+    requested = request.requested_model or request.model
+    request.requested_model, request.model, request.hashes = requested, model, None
+    request.exclude = frozenset()
+    metrics.fallbacks.labels(requested, model, reason).inc()

@@ -1,4 +1,4 @@
-"""One proxied request: its attempts on engines, and the relay of the response that wins.
+"""One proxied request: its attempts on engines; the response that wins is relayed by relay.py.
 
 An attempt that fails before the first byte of a response (no connection, a reset, no answer within
 the first-byte timeout) or that an engine refuses with a status meaning "not here" (429 queue full,
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..datastore.endpoints import Endpoint
 from ..datastore.engine_auth import for_engine
@@ -27,6 +27,7 @@ from ..datastore.http_client import describe
 from ..flowcontrol.deadline import TIMEOUT_HEADER, remaining_ms_header
 from ..scheduling.picker import RoutingError, RoutingRequest
 from .extproc import error_body
+from .relay import CLIENT_CLOSED, HOP_BY_HOP, UpstreamStream, relay_response, relayed_headers
 from .routing import Router
 from .upstream import (
     RETRY_ELSEWHERE,
@@ -36,14 +37,8 @@ from .upstream import (
     failure_status,
     retry_reason,
 )
-from .usage_strip import UsageEventStripper
 
 logger = logging.getLogger(__name__)
-HOP_BY_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
-              "proxy-authorization", "proxy-authenticate"}
-# Set by the gateway's own HTTP server on every response: the engine's copies would make each appear twice.
-SERVER_SET = {"date", "server"}
-CLIENT_CLOSED = 499  # nginx's convention; nobody receives it, the client is gone
 
 
 def _retry_after(error: RoutingError) -> str | None:
@@ -67,18 +62,6 @@ class Refusal:
 
     def response(self) -> Response:
         return Response(self.body, status_code=self.status, headers=self.headers)
-
-
-def relayed_headers(headers: httpx.Headers) -> dict[str, str]:
-    """An engine's response headers as the client gets them: without hop-by-hop ones (those the standard
-    names and those its `Connection` header names) and without the ones the gateway's server sets."""
-    named = {h.strip().lower() for h in headers.get("connection", "").split(",") if h.strip()}
-    dropped = HOP_BY_HOP | SERVER_SET | named
-    out: dict[str, str] = {}
-    for key, value in headers.multi_items():
-        if key.lower() not in dropped:
-            out[key] = f"{out[key]}, {value}" if key in out else value  # repeated headers folded into one
-    return out
 
 
 def _model_missing(response: httpx.Response, body: bytes) -> bool:
@@ -177,7 +160,8 @@ class Forwarder:
                     metrics.retries.labels(retry_reason(status=response.status_code)).inc()
                     continue
                 return refusal.response()  # final (a 404 every pod would give): the engine's answer, read whole
-            return self._relay(response, endpoint, sent, model, start, release, routing_request.ticket)
+            return relay_response(response, endpoint, sent, model, start, release, routing_request.ticket,
+                                  self.config.idle_timeout, metrics)
         if refusal is not None:  # every endpoint refused: the last engine's own answer, Retry-After and all
             metrics.errors.labels(model, str(refusal.status)).inc()
             return refusal.response()
@@ -236,79 +220,3 @@ class Forwarder:
                 return refusal, False
             endpoint.drop_model(request.model)  # placement said so, the pod disagrees: believe the pod
         return refusal, True
-
-    def _relay(self, response: httpx.Response, endpoint: Endpoint, sent: float, model: str,
-               start: float, release, ticket=None) -> Response:
-        relay = Relay(response, self.config.idle_timeout, observe=ticket.feed if ticket is not None else None,
-                      strip_usage=ticket is not None and ticket.request.add_usage)
-        metrics = self.router.metrics
-        if ticket is not None:
-            ticket.response_began(response.status_code)
-
-        async def finish() -> None:
-            endpoint.record_finish(sent)  # the request no longer loads the engine: the picker knows at once
-            await response.aclose()
-            release()
-            if relay.completed:
-                metrics.duration.labels(model).observe(time.perf_counter() - start)
-            elif relay.error is not None:
-                metrics.errors.labels(model, "502").inc()
-                logger.warning("endpoint %s failed mid-response: %s", endpoint.address, describe(relay.error))
-            else:
-                metrics.cancelled.labels(model).inc()
-            if ticket is not None:
-                ticket.finish(response.status_code if relay.completed else 502 if relay.error else CLIENT_CLOSED)
-
-        out_headers = relayed_headers(response.headers)
-        out_headers["x-gateway-destination-endpoint"] = endpoint.address
-        return UpstreamStream(relay, response.status_code, out_headers, finish)
-
-
-class Relay:
-    """The upstream body, chunk by chunk, with a bound on the gap between chunks. It records how it
-    ended: `completed`, `error` (the engine failed or went silent), or neither (the client left)."""
-
-    def __init__(self, upstream: httpx.Response, idle_timeout: float, observe=None, strip_usage: bool = False) -> None:
-        self.upstream, self.idle_timeout = upstream, idle_timeout
-        self.observe = observe  # sees each chunk as it passes (usage accounting)
-        self.completed, self.error = False, None
-        self.sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-        self.stripper = UsageEventStripper() if strip_usage and self.sse else None  # usage the gateway asked for
-
-    async def chunks(self):
-        iterator = self.upstream.aiter_raw().__aiter__()
-        while True:
-            try:
-                async with asyncio.timeout(self.idle_timeout):
-                    chunk = await anext(iterator)
-            except StopAsyncIteration:
-                self.completed = True
-                if self.stripper is not None and (tail := self.stripper.flush()):
-                    yield tail
-                return
-            except (httpx.HTTPError, TimeoutError) as error:
-                self.error = error if not isinstance(error, TimeoutError) else TimeoutError(
-                    f"no data for {self.idle_timeout:g} s")
-                if not self.sse:
-                    raise  # the client's connection is cut: a truncated body must not look complete
-                # A stream ends with an error event (vLLM's convention; the openai client raises on it).
-                yield f"data: {json.dumps(error_body(502, f'engine failed mid-stream: {describe(self.error)}'))}\n\n"
-                return
-            if self.observe is not None:
-                self.observe(chunk)
-            yield chunk if self.stripper is None else self.stripper.feed(chunk)
-
-
-class UpstreamStream(StreamingResponse):
-    """Relays an upstream response; `on_close` runs however the relay ends (done, error or client gone),
-    so the upstream stream is closed at once and the engine aborts the request."""
-
-    def __init__(self, relay: Relay, status: int, headers: dict[str, str], on_close) -> None:
-        super().__init__(relay.chunks(), status_code=status, headers=headers)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.on_close()

@@ -3,7 +3,7 @@
 It takes only the routes of routes.py: it answers `GET /v1/models` and `/v1/models/{id}` with the cards
 its endpoints publish (merged: each model once, as the engines describe it) and forwards the inference
 POSTs (completions, chat completions, responses), streamed responses included, to the endpoint the
-picker chose (forward.py: retries, timeouts, cancellation, the engine's answer relayed intact); any
+picker chose (forward.py: retries, timeouts, cancellation; relay.py: the engine's answer relayed intact); any
 other path or method is answered here (404, or 403 for adapter management), never forwarded. Every
 request's end is reported to its endpoint (`record_finish`), so the picker's load figures drop the
 moment a response completes, not at the next scrape. Errors, unknown routes included, use OpenAI's

@@ -46,7 +46,7 @@ class ClientShards:
     client of a pool with room and a `release` to call when the response is closed."""
 
     def __init__(self, config: UpstreamConfig, client: httpx.AsyncClient | None = None) -> None:
-        # read=None: the first byte and the gaps between chunks have their own limits (forward.py).
+        # read=None: the first byte and the gaps between chunks have their own limits (forward.py, relay.py).
         self.timeout = httpx.Timeout(connect=config.connect_timeout, read=None, write=config.idle_timeout,
                                      pool=config.first_byte_timeout)
         self.fixed = client  # tests hand in one client (a mock transport): no sharding then
