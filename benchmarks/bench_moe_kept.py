@@ -46,7 +46,7 @@ from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_exp
 from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import ExpertsIntMethod  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, ops  # noqa: E402
+from kubeinfer.engine.platforms.cpu.native import a16_method, ops  # noqa: E402
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight  # noqa: E402
 from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 

@@ -110,7 +110,7 @@ def test_cpu_default_keeps_experts_with_bf16_activations_close_to_the_reference(
     greedy token differs), and the start-up log's weight bytes are the kept ones.
     Only the experts are quantized (`re:.*experts.*`): the dense layers' own bf16 kernel, whose rounding flips a
     near-tied router choice of this random model (a 2.5 log-prob jump on one prompt), is not what is measured."""
-    from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method
+    from kubeinfer.engine.platforms.cpu.native import a16_method
 
     kernel = "cpu_int4_a16" if family == "default" and a16_method.fast() else "cpu_int4_bf16"
     if family == "bf16":

@@ -33,7 +33,7 @@ from torch import nn
 import kubeinfer.engine.envs as envs
 from ..quantization import w8a8
 from ..quantization.activations import ActivationScheme, int8_linear
-from ..quantization.cpu_native import ops, w4a8_ops
+from ....platforms.cpu.native import ops, w4a8_ops
 from ..quantization.linear_method import NATIVE, IntWeight
 from .a16_experts import register_stacks
 

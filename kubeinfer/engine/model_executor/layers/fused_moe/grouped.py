@@ -86,7 +86,7 @@ def _ends(counts: list[int]) -> list[int]:
 
 def _product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
     """out = x @ weight.T (+ bias), in place. torch's own product even in a small CPU step, where the dense
-    projections go to OpenBLAS (layers/cpu_blas.py): an expert's few rows gain nothing from OpenBLAS's threads,
+    projections go to OpenBLAS (platforms/cpu/cpu_blas.py): an expert's few rows gain nothing from OpenBLAS's threads,
     and hundreds of its calls a step cost more than torch's one-thread products (measured on this machine)."""
     if bias is None:
         torch.mm(x, weight.t(), out=out)
