@@ -161,7 +161,8 @@ def test_dequantized_kernel_keeps_the_float_stacks(float_dirs, tmp_path, monkeyp
 @pytest.mark.parametrize("name", ["int8_dynamic", pytest.param("int8_static_asym", marks=slow)])
 def test_kept_int8_experts_of_a_w8a8_checkpoint_quantize_their_inputs(float_dirs, tmp_path, monkeypatch, name):
     """W8A8 (int8 weights per channel, int8 activations): the experts' inputs quantized as before
-    (input_quant.py), then multiplied by the kept int8 weights (float32 activations: the forced cpu_int8), against
+    (expert_input_quant.py), then multiplied by the kept int8 weights (float32 activations: the forced cpu_int8),
+    against
     test_quantized_moe_w8a8.py's reference (the package's decompression, every input fake-quantized by it)."""
     from quant_checkpoints import assert_greedy_equal_but_near_ties
     from test_quantized_moe_w8a8 import ct_moe_checkpoint, ct_moe_reference

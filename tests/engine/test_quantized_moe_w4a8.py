@@ -255,7 +255,7 @@ def test_a_ranks_slice_quantizes_with_the_whole_rows_range():
     down range; here the other rank's slice, not an all-reduce). Each rank's product is bit-equal to the dense
     kernel on the whole row's int8 values cut to its columns, and the two partial sums add up to the one-rank
     product within float32 rounding."""
-    from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant
+    from kubeinfer.engine.model_executor.layers.quantization.expert_input_quant import ExpertInputQuant
     from kubeinfer.engine.platforms.cpu.native import w4a8_ops
 
     full = int_stacks(4, 128, experts=2, hidden=128, inter=128)

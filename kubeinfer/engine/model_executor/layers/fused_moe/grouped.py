@@ -7,7 +7,7 @@ experts' row offsets) runs every expert at once, as transformers' CPU default do
 of products per active expert for a 32-expert layer at batch 1-256 here, and bit-equal to it (measured with
 the layer's shapes of benchmarks/bench_moe.py). Otherwise, and for dtypes it refuses, one pair per expert.
 
-`input_quant` (W8A8 experts, input_quant.py): the hidden states quantized before the gathered block (once per
+`input_quant` (W8A8 experts, expert_input_quant.py): the hidden states quantized before the gathered block (once per
 token, or per row with its expert's static scale), the activation's rows before the down product."""
 from __future__ import annotations
 
