@@ -1,5 +1,5 @@
 /* Whole Llama-family decoder layers of a decode step in one call (#included at the end of kernels.c;
- * layers/cpu_decoder.py prepares the descriptors and calls it, models/native_decode.py decides when).
+ * cpu_decoder.py prepares the descriptors and calls it, native_decode.py decides when).
  *
  * Each layer is the per-module native path's calls, in its order and with its arguments, so the same bits:
  * ki_rms_norm (input norm, the residual add inside), ki_q8_0_linear (fused qkv) plus its bias, the optional

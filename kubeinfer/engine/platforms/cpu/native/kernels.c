@@ -1,4 +1,4 @@
-/* Integer-dot-product kernels for quantized linear layers on the CPU (cpu_native/__init__.py says why).
+/* Integer-dot-product kernels for quantized linear layers on the CPU (native/__init__.py says why).
  *
  * Weights are repacked at load (ops.py) so that one 64-byte vector holds 16 output rows x 4 inputs: each
  * int32 lane of AVX-512 VNNI's vpdpbusd (u8 x s8, four products summed into an int32) is one output row, the
