@@ -15,9 +15,9 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   them through the kernel under TRITON_INTERPRET=1, for tests).
 - CPU, float32 model (the CPU default): int4 (groups of a multiple of 32, or per channel) and int8 (per channel
   or grouped, symmetric or not) kept, through the native exact A16 product (`cpu_int4_a16`, `cpu_int8_a16`;
-  cpu_native/a16_method.py, a16_linear.c): the activations rounded to bf16 as torch rounds them, nothing else
+  platforms/cpu/native/a16_method.py, a16_linear.c): the activations rounded to bf16 as torch rounds them, nothing else
   rounded, float32 sums in one fixed order (batch-invariant); W4A16 1.40x / 1.26x llama.cpp Q4_0 at batch 1 / 16,
-  W8A16 1.61x / 1.97x Q8_0 (whole engine; decoder layers run natively: models/native_decode.py).
+  W8A16 1.61x / 1.97x Q8_0 (whole engine; decoder layers run natively: platforms/cpu/native_decode.py).
   Where the library does not build with AVX-512 BF16 (no compiler, another CPU): torch's weight-only products with the activations, the
   dequantized weights and the output rounded to bf16 (`cpu_int4_bf16`, `cpu_int8_bf16`; int4 groups of 32-256,
   int8 per channel symmetric), the only way torch's products are fast here (float32 activations: 30-190x
@@ -27,8 +27,8 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   transformers' with bf16-rounded inputs to the quantized layers. Other int layouts, and the weights of
   checkpoints that quantize activations (W8A8: w8a8.py quantizes them exactly, which a bf16 rounding would undo;
   W4A8's int4 stays packed, w4a8.py), are dequantized to float32. torch's products run on one torch thread in
-  decode steps and, with KUBEINFER_CPU_SHARE_CORES, in two halves on both cores (layers/two_cores.py;
-  benchmarks/RESULTS.md "cpu-decode-step"); the native ones on the native pool (cpu_native/ops.py).
+  decode steps and, with KUBEINFER_CPU_SHARE_CORES, in two halves on both cores (platforms/cpu/two_cores.py;
+  benchmarks/RESULTS.md "cpu-decode-step"); the native ones on the native pool (platforms/cpu/native/ops.py).
 - CPU, bf16/fp16 model: int4 through `_weight_int4pack_mm_for_cpu` (0.76x-1.44x bf16 F.linear's time at one
   token, on a par at 16, a quarter of the memory); int8 dequantized to bf16 (`_weight_int8pack_mm` was
   0.29-1.0x at one token but 1.6-1.9x at 16).
@@ -51,12 +51,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import kubeinfer.engine.envs as envs
-from .. import two_cores
+from ....platforms.cpu import two_cores
 from ..deferred_weight import allocated, device_of, stand_in
 
 KERNELS = envs.QUANT_KERNELS  # declared with the variable that forces them
-# CPU only, the native kernels: the exact A16 product (cpu_native/a16_method.py) and, opt-in, llama.cpp's arithmetic
-# (cpu_native/method.py); without a C compiler torch's bf16-activation product of the same width (a warning once)
+# CPU only, the native kernels: the exact A16 product (platforms/cpu/native/a16_method.py) and, opt-in, llama.cpp's
+# arithmetic
+# (platforms/cpu/native/method.py); without a C compiler torch's bf16-activation product of the same width (a warning
+# once)
 NATIVE = {"cpu_int4_a16": "cpu_int4_bf16", "cpu_int8_a16": "cpu_int8_bf16", "cpu_int8_vnni": "cpu_int8_bf16",
           "cpu_int4_vnni": "cpu_int4_bf16"}
 SIBLING = {k: k.replace("int4", "int8") if "int4" in k else k.replace("int8", "int4") for k in NATIVE}  # other width
@@ -137,7 +139,7 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
     forced = envs.QUANT_KERNEL.get()
     if forced:
         if forced in NATIVE:
-            from .cpu_native import ops
+            from ....platforms.cpu.native import ops
 
             if w8a8 or device.type != "cpu":  # W8A8 layers: their own exact int8 product (w8a8.py)
                 return "dequantized"
@@ -148,7 +150,7 @@ def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w
     if weight.fp8:
         return "dequantized"
     if dtype == torch.float32 and not w8a8:
-        from .cpu_native import a16_method
+        from ....platforms.cpu.native import a16_method
 
         native = ("cpu_int4_a16", "cpu_int8_a16") if a16_method.fast() else ()
         return next((k for k in (*native, "cpu_int4_bf16", "cpu_int8_bf16") if applies(k, weight)), "dequantized")
@@ -161,7 +163,7 @@ def applies(kernel: str, w: IntWeight) -> bool:
     kernel = BF16_ACTIVATIONS.get(kernel, kernel)
     out, cols = w.values.shape
     if kernel in NATIVE:
-        from .cpu_native import a16_method, method
+        from ....platforms.cpu.native import a16_method, method
 
         native = a16_method if kernel in a16_method.KERNELS else method
         return native.applies(kernel, w.values, w.scale, w.group_size, w.bits, w.fp8)
@@ -232,7 +234,7 @@ class WeightOnlyIntMethod:
         bias = layer.bias if bias else None
         if self.kernel in ("cpu_int4", "cpu_int8"):
             rows = x.reshape(-1, x.shape[-1]).to(self.act_dtype)  # no copy when the dtypes agree
-            # In a small step the large products run in two halves on both cores (layers/two_cores.py).
+            # In a small step the large products run in two halves on both cores (platforms/cpu/two_cores.py).
             if self.kernel == "cpu_int4":
                 out = two_cores.product(lambda w, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     rows, w, self.group_size, sz), len(rows), (layer.qweight, layer.scales_and_zeros),
@@ -279,7 +281,7 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
             with torch.no_grad():
                 allocated(layer).copy_(weight.dequantize())
         elif kernel in NATIVE:
-            from .cpu_native import a16_method, method
+            from ....platforms.cpu.native import a16_method, method
 
             stand_in(layer)  # a deferred float weight: its device and shape, no memory (deferred_weight.py)
             native = a16_method.A16Method if kernel in a16_method.KERNELS else method.NativeIntMethod
