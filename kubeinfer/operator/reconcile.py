@@ -173,7 +173,7 @@ class Reconciler:
             (logger.warning if first else logger.debug)("%s/%s: %s (next try in %.1f s)", namespace, name,
                                                         failure.message, delay)
         else:
-            (logger.error if first else logger.debug)("%s/%s: %s", namespace, name, failure.message)
+            logger.log(failure.log_level if first else logging.DEBUG, "%s/%s: %s", namespace, name, failure.message)
         try:
             body = await self.client.get(API_VERSION, PLURAL, namespace, name)
             if body is None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kubeinfer.operator.errors import FORBIDDEN, Failure
+from kubeinfer.operator.errors import FORBIDDEN, TERMINATING, Failure
 from kubeinfer.operator.loaded import Observed
 from kubeinfer.operator.names import HTTP_PORT, STANDBY, active_labels, selector_string
 from kubeinfer.operator.placement import Placement
@@ -139,6 +139,8 @@ def failure_conditions(failure: Failure, previous: Sequence[dict[str, Any]]) -> 
         return [kept, Condition("Progressing", False, FORBIDDEN, "stopped until the permission is granted; "
                                                                  "retried on every resync"),
                 Condition("Degraded", True, FORBIDDEN, failure.message)]
+    if failure.reason == TERMINATING:
+        return [kept, Condition("Progressing", False, TERMINATING, failure.message)]
     return [kept, Condition("Progressing", True, failure.reason, failure.message)]
 
 
