@@ -67,8 +67,8 @@ def test_where_ranks_must_be_spawned_an_unguarded_script_is_told_about_the_guard
 
 @pytest.mark.slow
 def test_a_guarded_script_still_spawns_its_ranks(tmp_path, model_dir):
-    body = FORCE_SPAWN + "\n    def main():" + textwrap.indent(GENERATE.format(model=model_dir, prompt=PROMPT),
-                                                                  "    ") + '\n    if __name__ == "__main__":\n        main()\n'
+    generate = textwrap.indent(GENERATE.format(model=model_dir, prompt=PROMPT), "    ")
+    body = FORCE_SPAWN + "\n    def main():" + generate + '\n    if __name__ == "__main__":\n        main()\n'
     done = run_script(tmp_path, body)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "TOKENS" in done.stdout

@@ -61,7 +61,9 @@ def unguarded_main_call() -> str | None:
     `if __name__ == "__main__":` (what a spawned rank would run again); None otherwise or when unknown."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
-    if main is None or not path or not str(path).endswith(".py"):
+    spec_name = getattr(getattr(main, "__spec__", None), "name", "") or ""
+    # multiprocessing's spawn does not re-run a package's __main__ (`python -m pkg`), nor an interactive session
+    if main is None or not path or spec_name == "__main__" or spec_name.endswith(".__main__"):
         return None
     frame = sys._getframe()
     while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
