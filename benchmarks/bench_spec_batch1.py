@@ -98,6 +98,10 @@ def main() -> None:
     for name, llm in engines.items():
         s = llm.engine.speculator
         rate = f", acceptance {s.acceptance_rate:.0%}" if s else ""
+        if s and s.costs is not None and s.costs.plain.count:  # the batch-1 switch's own measurements (last values)
+            rate += (f"; measured steps: plain {1e3 * s.costs.plain.value:.2f} ms, verify "
+                     f"{1e3 * s.costs.verify.value:.2f} ms for {s.costs.tokens.value:.2f} tokens, switched off "
+                     f"{s.costs.times_off}x")
         print(f"{name}: {best[name]:.1f} tok/s ({best[name] / off:.2f}x of off){rate}", flush=True)
 
 

@@ -4,8 +4,8 @@ Speculation pays when the model is memory-bound (small batches) and the drafts a
 neither holds. So it is off for the whole step once `disable_by_batch_size` requests are in the engine
 (vLLM's switch), and off for one request for a while when its acceptance stays low: every
 `acceptance_window` draft tokens its rate is checked, and below `min_acceptance_rate` it pauses for a
-number of its own tokens that doubles each time (the text may turn copy-heavy later). At batch 1 it is also off while its measured step costs say it loses
-(step_costs.py: a verify step's tokens per second against a plain step's).
+number of its own tokens that doubles each time (the text may turn copy-heavy later). At batch 1 it is also
+off while its measured step costs say it loses (step_costs.py: a verify step's tokens/s against a plain step's).
 """
 from __future__ import annotations
 
