@@ -213,6 +213,7 @@ class LLMEngine(EngineAdapters):
     def synchronous_step(self) -> list[RequestOutput]:
         timer = self.step_timer
         timer.start()
+        started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, len(self.scheduler.waiting))
         batch, outputs = self.schedule()
@@ -233,6 +234,8 @@ class LLMEngine(EngineAdapters):
         result.wait()  # the sampled token ids reach the host
         self.scheduler.on_step_done(batch)
         outputs += self.outputs.add_step(sampled_seqs, result, time.monotonic(), mark=timer.mark)
+        if self.speculator is not None:  # the batch-1 switch weighs measured step costs (spec_decode/step_costs.py)
+            self.speculator.step_done(batch, time.perf_counter() - started)
         timer.mark("deliver")  # the async engine's loop adds its hand-off to the slots to this phase
         return outputs
 

@@ -151,9 +151,10 @@ class Scheduler:
         for seq in passed_over:
             bisect.insort(self.waiting, seq, key=self._key)
 
-        # Decodes first: the attention backend batches them together. Then by adapter, so that each
+        # Decodes first: the attention backend batches them together; then tokens with drafts to verify (the model
+        # runner may run them as decodes too: they must follow the decodes). Then by adapter, so that each
         # adapter's tokens are one contiguous run and its LoRA delta works on a view, not a gather.
-        batch.entries.sort(key=lambda e: (not ScheduledBatch.is_decode(*e), e[0].lora_id))
+        batch.entries.sort(key=lambda e: (not ScheduledBatch.is_decode(*e), not e[0].spec_token_ids, e[0].lora_id))
         return batch
 
     def _make_room_for_priority(self, batch: ScheduledBatch) -> int:

@@ -57,6 +57,7 @@ class ModelRunner:
         self.verify_drafts: Callable | None = None
         # ... and, for a draft model, writes the drafts into the scheduled sequences: fill_drafts(batch).
         self.fill_drafts: Callable | None = None
+        self.native_verify = True  # verify_as_decodes' switch
         self.timer = StepTimer(device)  # the engine switches it on; prepare / forward / sample are marked here
         self._block_table_buffer = BlockTableBuffer()
         self._window_table_buffer = BlockTableBuffer()
@@ -147,6 +148,7 @@ class ModelRunner:
         """Host lists for the step's tokens, and the sequences that sample a token after it."""
         inputs = StepInputs()
         sampling_seqs: list[Sequence] = []
+        as_decodes = None  # verify_as_decodes, asked once a step
         for seq, num_new in batch.entries:
             start = seq.num_computed_tokens
             end = start + num_new
@@ -154,16 +156,27 @@ class ModelRunner:
             tokens = seq.token_ids[start:end - len(drafts)] + drafts
             if tokens[-1] == PENDING_TOKEN:  # its id is still on the device (async scheduling): filled in there
                 inputs.pending.append((len(inputs.input_ids) + len(tokens) - 1, seq.pending_row))
-            inputs.add(tokens, start, seq.block_table, self.block_size)
-            if seq.window_blocks is not None:
-                inputs.add_window(len(tokens), start, seq.window_blocks.block_table, self.block_size)
-            if ScheduledBatch.is_decode(seq, num_new):
-                inputs.num_decodes += 1
+            window = seq.window_blocks.block_table if seq.window_blocks is not None else None
+            if drafts and inputs.num_decodes == len(inputs.context_lens) and (
+                    as_decodes := self.verify_as_decodes() if as_decodes is None else as_decodes):
+                inputs.add_as_decodes(tokens, start, seq.block_table, self.block_size, window)
+            else:
+                inputs.add(tokens, start, seq.block_table, self.block_size)
+                if window is not None:
+                    inputs.add_window(len(tokens), start, window, self.block_size)
+                inputs.num_decodes += ScheduledBatch.is_decode(seq, num_new)
             if end - len(drafts) == seq.num_tokens:  # the last known token is computed: its logits give the next
                 last = inputs.query_start_loc[-1]  # (and each draft's logits judge the draft after it)
                 inputs.logits_indices.extend(range(last - 1 - len(drafts), last))
                 sampling_seqs.append(seq)
         return inputs, sampling_seqs
+
+    def verify_as_decodes(self) -> bool:
+        """Whether a verify step's 1 + k tokens a sequence run as one-token queries (StepInputs.add_as_decodes): on
+        the CPU where a decode step's attention runs in C in every layer, so the step takes the native decode path
+        (decode attention, and the fused decoder layers where the model has them) instead of a chunk's SDPA with a
+        mask. `native_verify` False keeps the chunk (A/B measurements)."""
+        return self.native_verify and self.device.type == "cpu" and native_decode.decode_attention_native(self.model)
 
     def _adapter_slots(self, batch: ScheduledBatch) -> list[int] | None:
         """Each scheduled sequence's adapter slot (0: base model); None when no sequence uses an adapter."""

@@ -35,6 +35,18 @@ class StepInputs:
         self.context_lens.append(end)
         self.block_tables.append(block_table)
 
+    def add_as_decodes(self, tokens: list[int], start: int, block_table: list[int], block_size: int,
+                       window_table: list[int] | None = None) -> None:
+        """A token and its drafts to verify as one-token queries (decodes) over the same block table, each with its
+        own context length: every attention backend writes all the step's K/V rows before any query attends, so
+        query i sees the cache up to its own position, what the chunk's causal mask shows it. The verify step then
+        takes a decode step's path (the native decode attention and decoder layers on the CPU)."""
+        for i, token in enumerate(tokens):
+            self.add([token], start + i, block_table, block_size)
+            if window_table is not None:
+                self.add_window(1, start + i, window_table, block_size)
+        self.num_decodes += len(tokens)
+
     def add_window(self, num_tokens: int, start: int, window_table: list[int], block_size: int) -> None:
         """The same tokens' slots in the window pool (after `add`)."""
         self.window_slots.extend(window_table[p // block_size] * block_size + p % block_size

@@ -16,7 +16,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int | None = None  # no speculation once this many requests are running or waiting
-    min_acceptance_rate: float = 0.2  # a request whose drafts are accepted less often pauses speculating
+    # A request whose drafts are accepted less often pauses speculating; 0: never paused, neither for its acceptance
+    # nor by the batch-1 switch on measured step costs (step_costs.py): speculation whatever it measures.
+    min_acceptance_rate: float = 0.2
     acceptance_window: int = 16  # draft tokens between two looks at a request's acceptance rate
 
     @classmethod
