@@ -6,6 +6,8 @@ import copy
 import importlib.util
 from dataclasses import dataclass, field
 
+from .kernel_config import KernelConfig
+
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's CacheDType spellings
 # KV cache memory when the user gives no block count and the device is a CPU (vLLM's CPU default is 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
@@ -60,8 +62,14 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # node 0's address, where the group meets
     master_port: int | None = None  # None: a free port (one node only)
     distributed_timeout: float = 60.0  # seconds a rank may stay silent in a step before the engine dies
+    # Which kernels the layers use (quantized layers, W8A8, the CPU switches): the KUBEINFER_* variables fill the
+    # defaults when this config is built (kernel_config.py); a dict of its fields is accepted (LLM(kernels=...)).
+    kernels: KernelConfig = field(default_factory=KernelConfig.from_env)
 
     def __post_init__(self) -> None:
+        if isinstance(self.kernels, dict):
+            self.kernels = KernelConfig(**self.kernels)
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

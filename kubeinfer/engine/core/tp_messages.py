@@ -18,6 +18,7 @@ import torch
 
 from ..config import EngineConfig
 from ..distributed import wire
+from ..kernel_config import KernelConfig
 from ..lora.adapter import LoRAAdapter, LoRAWeights
 from ..model_executor.step_inputs import StepInputs
 
@@ -66,6 +67,7 @@ def _adapter_from(fields: dict[str, Any]) -> LoRAAdapter:
 
 
 wire.register(EngineConfig)
+wire.register(KernelConfig)
 wire.register(StepInputs)
 wire.register(LoRAAdapter, fields=("name", "id", "rank", "scaling", "weights"), to_fields=_adapter_fields,
               from_fields=_adapter_from)
