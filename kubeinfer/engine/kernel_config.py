@@ -47,13 +47,14 @@ class KernelConfig:
     @classmethod
     def from_env(cls) -> KernelConfig:
         """The defaults the KUBEINFER_* variables give (envs.py declares and checks each)."""
-        return cls(quant_kernel=envs.QUANT_KERNEL.get(), w8a8_kernel=envs.W8A8_KERNEL.get(),
-                   cpu_native_layers=envs.CPU_NATIVE_LAYERS.get(), cpu_fused_layers=envs.CPU_FUSED_LAYERS.get(),
-                   cpu_share_cores=envs.CPU_SHARE_CORES.get(), cpu_openblas=envs.CPU_OPENBLAS.get())
+        return cls(**{f.name: VARIABLES[f.name].get() for f in fields(cls)})
 
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+
+# Each field's variable, which fills its default
+VARIABLES: dict[str, envs.EnvVar] = {
+    "quant_kernel": envs.QUANT_KERNEL, "w8a8_kernel": envs.W8A8_KERNEL,
+    "cpu_native_layers": envs.CPU_NATIVE_LAYERS, "cpu_fused_layers": envs.CPU_FUSED_LAYERS,
+    "cpu_share_cores": envs.CPU_SHARE_CORES, "cpu_openblas": envs.CPU_OPENBLAS}
 
 
 _local = threading.local()  # .config: the KernelConfig of the engine loading or stepping on this thread
@@ -63,6 +64,12 @@ def current() -> KernelConfig:
     """The active engine's kernel config on this thread, else one from the variables as they are now."""
     config = getattr(_local, "config", None)
     return config if config is not None else KernelConfig.from_env()
+
+
+def setting(name: str):
+    """One field of `current()`: outside an engine only its own variable is read (a layer asks for one)."""
+    config = getattr(_local, "config", None)
+    return getattr(config, name) if config is not None else VARIABLES[name].get()
 
 
 @contextmanager

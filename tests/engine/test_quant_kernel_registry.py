@@ -138,3 +138,13 @@ def test_two_engines_in_one_process_keep_their_own_kernels(tmp_path, monkeypatch
         act_dtype = llm.engine.runner.model.model.layers[0].mlp.down_proj.quant_method.act_dtype
         assert act_dtype == (torch.bfloat16 if kernel.endswith("_bf16") else torch.float32)
     assert current().quant_kernel is None  # nothing left active on this thread after their steps
+
+
+def test_the_kernel_choice_travels_to_the_other_ranks():
+    """Followers build from rank 0's EngineConfig (core/tp_messages.py): its kernels go with it."""
+    from kubeinfer.engine.core import tp_messages  # noqa: F401  (registers the config's types)
+    from kubeinfer.engine.distributed import wire
+
+    config = EngineConfig(model="m", kernels={"quant_kernel": "cpu_int4", "w8a8_kernel": "int_mm"})
+    kind, received = wire.decode(wire.encode(("config", config)))
+    assert kind == "config" and received.kernels == config.kernels

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kubeinfer.engine.kernel_config import current as current_kernels
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..layers import cpu_decoder
 from ..layers.attention import TorchAttentionBackend
 from ..layers.layernorm import RMSNorm
@@ -33,7 +33,7 @@ PLAN = "_native_decode_plan"
 
 
 def switched_on() -> bool:
-    return current_kernels().cpu_fused_layers  # the engine's (KUBEINFER_CPU_FUSED_LAYERS)
+    return kernel_setting("cpu_fused_layers")  # the engine's (KUBEINFER_CPU_FUSED_LAYERS)
 
 
 def _norm_ok(norm) -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kubeinfer.engine.kernel_config import current as current_kernels
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..quantization import w8a8
 from ..quantization.activations import ActivationScheme, int8_linear
 from ..quantization.cpu_native import ops, w4a8_ops
@@ -45,7 +45,7 @@ TOKEN = ActivationScheme("int", "token", True, True)  # the only input scheme th
 def choose(sample: IntWeight, inputs: ActivationScheme | None, device: torch.device, dtype: torch.dtype) -> str | None:
     """The exact integer product for one expert's weight `sample` whose input scheme is `inputs` (module
     docstring), or None: the other kernels' choice."""
-    forced = current_kernels().quant_kernel
+    forced = kernel_setting("quant_kernel")
     if (inputs != TOKEN or device.type != "cpu" or dtype != torch.float32 or sample.fp8 or sample.zero is not None
             or sample.values.dim() != 2 or (forced and forced not in NATIVE)):
         return None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kubeinfer.engine.kernel_config import current as current_kernels
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..deferred_weight import allocated, device_of, stand_in
 from .cpu_native import a16_method, method, ops
 from .int_weight import IntWeight
@@ -142,7 +142,7 @@ SIBLING = {k.name: k.sibling for k in map(WEIGHT_ONLY.get, KERNELS) if isinstanc
 def keeps_quantized(device: torch.device, dtype: torch.dtype, fp8: bool = False) -> bool:
     """Whether the loader hands over integer (`fp8`: e4m3) weights (else dequantizes them as it reads): fp8 on CUDA
     only, or where a forced triton kernel (kernels.quant_kernel) takes them."""
-    forced = current_kernels().quant_kernel
+    forced = kernel_setting("quant_kernel")
     if forced:
         return forced == "triton" if fp8 else forced != "dequantized"
     return device.type == "cuda" if fp8 else device.type in ("cuda", "cpu")
@@ -150,7 +150,7 @@ def keeps_quantized(device: torch.device, dtype: torch.dtype, fp8: bool = False)
 
 def choose_kernel(weight: IntWeight, device: torch.device, dtype: torch.dtype, w8a8: bool = False) -> str:
     """The registry's choice for one weight (module docstring), forced by the engine's kernels.quant_kernel."""
-    return WEIGHT_ONLY.choose(WeightTarget(weight, device, dtype, w8a8), current_kernels().quant_kernel).name
+    return WEIGHT_ONLY.choose(WeightTarget(weight, device, dtype, w8a8), kernel_setting("quant_kernel")).name
 
 
 def applies(kernel: str, w: IntWeight) -> bool:
@@ -162,7 +162,7 @@ def install(model: nn.Module, weights: dict[str, IntWeight], dtype: torch.dtype,
             log: ChoiceLog | None = None) -> dict[str, str]:
     """Each `<module>.weight` of `weights` kept quantized where its kernel applies, else dequantized into the
     float weight; returns {module: kernel}. `w8a8`: as in WeightTarget; `log`: the start-up log of the choices."""
-    chosen, forced = {}, current_kernels().quant_kernel
+    chosen, forced = {}, kernel_setting("quant_kernel")
     for name, weight in weights.items():
         module = name.removesuffix(".weight")
         layer = model.get_submodule(module)

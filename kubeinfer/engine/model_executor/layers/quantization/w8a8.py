@@ -20,7 +20,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from kubeinfer.engine.kernel_config import current as current_kernels
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..deferred_weight import device_of
 from . import w4a8
 from .activations import ActivationScheme, fake_quantize, int8_linear
@@ -220,7 +220,7 @@ def _int4_kernel(layer: nn.Linear, scheme: ActivationScheme) -> Choice | None:
 def wanted_kernel() -> str:
     """The engine's kernels.w8a8_kernel (KUBEINFER_W8A8_KERNEL)."""
     try:
-        return current_kernels().w8a8_kernel
+        return kernel_setting("w8a8_kernel")
     except ValueError as err:  # envs.EnvVarError; a quantization setting, refused as the others are
         raise QuantizationError(str(err)) from None
 

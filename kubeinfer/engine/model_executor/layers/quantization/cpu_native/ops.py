@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 import kubeinfer.engine.envs as envs
-from kubeinfer.engine.kernel_config import current as current_kernels
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..activations import ActivationScheme, dynamic_qparams, quantize
 from . import build
 from .build import load
@@ -127,7 +127,7 @@ def layers_enabled() -> bool:
 
 
 def _read_layers_switch() -> bool:
-    return current_kernels().cpu_native_layers and available()
+    return kernel_setting("cpu_native_layers") and available()
 
 
 @contextmanager
