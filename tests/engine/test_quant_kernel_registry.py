@@ -148,3 +148,23 @@ def test_the_kernel_choice_travels_to_the_other_ranks():
     config = EngineConfig(model="m", kernels={"quant_kernel": "cpu_int4", "w8a8_kernel": "int_mm"})
     kind, received = wire.decode(wire.encode(("config", config)))
     assert kind == "config" and received.kernels == config.kernels
+
+
+def test_w8a8s_default_order_is_forcing_int8_vnni():
+    """int8_vnni (the variable's default) is W8A8's priority order: the same kernel as forcing it, for any layer;
+    int_mm forces W4A8's int_mm twin."""
+    from kubeinfer.engine.model_executor.layers.quantization.w8a8_kernels import (
+        W4A8,
+        W8A8,
+        ExactTarget,
+        w4a8_forced,
+        w8a8_forced,
+    )
+
+    targets = [ExactTarget("x", True, True, 64), ExactTarget("x", False), ExactTarget("x", True, False),
+               ExactTarget("x", True, True, 1 << 40)]
+    for target in targets:
+        assert W8A8.choose(target, w8a8_forced("int8_vnni")).name == W8A8.choose(target, "int8_vnni").name
+    assert [W8A8.choose(t, "int_mm").name for t in targets] == ["int_mm", "fake_quant", "fake_quant", "int_mm"]
+    assert W8A8.choose(targets[3]).name == "int_mm"  # too many inputs for the native kernel's int32 sums
+    assert W4A8.choose(ExactTarget("x", True), w4a8_forced("int_mm")).name == "w4a8_int_mm"

@@ -35,7 +35,7 @@ from ..quantization import w8a8
 from ..quantization.activations import ActivationScheme, int8_linear
 from ..quantization.cpu_native import ops, w4a8_ops
 from ..quantization.linear_method import NATIVE, IntWeight
-from ..quantization.w8a8_kernels import W4A8, W8A8, ExactTarget, w4a8_forced
+from ..quantization.w8a8_kernels import W4A8, W8A8, ExactTarget, w4a8_forced, w8a8_forced
 from .a16_experts import register_stacks
 
 KERNELS = ("w4a8_vnni", "w4a8_int_mm", "int8_vnni", "int_mm")
@@ -56,7 +56,7 @@ def choose(sample: IntWeight, inputs: ActivationScheme | None, device: torch.dev
     if sample.bits == 4 and w4a8_ops.takes(cols, groups, sample.group_size):
         return W4A8.choose(ExactTarget("experts", True), w4a8_forced(wanted)).name
     if sample.bits == 8 and groups == 1:
-        return W8A8.choose(ExactTarget("experts", True, True, cols), wanted).name
+        return W8A8.choose(ExactTarget("experts", True, True, cols), w8a8_forced(wanted)).name
     return None
 
 

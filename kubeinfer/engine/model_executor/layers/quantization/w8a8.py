@@ -29,7 +29,7 @@ from .errors import QuantizationError
 from .kernel_registry import Choice, ChoiceLog
 from .linear_method import attach, dense
 from .w8a8_experts import ExpertSchemes
-from .w8a8_kernels import W4A8, W8A8, ExactTarget, w4a8_forced
+from .w8a8_kernels import W4A8, W8A8, ExactTarget, w4a8_forced, w8a8_forced
 from .w8a8_tp import check as check_tensor_parallel
 from .w8a8_tp import range_reducer, rank_rows
 
@@ -132,7 +132,7 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
             order = sorted(shards, key=lambda s: -1 if s is None else s)
             int_mm = _int8_weight(layer, [rank_rows(layer, get(f"{shards[k][4]}.weight_scale"), k) for k in order])
         choice = W8A8.choose(ExactTarget(name, exact, int_mm is not None, 0 if int_mm is None else len(int_mm[0])),
-                             wanted_kernel())
+                             w8a8_forced(wanted_kernel()))
         log.note(name, choice, W8A8.product)
         method = ActivationQuantMethod(layer, scheme, inner.apply if inner is not None else dense, segments,
                                        scales, zeros, int_mm if choice.name != "fake_quant" else None, choice.name)
@@ -228,7 +228,7 @@ def wanted_kernel() -> str:
 def _int8_kernel(inputs: int) -> str:
     """int8_vnni unless int_mm is asked for, the native library does not build (it warns once), or the inputs
     are too many for its int32 sums of (w + 128) * x (native_ops.MAX_INPUTS)."""
-    return W8A8.choose(ExactTarget("a layer", True, True, inputs), wanted_kernel()).name
+    return W8A8.choose(ExactTarget("a layer", True, True, inputs), w8a8_forced(wanted_kernel())).name
 
 
 def _int8_weight(layer: nn.Linear, scales: list) -> tuple[torch.Tensor, torch.Tensor] | None:

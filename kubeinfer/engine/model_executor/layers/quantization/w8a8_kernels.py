@@ -72,6 +72,11 @@ for _kernel in (W4A8Vnni(), W4A8IntMm()):
     W4A8.register(_kernel)
 
 
+def w8a8_forced(w8a8_kernel: str) -> str | None:
+    """The W8A8 kernel the setting forces: int8_vnni, the default, is the priority order itself."""
+    return None if w8a8_kernel == "int8_vnni" else w8a8_kernel
+
+
 def w4a8_forced(w8a8_kernel: str) -> str | None:
     """The W4A8 kernel the W8A8 setting forces: int_mm -> w4a8_int_mm; int8_vnni is the default's order."""
     return "w4a8_int_mm" if w8a8_kernel == "int_mm" else None
