@@ -1,6 +1,7 @@
 """Which kernels an engine's layers use: the quantized layers' kernel, the W8A8 product and the CPU switches, one
-object an engine carries (EngineConfig.kernels), so two engines in one process may differ. The KUBEINFER_*
-variables only fill its defaults (`from_env`, read once when the EngineConfig is built: here, nowhere else).
+object an engine carries (EngineConfig's kernel fields, `EngineConfig.kernels`), so two engines in one process may
+differ. The KUBEINFER_* variables only fill their defaults (`variable_default`, read once when the EngineConfig is
+built: here, nowhere else).
 
 The layers read `current()`: the config its ModelRunner made active on this thread while it loads the model
 and runs a step (`active`); outside any engine (a bare model in a test, a benchmark's one product) it is built
@@ -8,7 +9,7 @@ from the variables at that call, as they were read before engines carried one. N
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
@@ -47,7 +48,11 @@ class KernelConfig:
     @classmethod
     def from_env(cls) -> KernelConfig:
         """The defaults the KUBEINFER_* variables give (envs.py declares and checks each)."""
-        return cls(**{f.name: VARIABLES[f.name].get() for f in fields(cls)})
+        return cls(**{name: VARIABLES[name].get() for name in cls.field_names()})
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
 
 # Each field's variable, which fills its default
@@ -58,6 +63,11 @@ VARIABLES: dict[str, envs.EnvVar] = {
 
 
 _local = threading.local()  # .config: the KernelConfig of the engine loading or stepping on this thread
+
+
+def variable_default(name: str) -> Callable[[], object]:
+    """A default_factory for EngineConfig's field `name`: its variable's value when the config is built."""
+    return VARIABLES[name].get
 
 
 def current() -> KernelConfig:

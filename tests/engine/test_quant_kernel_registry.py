@@ -111,8 +111,11 @@ def test_the_variables_fill_the_configs_defaults_once(monkeypatch):
     config = EngineConfig(model="m")
     monkeypatch.setenv("KUBEINFER_W8A8_KERNEL", "fake_quant")  # after the build: not this config's
     assert (config.kernels.w8a8_kernel, config.kernels.cpu_fused_layers) == ("int_mm", False)
-    given = EngineConfig(model="m", kernels={"quant_kernel": "cpu_int4", "cpu_openblas": False})
+    given = EngineConfig(model="m", quant_kernel="cpu_int4", cpu_openblas=False, w8a8_kernel="int8_vnni",
+                         cpu_fused_layers=True)
     assert given.kernels == KernelConfig(quant_kernel="cpu_int4", cpu_openblas=False)
+    with pytest.raises(ValueError, match="kernels.w8a8_kernel must be one of int8_vnni, int_mm, fake_quant"):
+        EngineConfig(model="m", w8a8_kernel="vnni")
     with pytest.raises(ValueError, match="kernels.quant_kernel must be one of None, triton, "):
         KernelConfig(quant_kernel="int_mm")
 
@@ -124,7 +127,7 @@ def test_two_engines_in_one_process_keep_their_own_kernels(tmp_path, monkeypatch
     float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=3, **SHAPE)
     config = ct_scheme("pack-quantized", 8, "int", "channel", True, None)
     model_dir = write_checkpoint(float_dir, tmp_path / "w8", ct_compress(float_weights(float_dir), config), config)
-    engines = {kernel: LLM(model_dir, max_model_len=64, num_kv_blocks=16, kernels={"quant_kernel": kernel})
+    engines = {kernel: LLM(model_dir, max_model_len=64, num_kv_blocks=16, quant_kernel=kernel)
                for kernel in ("cpu_int8", "cpu_int8_bf16")}
     for kernel, llm in engines.items():
         assert set(llm.engine.runner.model.quant_kernels.values()) == {kernel}
@@ -145,7 +148,7 @@ def test_the_kernel_choice_travels_to_the_other_ranks():
     from kubeinfer.engine.core import tp_messages  # noqa: F401  (registers the config's types)
     from kubeinfer.engine.distributed import wire
 
-    config = EngineConfig(model="m", kernels={"quant_kernel": "cpu_int4", "w8a8_kernel": "int_mm"})
+    config = EngineConfig(model="m", quant_kernel="cpu_int4", w8a8_kernel="int_mm")
     kind, received = wire.decode(wire.encode(("config", config)))
     assert kind == "config" and received.kernels == config.kernels
 

@@ -18,7 +18,6 @@ import torch
 
 from ..config import EngineConfig
 from ..distributed import wire
-from ..kernel_config import KernelConfig
 from ..lora.adapter import LoRAAdapter, LoRAWeights
 from ..model_executor.step_inputs import StepInputs
 
@@ -67,7 +66,6 @@ def _adapter_from(fields: dict[str, Any]) -> LoRAAdapter:
 
 
 wire.register(EngineConfig)
-wire.register(KernelConfig)
 wire.register(StepInputs)
 wire.register(LoRAAdapter, fields=("name", "id", "rank", "scaling", "weights"), to_fields=_adapter_fields,
               from_fields=_adapter_from)
