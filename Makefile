@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test,gpu,bench]'
 	# the native CPU kernels (seconds; without a C compiler the engine warns and uses torch's)
-	-$(PY) -m kubeinfer.engine.model_executor.layers.quantization.cpu_native.build
+	-$(PY) -m kubeinfer.engine.platforms.cpu.native.build
 	touch $(STAMP)
 
 test: setup
@@ -25,7 +25,7 @@ test: setup
 test-all: setup clients-venv
 	$(VENV)/bin/pytest -q
 
-# The native CPU kernels built with AddressSanitizer (cpu_native/build.py, KUBEINFER_CPU_NATIVE_SANITIZE; cached apart)
+# The native CPU kernels built with AddressSanitizer (platforms/cpu/native/build.py, KUBEINFER_CPU_NATIVE_SANITIZE; cached apart)
 # under the crafted-checkpoint suite and the kernels' own tests: python preloads the ASan runtime; any report fails the
 # run (ASan exits non-zero; its reports, one file per process, under ASAN_LOG, printed: pytest's capture would swallow
 # a report on stderr). Leaks are not checked (CPython's own would drown the kernels').

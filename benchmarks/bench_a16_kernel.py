@@ -1,4 +1,4 @@
-"""The exact A16 product alone (cpu_native/a16_linear.c, ki_a16_linear) on the 222M benchmark model's shapes
+"""The exact A16 product alone (platforms/cpu/native/a16_linear.c, ki_a16_linear) on the 222M benchmark model's shapes
 (bench_quantized_decode's `large`: qkv [2048, 1024], o [1024, 1024], gate_up [8192, 1024], down [1024, 4096] int4
 in groups of 128, lm_head [16384, 1024] int8 per channel), at 1 and 16 tokens, on 1 or 2 threads, with the weights
 warm or cold, against another build of the library with `--base-lib PATH` (kernel_ab.py, the harness).
@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kernel_ab  # noqa: E402
 from results import update_results  # noqa: E402
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, ops  # noqa: E402
+from kubeinfer.engine.platforms.cpu.native import a16_method, ops  # noqa: E402
 
 SHAPES = (("qkv", 1024, 2048, 4, 128), ("o", 1024, 1024, 4, 128), ("gate_up", 1024, 8192, 4, 128),
           ("down", 4096, 1024, 4, 128), ("lm_head", 1024, 16384, 8, None))

@@ -1,4 +1,4 @@
-"""A CPU decode step with and without the work shared between the two cores (layers/two_cores.py: kept-int
+"""A CPU decode step with and without the work shared between the two cores (platforms/cpu/two_cores.py: kept-int
 products in two halves of their output rows, decode attention of 4+ sequences in two halves of the batch), in
 one process, interleaved: the same engines run each round once with `two_cores.ENABLED` off (the step as it
 was: torch on one thread, OpenBLAS on every core for float32 projections) and once on. bench_quantized_decode's
@@ -23,7 +23,7 @@ import llama_cpp_peer  # noqa: E402
 from bench_quantized_decode import BATCHES, MODELS, PROMPT_LEN, EngineSystem, LlamaCppSystem, checkpoints  # noqa: E402
 from results import update_results  # noqa: E402
 
-from kubeinfer.engine.model_executor.layers import two_cores  # noqa: E402
+from kubeinfer.engine.platforms.cpu import two_cores  # noqa: E402
 
 
 def main() -> None:

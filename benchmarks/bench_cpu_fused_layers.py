@@ -1,4 +1,4 @@
-"""A CPU decode step's decoder layers in one native call each run of layers (models/native_decode.py) against the
+"""A CPU decode step's decoder layers in one native call each run of layers (platforms/cpu/native_decode.py) against the
 per-module native path (KUBEINFER_CPU_FUSED_LAYERS=0), and against llama.cpp at the same bit width (`--peer
 llama.cpp`: Q4_0 and Q8_0 of the same weights, llama_cpp_peer.py), on the large model of bench_quantized_decode.py
 (222M; its checkpoints under .cache, built on first use): W4A16 through KUBEINFER_QUANT_KERNEL=cpu_int4_vnni and
@@ -118,7 +118,7 @@ def main() -> None:
         + (f" --peer {args.peer}" if args.peer else "") + f"`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
         f"{platform.machine()}, {os.cpu_count()} cores, 1-minute load {min(loads):.1f}-{max(loads):.1f} (the "
         "machine shared). Large model (222M), 32-token prompts, ms per decode step, best round (median of rounds). "
-        "Fused: the decoder layers in one native call (models/native_decode.py); per module: "
+        "Fused: the decoder layers in one native call (platforms/cpu/native_decode.py); per module: "
         "KUBEINFER_CPU_FUSED_LAYERS=0. Step A/B: the switch flipped at every step of one round (each side's median "
         "step wall time); rate: ms a step from the aggregate decode rate of a round, as the peer's is measured.",
         "", "| kernel | batch | step A/B: fused | per module | per module / fused | fused, rate |" + peer_head,

@@ -1,5 +1,7 @@
-"""A decode step's non-matmul ops native (layers/cpu_fused_ops.py: RMSNorm + residual add, silu(gate) * up, rotary;
-layers/cpu_attention.py: the decode attention) or torch, on the large model of bench_quantized_decode.py (222M; its
+"""A decode step's non-matmul ops native (platforms/cpu/cpu_fused_ops.py: RMSNorm + residual add, silu(gate) * up,
+rotary;
+platforms/cpu/cpu_attention.py: the decode attention) or torch, on the large model of bench_quantized_decode.py
+(222M; its
 checkpoints under .cache, built on first use): float32 and W8A16 through KUBEINFER_QUANT_KERNEL=cpu_int8_vnni, batch
 1 and 16. One engine per model; the switch KUBEINFER_CPU_NATIVE_LAYERS (the engine's
 kernels.cpu_native_layers, flipped on the built engine) flips between rounds, on
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_quantized_decode import BATCHES, PROMPT_LEN, EngineSystem, checkpoints  # noqa: E402
 from results import update_results  # noqa: E402
 
-from kubeinfer.engine.model_executor.layers import cpu_fused_ops  # noqa: E402
+from kubeinfer.engine.platforms.cpu import cpu_fused_ops  # noqa: E402
 from kubeinfer.engine.model_executor.layers.rotary_embedding import RotaryEmbedding  # noqa: E402
 
 SYSTEMS = (("float32", "float32", None), ("W8A16 cpu_int8_vnni", "w8a16", "cpu_int8_vnni"))

@@ -5,7 +5,7 @@ For each projection shape of the benchmark model (fused q/k/v, o, fused gate/up,
 with the same weight stored column-major, and, in float32, MKL's pre-packed GEMM
 (`torch.ops.mkl._mkl_linear`, what inductor's freezing uses; it needs a second copy of the weights) and
 numpy's OpenBLAS with torch on one thread (what the engine's decode steps use on the CPU:
-model_executor/layers/cpu_blas.py).
+platforms/cpu/cpu_blas.py).
 Weights are cycled through copies larger than the caches, so every product streams from memory as a
 decode step does. Results go to benchmarks/RESULTS.md (section `cpu-gemv`).
 

@@ -1,4 +1,4 @@
-"""Before / after for the native CPU kernels (layers/quantization/cpu_native), in one process so the load is
+"""Before / after for the native CPU kernels (platforms/cpu/native), in one process so the load is
 the same for both: kernels.c (with kernels_q8_0.c) of git revision REV is built next to the working tree's, and
   * default: the one-layer products ([tokens, 2048] x [8192, 2048], 1 and 16 tokens, 1 and 2 threads) through
     each library, interleaved call by call, fastest of --calls;
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import build, ops
+from kubeinfer.engine.platforms.cpu.native import build, ops
 
 HERE = Path(build.__file__).parent
 

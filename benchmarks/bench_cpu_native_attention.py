@@ -1,4 +1,5 @@
-"""The native CPU decode attention (layers/cpu_attention.py) against the torch path, in one process so the load is
+"""The native CPU decode attention (platforms/cpu/cpu_attention.py) against the torch path, in one process so the
+load is
 the same for both: KUBEINFER_CPU_NATIVE_LAYERS=1 and 0 alternate (read at each engine step).
 One layer's attention step (TorchAttentionBackend.forward: the K/V write and the decode attention), the large
 model's heads (16 query, 8 KV, head_dim 64), 1 and 16 sequences of 40-63 cached tokens in scattered blocks of 16,
@@ -23,7 +24,7 @@ sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "tes
 def per_call(rounds: int, calls: int) -> None:
     from test_cpu_native_attention import make_step
 
-    from kubeinfer.engine.model_executor.layers import cpu_blas
+    from kubeinfer.engine.platforms.cpu import cpu_blas
     from kubeinfer.engine.model_executor.layers.attention import TorchAttentionBackend
 
     backend = TorchAttentionBackend()

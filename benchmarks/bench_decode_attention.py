@@ -1,4 +1,4 @@
-"""The native decode attention (cpu_native/attention.c) alone, by KV cache type: one layer's call at batch 16
+"""The native decode attention (platforms/cpu/native/attention.c) alone, by KV cache type: one layer's call at batch 16
 (16 query heads over 8 KV heads, head_dim 64: the `large` model of bench_quantized_decode.py) over contexts of
 --ctx positions, with a float32, bfloat16, fp8 e4m3 and fp8 e5m2 cache; `--base-lib PATH`: another build of the
 library (e.g. the cached one of an earlier revision) timed in the same rounds, interleaved, its outputs checked

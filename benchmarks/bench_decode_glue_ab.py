@@ -7,7 +7,7 @@ left out) at batch 1 and 16; the table shows the best round's and the median rou
 `--split`: also the step's time outside the native kernels' C calls and lm_head (each timed by a wrapper, so both
 sides pay the wrappers' ~0.3 us a call): the Python around the kernels, far less noisy than the whole step.
 `--switch VAR`: instead of another checkout, this one with the environment variable VAR=0 (before) and VAR=1
-(after), e.g. KUBEINFER_CPU_FUSED_LAYERS (the decoder layers in one native call, models/native_decode.py).
+(after), e.g. KUBEINFER_CPU_FUSED_LAYERS (the decoder layers in one native call, platforms/cpu/native_decode.py).
 `python benchmarks/bench_decode_glue_ab.py --base ../wt-base [--repeats 3] [--split]`
 `python benchmarks/bench_decode_glue_ab.py --switch KUBEINFER_CPU_FUSED_LAYERS [--systems cpu_int4_vnni,...]`"""
 from __future__ import annotations
@@ -31,8 +31,8 @@ BATCHES = (1, 16)
 def time_native_calls(spent: list[float]) -> None:
     """Every ctypes call of the native library (products, norms, activation, rotary, attention) adds its wall
     time to spent[0]: the library object and the two layer modules' cached handles wrapped (their private caches)."""
-    from kubeinfer.engine.model_executor.layers import cpu_attention, cpu_decoder, cpu_fused_ops
-    from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+    from kubeinfer.engine.platforms.cpu import cpu_attention, cpu_fused_ops
+    from kubeinfer.engine.platforms.cpu.native import ops
 
     def timed(fn):
         def call(*args):

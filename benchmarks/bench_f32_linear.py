@@ -1,11 +1,12 @@
-"""Per-call times of float32 `x @ w.T` at small batches: the native product (cpu_native/f32_linear.c, the pool's
+"""Per-call times of float32 `x @ w.T` at small batches: the native product (platforms/cpu/native/f32_linear.c, the
+pool's
 threads) against what the engine runs today in a small step (OpenBLAS through numpy, every core; torch on one
 thread, cpu_blas.py) and torch's F.linear on its own threads; the large benchmark model's shapes (lm_head
 [16384, 1024] and the layers' qkv / o / gate_up / down). Interleaved: each round times every variant once, in
 an order rotated round to round; best and median round, microseconds per call.
 
 `--engine`: the whole engine on the large model of bench_quantized_decode.py (222M, its checkpoints under .cache),
-float32 and the llama.cpp-arithmetic W8A16 / W4A16 kernels, with the native lm_head (layers/native_lm_head.py)
+float32 and the llama.cpp-arithmetic W8A16 / W4A16 kernels, with the native lm_head (platforms/cpu/native_lm_head.py)
 against the same engine's lm_head through OpenBLAS (the wrapper taken off between rounds: one engine, both arms
 alternating and their order swapped round to round), optionally against llama.cpp (`--peer llama.cpp`, f32 / Q8_0
 / Q4_0 of the same weights) in the same rounds; best and median round, tokens per second of decode.
@@ -26,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import f32_ops  # noqa: E402
+from kubeinfer.engine.platforms.cpu.native import f32_ops  # noqa: E402
 
 SHAPES = {"lm_head": (16384, 1024), "qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (8192, 1024),
           "down": (1024, 4096)}
@@ -65,7 +66,7 @@ def measure(batch: int, shape: tuple[int, int], calls: int, rounds: int) -> dict
 
 def native_layers(model) -> list:
     """(layer, native forward, today's forward) of each float32 projection but lm_head: the layers arm of --engine."""
-    from kubeinfer.engine.model_executor.layers import cpu_blas
+    from kubeinfer.engine.platforms.cpu import cpu_blas
     swaps = []
     for name, layer in model.named_modules():
         if (isinstance(layer, torch.nn.Linear) and name != "lm_head" and not hasattr(layer, "quant_method")

@@ -16,7 +16,7 @@ import statistics
 import bench_quantized_decode as bqd
 from results import update_results
 
-from kubeinfer.engine.model_executor.models import native_decode
+from kubeinfer.engine.platforms.cpu import native_decode
 
 
 def main() -> None:

@@ -13,7 +13,7 @@
    KUBEINFER_QUANT_KERNEL=dequantized, interleaved rounds, best and median.
 3. W8A8 int8 (per channel) and W4A8 (int4, groups of 128) experts, int8 dynamic per-token inputs, before / after
    (fused_moe/a8_experts.py): the same layer as 1., before (what ran: the float32 stacks dequantized at load
-   through the grouped product, the inputs fake-quantized per token by input_quant.py) against each active
+   through the grouped product, the inputs fake-quantized per token by expert_input_quant.py) against each active
    expert's rows through the dense integer kernel (`int8_vnni` / `w4a8_vnni`, and the torch._int_mm twins); and
    the whole engine on W8A8 / W4A8 checkpoints of 2.'s model, the experts' kernel chosen (default) or as before
    (a8_experts.choose off: dequantized, fake-quantized inputs; the dense layers on their integer kernels in both).
@@ -43,10 +43,10 @@ from quant_checkpoints import ct_compress, ct_scheme, float_weights, write_check
 from kubeinfer.engine.model_executor.layers.fused_moe import a8_experts  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.activation import silu_and_mul  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts  # noqa: E402
-from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant  # noqa: E402
+from kubeinfer.engine.model_executor.layers.quantization.expert_input_quant import ExpertInputQuant  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import ExpertsIntMethod  # noqa: E402
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE  # noqa: E402
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, ops  # noqa: E402
+from kubeinfer.engine.platforms.cpu.native import a16_method, ops  # noqa: E402
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight  # noqa: E402
 from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 

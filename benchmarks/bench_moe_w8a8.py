@@ -1,5 +1,5 @@
 """The MoE experts' CPU grouped path (layers/fused_moe/grouped.py) with and without activation quantization
-inside the experts (W8A8: layers/fused_moe/input_quant.py), one Qwen3-MoE-sized layer slice (32 experts,
+inside the experts (W8A8: layers/quantization/expert_input_quant.py), one Qwen3-MoE-sized layer slice (32 experts,
 hidden 1024, expert intermediate 512, top 4), one thread, interleaved rounds, medians. With `--baseline
 FILE` (another grouped.py, e.g. `git show main:kubeinfer/engine/model_executor/layers/fused_moe/grouped.py > /tmp/g.py`)
 the float path is also timed against it and checked bit-equal.
@@ -16,7 +16,7 @@ import torch
 
 from kubeinfer.engine.model_executor.layers.fused_moe.activation import silu_and_mul
 from kubeinfer.engine.model_executor.layers.fused_moe.grouped import grouped_experts
-from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant
+from kubeinfer.engine.model_executor.layers.quantization.expert_input_quant import ExpertInputQuant
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
 
 E, H, INTER, K = 32, 1024, 512, 4

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_cpu_native_ab import compile_library, load_library  # noqa: E402
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops  # noqa: E402
+from kubeinfer.engine.platforms.cpu.native import ops  # noqa: E402
 
 SHAPES = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (8192, 1024), "down": (1024, 4096)}
 WORKING_SET = 96e6  # bytes the calls cycle through: three times the L3
@@ -54,7 +54,7 @@ def call(lib, x, w, n, out) -> None:
 def compile_variant(defines: str, where: Path):
     """The working tree's kernels.c compiled with extra -D flags (comma-separated NAME=VALUE): variants of one
     kernel A/B'd in one process while tuning."""
-    from kubeinfer.engine.model_executor.layers.quantization.cpu_native import build
+    from kubeinfer.engine.platforms.cpu.native import build
 
     out = where / "lib.so"
     extra = [f"-D{d}" for d in defines.split(",") if d]

@@ -55,7 +55,7 @@ from quant_checkpoints import (  # noqa: E402
 from results import update_results  # noqa: E402
 
 from kubeinfer.engine import LLM, SamplingParams  # noqa: E402
-from kubeinfer.engine.model_executor.layers import cpu_blas  # noqa: E402
+from kubeinfer.engine.platforms.cpu import cpu_blas  # noqa: E402
 from kubeinfer.dev.testing.random_model import build_random_model  # noqa: E402
 
 PROMPT_LEN = 32

@@ -1,12 +1,12 @@
 """One layer's product per CPU kernel, the measurement behind layers/quantization/linear_method.py's choice
 (`python benchmarks/bench_quantized_decode.py --kernels`): a [tokens, 2048] x [8192, 2048] product at 1 and 16
-tokens, with torch on 1 thread (what a decode step runs: layers/cpu_blas.py) and on 2, through
+tokens, with torch on 1 thread (what a decode step runs: platforms/cpu/cpu_blas.py) and on 2, through
   * the float weight: OpenBLAS float32 (the engine's float32 decode path), `F.linear` float32 and bf16;
   * torch's weight-only products `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` (group 128), float32
     and bf16 activations;
   * `torch._int_mm` with the activations quantized per token to int8 (what llama.cpp's Q8_0 product does
     inside; not used for weight-only checkpoints, whose activations are 16-bit by definition);
-  * the native AVX-512 VNNI kernels (layers/quantization/cpu_native, their own thread pool set to the same
+  * the native AVX-512 VNNI kernels (platforms/cpu/native, their own thread pool set to the same
     count): the exact W8A8 int8 product (bit for bit `_int_mm`'s, the activation quantization included) and
     llama.cpp's arithmetic (activations to Q8_0 blocks of 32) with int8 per-channel and int4 group-128 weights.
 Calls are interleaved, kernel after kernel, and the fastest of --calls rounds is reported (the machine is shared)."""
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from results import update_results
 
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 
 OUT, COLS, GROUP = 8192, 2048, 128
 

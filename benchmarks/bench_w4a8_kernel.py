@@ -1,4 +1,5 @@
-"""The native W4A8 product alone (cpu_native/w4a8_linear.c, ki_w4a8_f32: per-token int8 quantization, then the int4
+"""The native W4A8 product alone (platforms/cpu/native/w4a8_linear.c, ki_w4a8_f32: per-token int8 quantization, then
+the int4
 x int8 product) on the 222M benchmark model's shapes (bench_quantized_decode's `large`: qkv [2048, 1024], o [1024,
 1024], gate_up [8192, 1024], down [1024, 4096], int4 symmetric in groups of 128, as bench_w4a8_decode's checkpoint),
 at 1 and 16 tokens, on 1 or 2 threads, weights warm or cold, against another build of the library with
@@ -19,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kernel_ab  # noqa: E402
 from results import update_results  # noqa: E402
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops, w4a8_ops  # noqa: E402
+from kubeinfer.engine.platforms.cpu.native import ops, w4a8_ops  # noqa: E402
 
 SHAPES = (("qkv", 1024, 2048), ("o", 1024, 1024), ("gate_up", 1024, 8192), ("down", 4096, 1024))
 GROUP = 128

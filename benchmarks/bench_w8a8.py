@@ -75,7 +75,8 @@ def engine_rates(tokens: int, repeats: int) -> None:
                       f"{os.getloadavg()[0]:.1f} at the end). The throughput benchmark's random Llama (float32), "
                       f"32-token prompts, {tokens} tokens greedy; median of {repeats} interleaved rounds. W8A8 "
                       "layers run "
-                      "torch's products (one thread in a small step, layers/cpu_blas.py); the float32 model's small "
+                      "torch's products (one thread in a small step, platforms/cpu/cpu_blas.py); the float32 model's "
+                      "small "
                       "steps go through OpenBLAS unless turned off. The machine was oversubscribed (other jobs on its "
                       "2 cores): part of W8A8's lead may be the single-threaded small steps escaping thread "
                       "contention, not the int8 bytes alone; rerun on a quiet machine before quoting the ratio.",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import build
+from kubeinfer.engine.platforms.cpu.native import build
 
 COLD_COPIES = 24
 TOKENS = (1, 16)

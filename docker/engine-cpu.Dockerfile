@@ -17,12 +17,12 @@ COPY --from=build /opt/kubeinfer /opt/kubeinfer
 # HOME and caches under /tmp: pods run with a read-only root filesystem and an emptyDir on /tmp.
 ENV PATH=/opt/kubeinfer/bin:$PATH HOME=/tmp PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # OpenBLAS's idle workers sleep after 2**4 cycles instead of spinning ~0.1 s: quantized models' small steps then
-# share the cores (kubeinfer/engine/model_executor/layers/two_cores.py; float32 decode measured no slower).
+# share the cores (kubeinfer/engine/platforms/cpu/two_cores.py; float32 decode measured no slower).
 ENV OPENBLAS_THREAD_TIMEOUT=4
-# No C compiler in this image: the native VNNI kernels (layers/quantization/cpu_native, built with -march=native
+# No C compiler in this image: the native VNNI kernels (engine/platforms/cpu/native, built with -march=native
 # on the node that runs them) are not built here, and the engine says so once and uses torch's kernels
 # (W8A8 through torch._int_mm). An image for one CPU family could add gcc and run
-# `python -m kubeinfer.engine.model_executor.layers.quantization.cpu_native.build` at start.
+# `python -m kubeinfer.engine.platforms.cpu.native.build` at start.
 USER 1000:1000
 WORKDIR /tmp
 EXPOSE 8000 8001

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 # OpenBLAS reads this once, when numpy loads it (every subcommand imports numpy later, lazily): its idle worker
 # then sleeps after ~2**4 cycles instead of spinning ~0.1 s on the core a CPU engine's small steps share
-# (layers/two_cores.py; float32 decode measured no slower). A value the user set is kept.
+# (platforms/cpu/two_cores.py; float32 decode measured no slower). A value the user set is kept.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 
 T = TypeVar("T")
 

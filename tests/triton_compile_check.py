@@ -22,8 +22,8 @@ def variants():
     """(kernel, constexprs) pairs: the shapes the engine launches for Llama-3-8B-like models (GQA 4, head_dim
     128), a group that is no power of two, MHA with an odd head_dim, and the fp32 (upcast) path."""
     from kubeinfer.engine.lora import triton_ops as tlo
-    from kubeinfer.engine.model_executor.layers import triton_attention as ta
-    from kubeinfer.engine.model_executor.layers import triton_norm as tn
+    from kubeinfer.engine.platforms.cuda import triton_attention as ta
+    from kubeinfer.engine.platforms.cuda import triton_norm as tn
     from kubeinfer.engine.model_executor.layers.fused_moe import triton_moe as tm
     from kubeinfer.engine.model_executor.layers.quantization import triton_int_matmul as qm
     from kubeinfer.engine.triton_utils import group_tile

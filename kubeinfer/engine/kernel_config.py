@@ -25,7 +25,7 @@ class KernelConfig:
     (envs.W8A8_KERNELS). `cpu_native_layers`: a CPU step's non-matmul ops and small projections through the
     native kernels where they build. `cpu_fused_layers`: a decode step's Llama-family decoder layers in one
     native call. `cpu_share_cores`: small steps' int products and decode attention in halves on two cores (auto:
-    where OPENBLAS_THREAD_TIMEOUT <= 10, layers/two_cores.py). `cpu_openblas`: float32 small steps' projections
+    where OPENBLAS_THREAD_TIMEOUT <= 10, platforms/cpu/two_cores.py). `cpu_openblas`: float32 small steps' projections
     through numpy's OpenBLAS."""
     quant_kernel: str | None = None
     w8a8_kernel: str = "int8_vnni"

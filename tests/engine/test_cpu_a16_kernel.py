@@ -1,4 +1,5 @@
-"""The exact A16 product of weight-only int4 / int8 weights (cpu_native/a16_linear.c, a16_method.py): against a
+"""The exact A16 product of weight-only int4 / int8 weights (platforms/cpu/native/a16_linear.c, a16_method.py):
+against a
 float64 product of the format's definition, sum over groups of scale * sum((q - zero) * bf16(x)) with the
 activations rounded to bf16 by torch, within a float32 summation bound; the portable C twin gives the AVX-512
 build's bits; a token's output is the same bits in any batch and on any number of threads."""
@@ -8,7 +9,7 @@ import pytest
 import torch
 from native_builds import outputs_of_both_builds
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, ops
+from kubeinfer.engine.platforms.cpu.native import a16_method, ops
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
 K, N = 256, 70  # N not a multiple of 16: a padded row group

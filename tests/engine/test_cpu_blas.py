@@ -1,4 +1,4 @@
-"""The CPU path through OpenBLAS (kubeinfer/engine/model_executor/layers/cpu_blas.py): the same products as torch's
+"""The CPU path through OpenBLAS (kubeinfer/engine/platforms/cpu/cpu_blas.py): the same products as torch's
 `F.linear`, only inside small steps (decodes, drafts, short chunks) and not over long contexts, with
 torch on one thread there and its threads given back after (also when the step raises);
 `KUBEINFER_CPU_OPENBLAS=0` keeps torch's matmuls. Greedy outputs against transformers with this path on
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.model_executor.layers import cpu_blas
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import f32_ops, ops
+from kubeinfer.engine.platforms.cpu import cpu_blas
+from kubeinfer.engine.platforms.cpu.native import f32_ops, ops
 
 
 def test_products_equal_torch_linear_with_and_without_bias_and_for_strided_inputs():

@@ -1,5 +1,5 @@
-"""The native float32 product (cpu_native/f32_linear.c, f32_ops.py) and the lm_head that uses it
-(layers/native_lm_head.py): within float32's rounding of torch's float64 product, the portable C twin giving the
+"""The native float32 product (platforms/cpu/native/f32_linear.c, f32_ops.py) and the lm_head that uses it
+(platforms/cpu/native_lm_head.py): within float32's rounding of torch's float64 product, the portable C twin giving the
 AVX-512 build's bits, a token's outputs independent of the batch and the thread count, and an engine whose greedy
 tokens equal transformers' with the switch on and off."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from native_builds import outputs_of_both_builds
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import f32_ops, ops
+from kubeinfer.engine.platforms.cpu.native import f32_ops, ops
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="native CPU kernels not built (no C compiler)")
 

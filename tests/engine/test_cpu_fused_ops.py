@@ -1,4 +1,5 @@
-"""The native CPU kernels of a decode step's small ops (cpu_native/decode_ops.c through layers/cpu_fused_ops.py)
+"""The native CPU kernels of a decode step's small ops (platforms/cpu/native/decode_ops.c through
+platforms/cpu/cpu_fused_ops.py)
 against torch and transformers: RMSNorm with its residual add, silu(gate) * up, rotary in place; then in the
 engine, greedy tokens equal to transformers' with the kernels on, and KUBEINFER_CPU_NATIVE_LAYERS=0 taking torch.
 
@@ -11,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kubeinfer.engine.model_executor.layers import cpu_fused_ops
+from kubeinfer.engine.platforms.cpu import cpu_fused_ops
 from kubeinfer.engine.model_executor.layers.layernorm import RMSNorm
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 from kubeinfer.engine.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
@@ -185,7 +186,7 @@ def test_engine_bf16_native_norms_keep_the_torch_paths_tokens(tmp_path, monkeypa
     """--dtype bfloat16: the norms go native (the activation and rotary stay torch's), greedy tokens unchanged. The
     switch also turns on the native decode attention, which in bf16 sums in float32 where torch's path runs bf16
     matmuls (other tokens on this random model): held on the torch path in both runs, to compare the norms alone."""
-    from kubeinfer.engine.model_executor.layers import cpu_attention
+    from kubeinfer.engine.platforms.cpu import cpu_attention
     from test_engine_correctness import MAX_TOKENS, PROMPTS
 
     from kubeinfer.engine import LLM, SamplingParams

@@ -1,4 +1,4 @@
-"""The native CPU decode attention (cpu_native/attention.c through layers/cpu_attention.py).
+"""The native CPU decode attention (platforms/cpu/native/attention.c through platforms/cpu/cpu_attention.py).
 
 Against a plain softmax(q.k * scale).v in float64 written here (each sequence's context picked position by position
 through its block table): batch 1 and ragged batches, block tables out of order, MHA and GQA, head_dim 64 and 128,
@@ -14,9 +14,9 @@ import pytest
 import torch
 from native_builds import outputs_of_both_builds
 
-from kubeinfer.engine.model_executor.layers import cpu_attention
+from kubeinfer.engine.platforms.cpu import cpu_attention
 from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata, TorchAttentionBackend
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
 BLOCK = 16

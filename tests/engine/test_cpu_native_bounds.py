@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kubeinfer.engine.model_executor.layers.cpu_decoder import Layer, Proj, _kernel as decoder_kernel
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method, f32_ops, ops, w4a8_ops
+from kubeinfer.engine.platforms.cpu.cpu_decoder import Layer, Proj, _kernel as decoder_kernel
+from kubeinfer.engine.platforms.cpu.native import a16_method, f32_ops, ops, w4a8_ops
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build")
 M, K, N = 3, 64, 32

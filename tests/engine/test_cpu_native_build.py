@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import build
+from kubeinfer.engine.platforms.cpu.native import build
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])

@@ -1,4 +1,5 @@
-"""Whole decoder layers of a CPU decode step in one native call (models/native_decode.py, cpu_native/decoder_layer.c).
+"""Whole decoder layers of a CPU decode step in one native call (platforms/cpu/native_decode.py,
+platforms/cpu/native/decoder_layer.c).
 
 The reference is the per-module native path (KUBEINFER_CPU_FUSED_LAYERS=0: each norm, product, rotary and the
 attention its own C call): the fused layers make the same calls in the same order, so several decode steps'
@@ -15,11 +16,11 @@ import torch
 from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, write_checkpoint
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.model_executor.layers import cpu_decoder
+from kubeinfer.engine.platforms.cpu import cpu_decoder
 from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import to_cache_dtype
-from kubeinfer.engine.model_executor.models import native_decode
+from kubeinfer.engine.platforms.cpu import native_decode
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
 SCHEMES = {"w4": ("pack-quantized", 4, "int", "group", False, 32), "w4_sym": ("pack-quantized", 4, "int", "group",
@@ -311,7 +312,7 @@ def test_decode_steps_past_the_context_bound_keep_torch_on_one_thread(engine, mo
     """Every layer's attention in C (the fused call, or the per-module path's native attention): a decode step
     over any context is a small step (torch on one thread; on two it spun against the native pool), a prompt's
     step past the bound is not, nor a decode with the native layers off (attention is then torch's)."""
-    from kubeinfer.engine.model_executor.layers import cpu_blas
+    from kubeinfer.engine.platforms.cpu import cpu_blas
 
     seen, real = [], cpu_blas.small_step
     monkeypatch.setattr(cpu_blas, "small_step", lambda enabled, *a: seen.append(enabled) or real(enabled, *a))
@@ -331,7 +332,7 @@ def test_decode_steps_past_the_context_bound_keep_torch_on_one_thread(engine, mo
 def test_a_capped_or_sink_attention_keeps_long_decode_steps_on_torchs_threads(engine, monkeypatch):
     """Scores capped (Gemma 2) or sinks (gpt-oss) run the torch attention: not native, so no small step past the
     bound."""
-    from kubeinfer.engine.model_executor.models import native_decode
+    from kubeinfer.engine.platforms.cpu import native_decode
 
     model = engine.engine.runner.model
     monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", "0")

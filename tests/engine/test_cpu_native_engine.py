@@ -11,7 +11,7 @@ from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, hf_c
 from test_cpu_native_kernels import gguf_reference
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
 SCHEMES = {"w4": ("pack-quantized", 4, "int", "group", False, 32),  # asymmetric int4, groups of 32

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kubeinfer/engine/.../quantization/cpu_native): the W8A8 product equals torch._int_mm and
+"""The native CPU kernels (kubeinfer/engine/platforms/cpu/native): the W8A8 product equals torch._int_mm and
 activations.int8_linear's scaling bit for bit; the llama.cpp arithmetic (Q8_0 activations) equals a reference
 built from the `gguf` package's Q8_0 (llama.cpp's own numpy port: quantize, dequantize, float64 product);
 the portable C build (KUBEINFER_CPU_NATIVE_PORTABLE=1) gives the VNNI build's bits; an engine serving a W8A8
@@ -12,7 +12,7 @@ from native_builds import outputs_of_both_builds
 
 from kubeinfer.engine.model_executor.layers.quantization import activations
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
 TOKEN = ActivationScheme("int", "token", True)

@@ -1,4 +1,4 @@
-"""Decode steps through captured graphs (kubeinfer/engine/model_executor/cuda_graphs.py) give exactly the eager
+"""Decode steps through captured graphs (kubeinfer/engine/platforms/cuda/cuda_graphs.py) give exactly the eager
 engine's tokens.
 
 On the CPU the graph path runs with `replay_eagerly` in place of the CUDA capture: static buffers,
@@ -14,7 +14,7 @@ from test_triton_kernels import DEVICES, MAX_TOKENS, PROMPTS, engine_greedy, hf_
 
 
 def test_capture_sizes_ladder_ends_at_max_num_seqs():
-    from kubeinfer.engine.model_executor.cuda_graphs import capture_sizes
+    from kubeinfer.engine.platforms.cuda.cuda_graphs import capture_sizes
 
     assert capture_sizes(1) == [1]
     assert capture_sizes(5) == [1, 2, 4, 5]
@@ -25,7 +25,7 @@ def test_capture_sizes_ladder_ends_at_max_num_seqs():
 
 
 def _capture(llm, device):
-    from kubeinfer.engine.model_executor.cuda_graphs import capture_cuda_graph, replay_eagerly
+    from kubeinfer.engine.platforms.cuda.cuda_graphs import capture_cuda_graph, replay_eagerly
 
     runner = llm.engine.runner
     runner.capture_decode_graphs(llm.engine.config.max_num_seqs,
@@ -82,7 +82,7 @@ def test_decode_graphs_with_a_sliding_window(device, tmp_path):
 
 def test_which_steps_replay_a_graph(model_dirs):
     from kubeinfer.engine import LLM
-    from kubeinfer.engine.model_executor.cuda_graphs import DecodeGraphs, replay_eagerly
+    from kubeinfer.engine.platforms.cuda.cuda_graphs import DecodeGraphs, replay_eagerly
     from kubeinfer.engine.model_executor.model_runner import StepInputs
 
     llm = LLM(model_dirs["llama"], dtype="float32", attention_backend="torch", max_num_seqs=4)
@@ -123,7 +123,7 @@ def test_decode_graphs_with_adapters_match_peft(device, lora_base_dir, lora_adap
 
 
 def test_capture_needs_the_kv_cache(model_dirs):
-    from kubeinfer.engine.model_executor.cuda_graphs import replay_eagerly
+    from kubeinfer.engine.platforms.cuda.cuda_graphs import replay_eagerly
     from kubeinfer.engine.model_executor.model_loader import inspect_model_dir
     from kubeinfer.engine.model_executor.model_runner import ModelRunner
 

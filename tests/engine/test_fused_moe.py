@@ -166,8 +166,8 @@ def test_grouped_path_runs_one_matmul_pair_per_active_expert(monkeypatch):
 
 
 def test_grouped_path_in_a_small_cpu_step():
-    """In a small CPU step (layers/cpu_blas.py: torch on one thread) the experts give the same results."""
-    from kubeinfer.engine.model_executor.layers.cpu_blas import small_step
+    """In a small CPU step (platforms/cpu/cpu_blas.py: torch on one thread) the experts give the same results."""
+    from kubeinfer.engine.platforms.cpu.cpu_blas import small_step
 
     gate_up, down, b1, b2 = random_experts(7, True)
     weights, ids = uneven_routing(13, 8)

@@ -1,7 +1,7 @@
 """W8A8 inside the MoE experts, at the layer (issue 29; the checkpoints end to end: test_quantized_moe_w8a8.py):
 the experts' CPU grouped path (torch._grouped_mm and the per-expert fallback) and the Triton kernels (under
 TRITON_INTERPRET=1 without a GPU, tests/conftest.py) with their inputs quantized (layers/fused_moe/
-input_quant.py), against the definition written token by token and expert by expert, each input
+expert_input_quant.py), against the definition written token by token and expert by expert, each input
 fake-quantized by the compressed-tensors package; each (token, expert) row bit for bit the package's; and
 the unserved expert schemes refused by name (layers/quantization/w8a8_experts.py)."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ KERNEL_SCHEMES = {  # name: (ActivationScheme fields, static scales: None, "shar
 
 def expert_quant(name: str):
     """(ExpertInputQuant, args_of(projection, expert) -> (QuantizationArgs, scale, zero)) for a scheme."""
-    from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant
+    from kubeinfer.engine.model_executor.layers.quantization.expert_input_quant import ExpertInputQuant
     from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
 
     fields, static = KERNEL_SCHEMES[name]

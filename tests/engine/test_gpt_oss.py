@@ -182,7 +182,7 @@ def reference_with_sinks(q, k_cache, v_cache, tables, starts, window, scale, sin
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("window", [None, 6])
 def test_paged_attention_sinks_match_torch(window, device):
-    from kubeinfer.engine.model_executor.layers.triton_attention import paged_attention
+    from kubeinfer.engine.platforms.cuda.triton_attention import paged_attention
 
     gen = torch.Generator().manual_seed(4)
     heads, kv_heads, head_dim, block_size = 4, 2, 16, 4

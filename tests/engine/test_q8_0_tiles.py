@@ -11,7 +11,7 @@ import torch
 from native_builds import outputs_of_both_builds
 from test_cpu_native_kernels import gguf_reference, grouped_case
 
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
 # (tokens, inputs, outputs, bits, group (0: one a row), asymmetric)

@@ -32,7 +32,7 @@ from quant_checkpoints import (
 )
 
 from kubeinfer.engine import LLM
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native.ops import unpack_int8
+from kubeinfer.engine.platforms.cpu.native.ops import unpack_int8
 
 CT_SCHEMES = {  # name: (format, bits, type, strategy, symmetric, group_size, W8A8)
     "w4a16_group_sym": ("pack-quantized", 4, "int", "group", True, 32, False),

@@ -21,8 +21,8 @@ from quant_checkpoints import (
 )
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops as native_ops
+from kubeinfer.engine.platforms.cpu.native import a16_method
+from kubeinfer.engine.platforms.cpu.native import ops as native_ops
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ NATIVE = pytest.mark.skipif(not native_ops.available(), reason="no C compiler: t
 
 @pytest.mark.parametrize("name, kernel, reference", [
     ("w4", "cpu_int4", "w4"), ("w8", "cpu_int8", "w8"), ("awq", "cpu_int4", "awq_as_ct"),
-    # the exact A16 product (cpu_native/a16_linear.c): activations rounded to bf16, float32 sums
+    # the exact A16 product (platforms/cpu/native/a16_linear.c): activations rounded to bf16, float32 sums
     pytest.param("w4", "cpu_int4_a16", "w4", marks=NATIVE), pytest.param("w8", "cpu_int8_a16", "w8", marks=NATIVE),
     pytest.param("awq", "cpu_int4_a16", "awq_as_ct", marks=NATIVE)])
 def test_kept_quantized_weights_give_the_reference_tokens(dirs, monkeypatch, name, kernel, reference):

@@ -1,7 +1,7 @@
 """Checkpoints whose lm_head is quantized (not in compressed-tensors' `ignore`; GPTQ's `lm_head: true`): the head is
 kept quantized like the decoder's projections (layers/quantization/linear_method.py; on the CPU's float32 the
 exact A16 product), under tensor parallelism each rank holds its vocabulary rows of the integers
-(model_executor/int_weights.py), the native float32 logits product does not take it (layers/native_lm_head.py),
+(model_executor/int_weights.py), the native float32 logits product does not take it (platforms/cpu/native_lm_head.py),
 and the start-up log's weight bytes count its integers. With tied embeddings the head is untied and kept
 quantized, the embedding float (model_executor/quantized_head.py). References: transformers loading the same
 checkpoint decompressed by the compressed-tensors package (`CompressedTensorsConfig(run_compressed=False)`),
@@ -31,7 +31,7 @@ from quant_checkpoints import (
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.core.model_setup import memory_summary
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops as native_ops
+from kubeinfer.engine.platforms.cpu.native import ops as native_ops
 from kubeinfer.engine.model_executor.model_files import ModelLoadError
 
 NATIVE = pytest.mark.skipif(not native_ops.available(), reason="no C compiler: the native A16 kernels do not build")

@@ -13,7 +13,7 @@ from quant_checkpoints import ct_compress, ct_scheme, float_weights, triton_on_c
 from test_quantized_fp8 import fp8_config, fp8_quantize
 
 from kubeinfer.engine import LLM
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method
+from kubeinfer.engine.platforms.cpu.native import a16_method
 
 # four layers whose projections (4 bytes a weight, 15.7 MB) dwarf the embeddings (0.5 MB) and one layer's transit
 SHAPE = dict(hidden_size=256, intermediate_size=1024, num_heads=4, num_kv_heads=2, num_layers=4, vocab_size=256)

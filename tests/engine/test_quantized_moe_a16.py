@@ -1,5 +1,5 @@
 """MoE experts kept int4 / int8 through the exact A16 product (layers/fused_moe/a16_experts.py): the float32 CPU
-default where the native library builds with AVX-512 BF16, as for the dense layers (cpu_native/a16_method.py).
+default where the native library builds with AVX-512 BF16, as for the dense layers (platforms/cpu/native/a16_method.py).
 
 References nobody here wrote: transformers on the checkpoint the `compressed-tensors` package wrote, decompressed
 by it (`CompressedTensorsConfig(run_compressed=False)`; for asymmetric experts, which transformers cannot load, the
@@ -17,7 +17,7 @@ from torch import nn
 
 from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import ExpertsIntMethod, choose_expert_kernel
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method
+from kubeinfer.engine.platforms.cpu.native import a16_method
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import IntWeight
 
 pytestmark = pytest.mark.skipif(not a16_method.fast(), reason="the native library has no AVX-512 BF16 build here")

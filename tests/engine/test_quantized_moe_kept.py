@@ -110,7 +110,7 @@ def test_cpu_default_keeps_experts_with_bf16_activations_close_to_the_reference(
     greedy token differs), and the start-up log's weight bytes are the kept ones.
     Only the experts are quantized (`re:.*experts.*`): the dense layers' own bf16 kernel, whose rounding flips a
     near-tied router choice of this random model (a 2.5 log-prob jump on one prompt), is not what is measured."""
-    from kubeinfer.engine.model_executor.layers.quantization.cpu_native import a16_method
+    from kubeinfer.engine.platforms.cpu.native import a16_method
 
     kernel = "cpu_int4_a16" if family == "default" and a16_method.fast() else "cpu_int4_bf16"
     if family == "bf16":
@@ -161,7 +161,8 @@ def test_dequantized_kernel_keeps_the_float_stacks(float_dirs, tmp_path, monkeyp
 @pytest.mark.parametrize("name", ["int8_dynamic", pytest.param("int8_static_asym", marks=slow)])
 def test_kept_int8_experts_of_a_w8a8_checkpoint_quantize_their_inputs(float_dirs, tmp_path, monkeypatch, name):
     """W8A8 (int8 weights per channel, int8 activations): the experts' inputs quantized as before
-    (input_quant.py), then multiplied by the kept int8 weights (float32 activations: the forced cpu_int8), against
+    (expert_input_quant.py), then multiplied by the kept int8 weights (float32 activations: the forced cpu_int8),
+    against
     test_quantized_moe_w8a8.py's reference (the package's decompression, every input fake-quantized by it)."""
     from quant_checkpoints import assert_greedy_equal_but_near_ties
     from test_quantized_moe_w8a8 import ct_moe_checkpoint, ct_moe_reference

@@ -39,7 +39,7 @@ from kubeinfer.engine.model_executor.layers.fused_moe.int_experts import Experts
 from kubeinfer.engine.model_executor.layers.fused_moe.layer import FusedMoE
 from kubeinfer.engine.model_executor.layers.quantization import w4a8, w8a8
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 from kubeinfer.engine.model_executor.layers.quantization.linear_method import dense as dense_product
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build")
@@ -255,8 +255,8 @@ def test_a_ranks_slice_quantizes_with_the_whole_rows_range():
     down range; here the other rank's slice, not an all-reduce). Each rank's product is bit-equal to the dense
     kernel on the whole row's int8 values cut to its columns, and the two partial sums add up to the one-rank
     product within float32 rounding."""
-    from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant
-    from kubeinfer.engine.model_executor.layers.quantization.cpu_native import w4a8_ops
+    from kubeinfer.engine.model_executor.layers.quantization.expert_input_quant import ExpertInputQuant
+    from kubeinfer.engine.platforms.cpu.native import w4a8_ops
 
     full = int_stacks(4, 128, experts=2, hidden=128, inter=128)
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(3))

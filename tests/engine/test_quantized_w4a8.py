@@ -37,7 +37,7 @@ from quant_checkpoints import (
 )
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops as native_ops
+from kubeinfer.engine.platforms.cpu.native import ops as native_ops
 
 NATIVE = pytest.mark.skipif(not native_ops.available(), reason="no C compiler: the native kernels do not build")
 TOKEN = dict(type="int", strategy="token", dynamic=True, symmetric=True)

@@ -114,7 +114,7 @@ def test_int8_kernels_give_the_reference_tokens(float_dir, monkeypatch, kernel):
     where it does not build), its weights held in int8 (the float weight gone); torch._int_mm and fake
     quantization (KUBEINFER_W8A8_KERNEL) agree with the reference as well."""
     from kubeinfer.engine import LLM
-    from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+    from kubeinfer.engine.platforms.cpu.native import ops
 
     model_dir = w8a8_checkpoint(float_dir, "int8_dynamic")
     if kernel == "int8_vnni" and not ops.available():

@@ -190,7 +190,7 @@ def test_decode_graphs_on_every_rank_keep_outputs_exact(tp_dirs):
     """The CUDA-graph path per rank (each rank captures its own, collectives inside), with the CPU's stand-in for
     capture (test_cuda_graphs.py): decode steps replay every rank's static buffers; rank 1 returns its vocabulary
     slice into buffers of that width, rank 0 the gathered logits."""
-    from kubeinfer.engine.model_executor.cuda_graphs import replay_eagerly
+    from kubeinfer.engine.platforms.cuda.cuda_graphs import replay_eagerly
 
     llm = LLM(tp_dirs("gemma3"), block_size=4, max_num_seqs=8, tensor_parallel_size=2, attention_backend="triton")
     try:

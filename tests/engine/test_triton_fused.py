@@ -1,4 +1,4 @@
-"""The fused RMSNorm and rotary kernels (kubeinfer/engine/model_executor/layers/triton_norm.py) against the engine's
+"""The fused RMSNorm and rotary kernels (kubeinfer/engine/platforms/cuda/triton_norm.py) against the engine's
 torch modules.
 
 References are the modules the torch path runs: `RMSNorm` from models/llama.py and `RotaryEmbedding`
@@ -46,7 +46,7 @@ def assert_norm_matches(got: torch.Tensor, want: torch.Tensor, device: str) -> N
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [24, 512, 1000])
 def test_rms_norm_matches_the_torch_module(device, dtype, n):
-    from kubeinfer.engine.model_executor.layers.triton_norm import rms_norm
+    from kubeinfer.engine.platforms.cuda.triton_norm import rms_norm
 
     torch.manual_seed(n)
     x = column_slice(7, n, dtype, device)
@@ -60,7 +60,7 @@ def test_rms_norm_matches_the_torch_module(device, dtype, n):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [24, 512, 1000])
 def test_rms_norm_with_residual_returns_the_norm_of_the_sum_and_the_sum(device, dtype, n):
-    from kubeinfer.engine.model_executor.layers.triton_norm import rms_norm
+    from kubeinfer.engine.platforms.cuda.triton_norm import rms_norm
 
     torch.manual_seed(n + 1)
     x, residual = column_slice(6, n, dtype, device), column_slice(6, n, dtype, device)
@@ -77,7 +77,7 @@ def test_rms_norm_with_residual_returns_the_norm_of_the_sum_and_the_sum(device, 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_rms_norm_with_fp32_weight_promotes_like_torch(device):
-    from kubeinfer.engine.model_executor.layers.triton_norm import rms_norm
+    from kubeinfer.engine.platforms.cuda.triton_norm import rms_norm
 
     torch.manual_seed(3)
     x = column_slice(5, 40, torch.bfloat16, device)
@@ -102,7 +102,7 @@ ROPES = {
 @pytest.mark.parametrize("head_dim", [16, 24, 64])  # 24: half of it (12) is padded inside the kernel
 @pytest.mark.parametrize("rope", list(ROPES))
 def test_apply_rotary_matches_rotary_embedding_in_place(device, dtype, head_dim, rope):
-    from kubeinfer.engine.model_executor.layers.triton_norm import apply_rotary
+    from kubeinfer.engine.platforms.cuda.triton_norm import apply_rotary
 
     torch.manual_seed(head_dim)
     tokens, heads, kv_heads, max_positions = 9, 4, 2, 256
@@ -127,7 +127,7 @@ def test_apply_rotary_matches_rotary_embedding_in_place(device, dtype, head_dim,
 # -- empty batches --------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
 def test_no_rows_returns_empty_results_without_launching(device, monkeypatch):
-    from kubeinfer.engine.model_executor.layers import triton_norm
+    from kubeinfer.engine.platforms.cuda import triton_norm
 
     monkeypatch.setattr(triton_norm, "_rms_norm_kernel", None)  # a launch would fail on these
     monkeypatch.setattr(triton_norm, "_rotary_kernel", None)

@@ -43,7 +43,7 @@ def tolerance(dtype: torch.dtype) -> dict:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_write_kv_cache_scatters_rows_to_their_slots(device, dtype, block_size):
-    from kubeinfer.engine.model_executor.layers.triton_attention import write_kv_cache
+    from kubeinfer.engine.platforms.cuda.triton_attention import write_kv_cache
 
     torch.manual_seed(0)
     num_blocks, kv_heads, head_dim, tokens = 16, 3, 24, 11  # 3 heads, 24 dims: both padded inside the kernel
@@ -129,7 +129,7 @@ def reference_attention(q, k_cache, v_cache, tables, starts, window, scale):
 @pytest.mark.parametrize("tiles", [(16, 16), (None, 64)], ids=["small-tiles", "default-tiles"])
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 def test_paged_attention_matches_sdpa(shape, tiles, dtype, device):
-    from kubeinfer.engine.model_executor.layers.triton_attention import paged_attention
+    from kubeinfer.engine.platforms.cuda.triton_attention import paged_attention
 
     b = make_batch(shape, dtype, device)
     scale = shape[2] ** -0.5
@@ -214,7 +214,7 @@ def test_fp8_cache_step_matches_the_torch_backend(device, q_dtype, cache_dtype):
 def test_bf16_cache_write_rounds_every_magnitude_as_torch(device, dtype):
     """--kv-cache-dtype bfloat16 under a float32 or float16 model: the write kernel's bytes are torch's cast's
     (round to nearest even, carries, subnormals, signed zeros, inf), not the interpreter's truncation."""
-    from kubeinfer.engine.model_executor.layers.triton_attention import write_kv_cache
+    from kubeinfer.engine.platforms.cuda.triton_attention import write_kv_cache
 
     gen = torch.Generator().manual_seed(6)
     tokens, heads, dim = 256, 2, 64
@@ -236,7 +236,7 @@ def test_fp8_cache_write_rounds_every_magnitude_as_torch(device, dtype, cache_dt
     carries into the exponent (1.97 -> 2.0), signed zeros, saturation. Triton's own downcast rounds float32
     twice on sm_80 / sm_89 (through float16, truncated), and misrounds carries in the interpreter."""
     from kubeinfer.engine.model_executor.layers.quantization.kv_cache_dtype import to_cache_dtype
-    from kubeinfer.engine.model_executor.layers.triton_attention import write_kv_cache
+    from kubeinfer.engine.platforms.cuda.triton_attention import write_kv_cache
 
     gen = torch.Generator().manual_seed(5)
     tokens, heads, dim = 256, 2, 64

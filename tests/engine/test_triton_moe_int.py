@@ -57,7 +57,7 @@ def test_fused_kernel_dequantizes_kept_experts_like_torch(device, kind, num_toke
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_fused_kernel_on_kept_int8_experts_quantizes_their_inputs(device, monkeypatch):
-    """W8A8 experts on the GPU path: the inputs quantized per token as before (input_quant.py), the kept int8
+    """W8A8 experts on the GPU path: the inputs quantized per token as before (expert_input_quant.py), the kept int8
     weights dequantized in the kernel: the grouped path's result on the dequantized weights, same input_quant.
 
     Checked in two halves, each against the definition: the fp32 intermediate (silu(gate) * up) that the
@@ -66,7 +66,7 @@ def test_fused_kernel_on_kept_int8_experts_quantizes_their_inputs(device, monkey
     step moves its token's outputs by up to ~1.5 here (one int8 step of a row scaled ~1, times a down weight):
     so the first GEMM is compared before the rounding, and the rest of the definition is run on the kernel's own
     intermediate."""
-    from kubeinfer.engine.model_executor.layers.fused_moe.input_quant import ExpertInputQuant
+    from kubeinfer.engine.model_executor.layers.quantization.expert_input_quant import ExpertInputQuant
     from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
 
     g = torch.Generator().manual_seed(3)

@@ -36,7 +36,7 @@ def reference(q, k_cache, v_cache, tables, starts, window, scale, softcap):
 @pytest.mark.parametrize("window, softcap", [(6, None), (6, 2.0), (None, 2.0), (1, None)],
                          ids=["window", "window-softcap", "softcap", "window-1"])
 def test_paged_attention_window_and_softcap_match_torch(window, softcap, device):
-    from kubeinfer.engine.model_executor.layers.triton_attention import paged_attention
+    from kubeinfer.engine.platforms.cuda.triton_attention import paged_attention
 
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, head_dim, block_size = 4, 2, 16, 4

@@ -1,4 +1,4 @@
-"""Kept-int products of small steps in two halves on both cores (kubeinfer/engine/model_executor/layers/two_cores.py):
+"""Kept-int products of small steps in two halves on both cores (kubeinfer/engine/platforms/cpu/two_cores.py):
 the halves give the bits of the whole product (torch's int8 and int4 weight-only kernels), only inside a small step,
 a failing half raises in the caller; decode attention in two halves of the sequences gives the bits of the whole;
 and an engine's greedy tokens and log-probabilities (float32, kept int8 and int4) are the same with the halves as
@@ -15,7 +15,7 @@ from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, writ
 from test_triton_kernels import NUM_DECODES, SEQUENCES, SHAPES, make_batch, new_token_slots
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.model_executor.layers import cpu_blas, two_cores
+from kubeinfer.engine.platforms.cpu import cpu_blas, two_cores
 
 
 def int8_product(rows):

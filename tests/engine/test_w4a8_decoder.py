@@ -1,4 +1,5 @@
-"""W4A8 layers in the whole-decoder-layer native decode (models/native_decode.py, cpu_native/decoder_layer.c calling
+"""W4A8 layers in the whole-decoder-layer native decode (platforms/cpu/native_decode.py,
+platforms/cpu/native/decoder_layer.c calling
 ki_w4a8_f32): the fused layers make the per-module path's calls (W4A8Method.apply: the same native call, then the
 bias added as torch adds it), so several decode steps' logits and KV caches are the same bits either way
 (KUBEINFER_CPU_FUSED_LAYERS=0 the reference), at batch 1, 3 and 16, with a qkv bias (Qwen2) and q/k norms (Qwen3);
@@ -10,7 +11,7 @@ from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, writ
 from test_cpu_native_decoder import FAMILIES, assert_fused_layers_give_the_per_module_paths_bits
 
 from kubeinfer.engine import LLM
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
 

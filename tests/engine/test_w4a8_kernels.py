@@ -1,4 +1,4 @@
-"""The W4A8 product (layers/quantization/cpu_native/w4a8_linear.c, w4a8_ops.py): int8 activations per token times
+"""The W4A8 product (platforms/cpu/native/w4a8_linear.c, w4a8_ops.py): int8 activations per token times
 int4 weights per group, out = sum over groups of fl(isum_g * fl(x_scale * w_scale_g)).
 
 - Its int8 activations and scales are the compressed-tensors package's own (compute_dynamic_scales_and_zp,
@@ -16,7 +16,7 @@ import torch
 from native_builds import outputs_of_both_builds
 
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops, w4a8_ops
+from kubeinfer.engine.platforms.cpu.native import ops, w4a8_ops
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="no C compiler: the native kernels do not build here")
 TOKEN = ActivationScheme("int", "token", True)

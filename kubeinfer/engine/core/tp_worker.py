@@ -17,7 +17,7 @@ from ..distributed.parallel_state import init_group
 from ..distributed.step_channel import StepReceiver
 from ..distributed.wire import WireError
 from ..lora.pool import LoRAPool
-from ..model_executor.cuda_graphs import capture_cuda_graph, replay_eagerly
+from ..platforms.cuda.cuda_graphs import capture_cuda_graph, replay_eagerly
 from ..model_executor.layers.attention_selector import check_attention_backend
 from ..model_executor.layers.quantization.kv_cache_dtype import (
     cache_dtype,

@@ -7,7 +7,7 @@ layers (model_loader._install_integers, the quantized lm_head among them) and th
 (expert_int_weights.ExpertIntegers) both call `check_int_weight`; a mismatch is a load-time ModelLoadError naming
 the tensor, the shape the config implies and the shape found. The formats' own checks (compressed-tensors'
 weight_shape and scale grids, GPTQ's g_idx and scales, AWQ's) run before this, as they read the tensors; the C
-entry points check their own buffers again at every call (cpu_native/ops.py)."""
+entry points check their own buffers again at every call (platforms/cpu/native/ops.py)."""
 from __future__ import annotations
 
 import torch

@@ -14,9 +14,10 @@ from ..config import FUSED_WEIGHTS, ModelSpec
 from .checkpoint_shapes import check_int_weight
 from .expert_int_weights import ExpertIntegers
 from .int_weights import rank_int_weight
-from .layers import deferred_weight, native_lm_head
+from ..platforms.cpu import native_lm_head
+from .layers import deferred_weight
 from .layers.attention import AttentionBackend
-from .layers.cpu_blas import use_openblas_for_small_steps
+from ..platforms.cpu.cpu_blas import use_openblas_for_small_steps
 from .layers.quantization import QuantizationError, fp8, kernel_registry, linear_method, w8a8
 from .layers.quantization.kv_cache_dtype import SCALE_KEY as KV_SCALE_KEY
 from .layers.quantization.w8a8 import hold_int4

@@ -12,13 +12,13 @@ from ..kernel_config import KernelConfig, active
 from ..lora.layers import LoRAContext
 from ..lora.pool import LoRAPool
 from ..sequence import PENDING_TOKEN, ScheduledBatch, Sequence
-from .cuda_graphs import DecodeGraphs, capture_cuda_graph, capture_sizes
-from .layers import cpu_blas
+from ..platforms.cuda.cuda_graphs import DecodeGraphs, capture_cuda_graph, capture_sizes
+from ..platforms.cpu import cpu_blas
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
-from .layers.quantization.cpu_native import ops as native_ops
+from ..platforms.cpu.native import ops as native_ops
 from .model_loader import ModelFiles, load_model
-from .models import native_decode
+from ..platforms.cpu import native_decode
 from .models.registry import ARCHITECTURES
 from .sampler import SampleResult, grammar_bitmask, sample
 from .step_inputs import BlockTableBuffer, StepInputs
@@ -201,7 +201,7 @@ class ModelRunner:
         is small too, or runs in C (a decode step whose every layer's attention is native: torch has nothing large
         left, and on two threads it spun against the native pool, argmax 6 ms a step at batch 16 and 512 tokens;
         a float32 model's batch-16 step at 256-token prompts took 2x as long): projections through OpenBLAS and
-        torch on one thread (layers/cpu_blas.py)."""
+        torch on one thread (platforms/cpu/cpu_blas.py)."""
         return (getattr(self.model, "openblas_small_steps", False)
                 and len(inputs.input_ids) <= cpu_blas.MAX_STEP_TOKENS
                 and (sum(inputs.context_lens) <= cpu_blas.MAX_CONTEXT_TOKENS

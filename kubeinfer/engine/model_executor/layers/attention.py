@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ...device_copy import on_device, to_device
-from . import cpu_attention, two_cores
+from ...platforms.cpu import cpu_attention, two_cores
 from .quantization.kv_cache_dtype import to_cache_dtype
 
 MIN_SHARED_DECODES = 4  # decodes in a CPU small step from which attention runs half on each core (two_cores.py)

@@ -11,7 +11,7 @@ from .attention import AttentionBackend, TorchAttentionBackend
 
 def _triton_backend() -> AttentionBackend:
     try:  # optional: triton is in the `gpu` extra, and imported only when asked for
-        from .triton_attention import TritonAttentionBackend
+        from ...platforms.cuda.triton_attention import TritonAttentionBackend
     except ImportError as error:
         raise ValueError(f"the triton attention backend needs the triton package ({error}); install it with "
                          "pip install 'kubeinfer[gpu]', or use attention_backend='torch'") from None

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_fused_ops
+from ...platforms.cpu import cpu_fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalises x; given `residual`, normalises s = x + residual and returns (normalised, s)."""
         if self.fused:
-            from .triton_norm import rms_norm
+            from ...platforms.cuda.triton_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
         if x.is_cpu and type(self)._norm is RMSNorm._norm:  # a subclass's own arithmetic stays torch
             # the weight from the parameter dict: Module.__getattr__ costs ~0.4 us, and a decode step has ~25 norms

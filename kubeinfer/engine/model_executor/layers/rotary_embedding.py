@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from . import cpu_fused_ops
+from ...platforms.cpu import cpu_fused_ops
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -98,7 +98,7 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D], positions: [T]."""
         if self.fused:
-            from .triton_norm import apply_rotary
+            from ...platforms.cuda.triton_norm import apply_rotary
             return apply_rotary(q, k, positions, self.cos, self.sin)
         return self.rotate_scratch(positions, q), self.rotate_scratch(positions, k)
 

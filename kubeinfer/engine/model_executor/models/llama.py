@@ -20,14 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...platforms import decoder_fast_path, fused_silu_mul
 from ...config import ModelSpec, Part
-from ..layers import cpu_fused_ops
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.layernorm import RMSNorm
 from ..layers.linear import ColumnParallelLinear, RowParallelLinear
 from ..layers.rotary_embedding import RotaryEmbedding
 from ..layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
-from . import native_decode
 
 if TYPE_CHECKING:
     from ...lora.layers import LoRAContext
@@ -107,7 +106,7 @@ class MLP(nn.Module):
     def forward(self, x, lora: LoRAContext | None = None):
         gate_up = _project(self.gate_up_proj, x, lora, self.layer_idx, "gate_up_proj")
         if self.activation is F.silu and gate_up.is_cpu:  # one native pass (float32)
-            h = cpu_fused_ops.silu_mul(gate_up, self.intermediate_size)
+            h = fused_silu_mul(gate_up, self.intermediate_size)
             if h is not None:
                 return _project(self.down_proj, h, lora, self.layer_idx, "down_proj")
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
@@ -163,7 +162,7 @@ class CausalLM(nn.Module):
     layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[nn.Module] = RMSNorm
     checkpoint_fused = False  # the checkpoint holds q/k/v and gate/up apart; we fuse them at load time
-    native_decode_types = (DecoderLayer, Attention, MLP)  # the layers native_decode.py may run in one C call
+    native_decode_types = (DecoderLayer, Attention, MLP)  # what platforms/cpu/native_decode.py may run in one call
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
@@ -182,8 +181,8 @@ class CausalLM(nn.Module):
         for rotary in self.model.rotaries:
             rotary.begin_step()
         x, residual = self.embed(input_ids), None
-        native = native_decode.forward_layers(self, x, positions, kv_caches, meta, lora) if x.is_cpu else None
-        if native is not None:  # a CPU decode step: runs of whole layers in one C call each (native_decode.py)
+        native = decoder_fast_path(self, x, positions, kv_caches, meta, lora)
+        if native is not None:  # a CPU decode step: runs of whole layers in one C call each (platforms/cpu)
             x, residual = native
         else:
             for layer, kv_cache in zip(self.model.layers, kv_caches):

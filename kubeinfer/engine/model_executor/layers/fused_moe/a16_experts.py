@@ -1,4 +1,4 @@
-"""MoE experts kept int4 / int8 through the exact A16 product (cpu_native/a16_method.py, a16_linear.c), the
+"""MoE experts kept int4 / int8 through the exact A16 product (platforms/cpu/native/a16_method.py, a16_linear.c), the
 kernels `cpu_int4_a16` / `cpu_int8_a16` that a float32 model's dense layers take by default where the native
 library builds with AVX-512 BF16: each expert packed at load in a16_linear.c's layout (its rows padded to a
 multiple of 16), and each active expert's rows of a step multiplied by `ki_a16_linear`, the dense layers' very
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..quantization.cpu_native import a16_method, ops
+from ....platforms.cpu.native import a16_method, ops
 from ..quantization.linear_method import IntWeight
 
 KERNELS = a16_method.KERNELS  # {"cpu_int8_a16": 8, "cpu_int4_a16": 4}

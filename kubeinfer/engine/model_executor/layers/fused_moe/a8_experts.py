@@ -14,7 +14,7 @@ through the dense layers' kernels and entry points (quantization/w4a8.py, w8a8.p
 The activations as the reference quantizes them (each expert's gate_proj / up_proj quantizes its input per token,
 its down_proj its intermediate row per token): gate/up's rows are the gathered hidden states, one row per (token,
 expert), quantized per row, which is the bits of quantizing the token once; down's rows each (token, expert)
-intermediate row. The products quantize, so the layer's ExpertInputQuant (input_quant.py: fake quantization in
+intermediate row. The products quantize, so the layer's ExpertInputQuant (expert_input_quant.py: fake quantization in
 float) does not run. Under tensor parallelism a rank's slice of an intermediate row is quantized with the whole
 row's range (input_quant's down range, w8a8_tp.whole_token_range: one all-reduce per active expert; every rank
 runs the same experts in the same order). A token's output does not depend on its batch.
@@ -33,7 +33,7 @@ from torch import nn
 from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..quantization import w8a8
 from ..quantization.activations import ActivationScheme, int8_linear
-from ..quantization.cpu_native import ops, w4a8_ops
+from ....platforms.cpu.native import ops, w4a8_ops
 from ..quantization.linear_method import NATIVE, IntWeight
 from ..quantization.w8a8_kernels import W4A8, W8A8, ExactTarget, w4a8_forced, w8a8_forced
 from .a16_experts import register_stacks

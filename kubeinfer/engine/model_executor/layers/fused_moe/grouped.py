@@ -7,7 +7,7 @@ experts' row offsets) runs every expert at once, as transformers' CPU default do
 of products per active expert for a 32-expert layer at batch 1-256 here, and bit-equal to it (measured with
 the layer's shapes of benchmarks/bench_moe.py). Otherwise, and for dtypes it refuses, one pair per expert.
 
-`input_quant` (W8A8 experts, input_quant.py): the hidden states quantized before the gathered block (once per
+`input_quant` (W8A8 experts, expert_input_quant.py): the hidden states quantized before the gathered block (once per
 token, or per row with its expert's static scale), the activation's rows before the down product."""
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _ends(counts: list[int]) -> list[int]:
 
 def _product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None) -> None:
     """out = x @ weight.T (+ bias), in place. torch's own product even in a small CPU step, where the dense
-    projections go to OpenBLAS (layers/cpu_blas.py): an expert's few rows gain nothing from OpenBLAS's threads,
+    projections go to OpenBLAS (platforms/cpu/cpu_blas.py): an expert's few rows gain nothing from OpenBLAS's threads,
     and hundreds of its calls a step cost more than torch's one-thread products (measured on this machine)."""
     if bias is None:
         torch.mm(x, weight.t(), out=out)

@@ -38,7 +38,7 @@ exactly) and stacked over the experts for the kernel that multiplies them:
 `--quantization fp8` on a float checkpoint keeps its experts here too, where the kernel exists (CUDA): each
 expert quantized per output row to e4m3 as the loader reads it (fp8.Fp8Config.int_weight), values [E, N, K]
 one byte a weight and one float32 scale per expert and row, the activations quantized per token
-(input_quant.py) as the round trip on a CPU quantizes them.
+(expert_input_quant.py) as the round trip on a CPU quantizes them.
 
 The float stacks `gate_up_proj` / `down_proj` stay as shapes on the meta device: the kept bytes are what
 the parameters hold, so the start-up log's weight bytes (core/model_setup.py memory_summary) are the kept ones.

@@ -15,7 +15,7 @@ format) and are held as float. `weight_transform`, when
 set, maps each full weight in our [..., out, in] orientation before it is sliced and stored
 (--quantization fp8 on a float checkpoint where its experts are not kept e4m3, e.g. on a CPU: the per-channel
 round trip, before TP's slice, as for a dense layer).
-`input_quant` (input_quant.py), when set, quantizes the experts' inputs as W8A8 checkpoints define them.
+`input_quant` (expert_input_quant.py), when set, quantizes the experts' inputs as W8A8 checkpoints define them.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ and group of K), as triton_int_matmul.py does for a dense layer; the float stack
 inside one group (triton_utils.group_tile) multiplies the exact q - zero and scales the dot's fp32 sums, so a
 bf16 dot never rounds a scaled weight.
 
-`input_quant` (W8A8 experts, input_quant.py) quantizes in torch what the kernels read: the hidden states once
+`input_quant` (W8A8 experts, expert_input_quant.py) quantizes in torch what the kernels read: the hidden states once
 (or, with a static scale per expert, one row per pair, read with A_ROWS_PER_TOKEN 1), and the materialized
 activation's pair rows before the down GEMM.
 """

@@ -17,7 +17,7 @@ weight kernels), `python benchmarks/bench_w8a8.py`, one [tokens, 2048] x [8192, 
 interleaved, on the 2-core CPU at load average ~9: _int_mm / fake quantization 0.92-1.00 at 1 token,
 1.00-1.01 at 16, 0.44-0.67 at 64 (benchmarks/RESULTS.md, section w8a8), and it holds the weight in int8 (a
 quarter of float32's bytes). So a float32 CPU model runs int8 per-token W8A8 layers through _int_mm, or
-the native VNNI kernel that gives its bits faster (cpu_native/; w8a8.py; equal to the reference up to float
+the native VNNI kernel that gives its bits faster (platforms/cpu/native/; w8a8.py; equal to the reference up to float
 accumulation order), and everything else (FP8, static or
 group scales, bf16, CUDA) through fake quantization, the same torch code on every device (no CUDA kernel
 here could be checked). Dynamic per-tensor scales are refused: the reference takes them over one forward

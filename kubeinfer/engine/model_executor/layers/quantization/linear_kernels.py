@@ -13,7 +13,7 @@ from torch import nn
 
 from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..deferred_weight import allocated, device_of, stand_in
-from .cpu_native import a16_method, method, ops
+from ....platforms.cpu.native import a16_method, method, ops
 from .int_weight import IntWeight
 from .kernel_registry import ChoiceLog, Kernel, KernelRegistry
 from .weight_only import BF16_ACTIVATIONS, WeightOnlyIntMethod, attach
@@ -93,8 +93,8 @@ class Int4Pack(TorchKernel):
 
 
 class NativeKernel(Kernel):
-    """A native CPU kernel (cpu_native/): `twin` the torch product of the same width where the library does not
-    build, `sibling` the other width's native kernel (an int8 lm_head beside int4 layers)."""
+    """A native CPU kernel (platforms/cpu/native/): `twin` the torch product of the same width where the library
+    does not build, `sibling` the other width's native kernel (an int8 lm_head beside int4 layers)."""
 
     def __init__(self, name: str, twin: str, sibling: str, default: bool, why: str = "") -> None:
         self.name, self.twin, self.sibling, self.default, self.why = name, twin, sibling, default, why

@@ -15,9 +15,9 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   them through the kernel under TRITON_INTERPRET=1, for tests).
 - CPU, float32 model (the CPU default): int4 (groups of a multiple of 32, or per channel) and int8 (per channel
   or grouped, symmetric or not) kept, through the native exact A16 product (`cpu_int4_a16`, `cpu_int8_a16`;
-  cpu_native/a16_method.py, a16_linear.c): the activations rounded to bf16 as torch rounds them, nothing else
-  rounded, float32 sums in one fixed order (batch-invariant); W4A16 1.40x / 1.26x llama.cpp Q4_0 at batch 1 / 16,
-  W8A16 1.61x / 1.97x Q8_0 (whole engine; decoder layers run natively: models/native_decode.py).
+  platforms/cpu/native/a16_method.py, a16_linear.c): the activations rounded to bf16 as torch rounds them,
+  nothing else rounded, float32 sums in one fixed order (batch-invariant); W4A16 1.40x / 1.26x llama.cpp Q4_0 at
+  batch 1 / 16, W8A16 1.61x / 1.97x Q8_0 (whole engine; decoder layers run natively: platforms/cpu/native_decode.py).
   Where the library does not build with AVX-512 BF16 (no compiler, another CPU): torch's weight-only products with the activations, the
   dequantized weights and the output rounded to bf16 (`cpu_int4_bf16`, `cpu_int8_bf16`; int4 groups of 32-256,
   int8 per channel symmetric), the only way torch's products are fast here (float32 activations: 30-190x
@@ -27,13 +27,13 @@ without AMX, shared with other jobs, load 4-6: ratios, not absolute figures):
   transformers' with bf16-rounded inputs to the quantized layers. Other int layouts, and the weights of
   checkpoints that quantize activations (W8A8: w8a8.py quantizes them exactly, which a bf16 rounding would undo;
   W4A8's int4 stays packed, w4a8.py), are dequantized to float32. torch's products run on one torch thread in
-  decode steps and, with KUBEINFER_CPU_SHARE_CORES, in two halves on both cores (layers/two_cores.py;
-  benchmarks/RESULTS.md "cpu-decode-step"); the native ones on the native pool (cpu_native/ops.py).
+  decode steps and, with KUBEINFER_CPU_SHARE_CORES, in two halves on both cores (platforms/cpu/two_cores.py;
+  benchmarks/RESULTS.md "cpu-decode-step"); the native ones on the native pool (platforms/cpu/native/ops.py).
 - CPU, bf16/fp16 model: int4 through `_weight_int4pack_mm_for_cpu` (0.76x-1.44x bf16 F.linear's time at one
   token, on a par at 16, a quarter of the memory); int8 dequantized to bf16 (`_weight_int8pack_mm` was
   0.29-1.0x at one token but 1.6-1.9x at 16).
 - CPU, opt-in (KUBEINFER_QUANT_KERNEL=cpu_int8_vnni / cpu_int4_vnni): llama.cpp's arithmetic through the native
-  AVX-512 VNNI kernels (cpu_native/): activations quantized per block of 32 as its Q8_0, integer block sums;
+  AVX-512 VNNI kernels (platforms/cpu/native/): activations quantized per block of 32 as its Q8_0, integer block sums;
   int8 or int4 weights by channel or groups of a multiple of 32, symmetric or not; whole decoder layers natively
   in decode steps. Faster still (benchmarks/RESULTS.md "cpu-native-vnni", "cpu-a16-native"), but it changes a
   weight-only checkpoint's numerics (its activations are 16-bit), so it is never the default.

@@ -6,7 +6,7 @@ The reference (the compressed-tensors forward wrapper that transformers runs) fa
 dequantizes the weight (q * scale, float32) and runs the float product. Here the same int8 activations
 (activations.py's quantization, bit for bit; in C by ki_quantize_token_int8 where it builds) and the int4 values
 give exact int32 sums per weight group, and out = sum over the groups, in order, of fl(isum_g * fl(x_scale *
-w_scale_g)) in float32 (cpu_native/w4a8_linear.c; w4a8_ops.int_mm_product computes the same bits through
+w_scale_g)) in float32 (platforms/cpu/native/w4a8_linear.c; w4a8_ops.int_mm_product computes the same bits through
 torch._int_mm). It differs from the reference by float rounding only (the reference rounds each product and sum
 of its float32 GEMM), and a token's output does not depend on its batch.
 
@@ -20,7 +20,7 @@ asymmetric activation scales, weight-only config groups beside the W4A8 ones), w
 computation. Tensor parallelism: each rank holds its slice of the integers (int_weights.py; a column cut inside
 a weight group regroups it, IntWeight.narrow) and a row-parallel rank quantizes its slice with the whole token's
 range (w8a8_tp.range_reducer). LoRA: the adapter reads the unquantized input beside this product (w8a8.py).
-Decode steps run whole decoder layers natively with it (models/native_decode.py, the same bits).
+Decode steps run whole decoder layers natively with it (platforms/cpu/native_decode.py, the same bits).
 
 Speed (benchmarks/RESULTS.md "quantized-decode-w4a8", the 222M `large` model, 2 cores, load 0.9-1.0, 5
 interleaved rounds, best / median): 281.3 / 228.0 tok/s at batch 1 and 1317 / 1182 at 16, against 22.2 / 22.1 and
@@ -37,7 +37,7 @@ from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..deferred_weight import allocated, device_of
 from ..vocab_parallel import ParallelLMHead
 from .activations import ActivationScheme
-from .cpu_native import w4a8_ops
+from ....platforms.cpu.native import w4a8_ops
 from .linear_method import NATIVE, IntWeight
 from .w8a8_tp import range_reducer
 

@@ -24,7 +24,7 @@ from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..deferred_weight import device_of
 from . import w4a8
 from .activations import ActivationScheme, fake_quantize, int8_linear
-from .cpu_native import ops as native_ops
+from ....platforms.cpu.native import ops as native_ops
 from .errors import QuantizationError
 from .kernel_registry import Choice, ChoiceLog
 from .linear_method import attach, dense
@@ -48,7 +48,8 @@ class ActivationQuantMethod:
         if int_mm is not None:  # int8 weights [in, out] and their row scales replace the float weight
             # parameters, as linear_method's: the start-up log's weight bytes count them
             self.kernel = kernel or _int8_kernel(int_mm[0].shape[0])  # w8a8_kernels.py's choice
-            if self.kernel == "int8_vnni":  # the native kernel's layout (cpu_native/kernels.c), one byte a weight
+            # the native kernel's layout (platforms/cpu/native/kernels.c), one byte a weight
+            if self.kernel == "int8_vnni":
                 layer.register_parameter("qweight_vnni", nn.Parameter(native_ops.pack_int8(int_mm[0].t()),
                                                                       requires_grad=False))
             else:
@@ -197,7 +198,7 @@ def _segments(layer: nn.Linear, shards: dict, scheme: ActivationScheme):
 def _int_mm_applies(layer: nn.Linear, scheme: ActivationScheme) -> bool:
     """Exact int8 products (int32 sums) for a float32 CPU model's int8 inputs per token, with int8 weights held:
     torch._int_mm (activations.py: measured, it ties fake quantization at 1 and 16 tokens and wins at 64) or,
-    where it builds, the native VNNI kernel (cpu_native/: the same bits; one [tokens, 2048] x [8192, 2048]
+    where it builds, the native VNNI kernel (platforms/cpu/native/: the same bits; one [tokens, 2048] x [8192, 2048]
     product, activation quantization included, ms at 1 / 16 tokens: 0.55 / 1.78 against _int_mm's 1.79 / 2.45
     on one thread, 0.55 / 1.14 against 1.13 / 1.43 on two, same run, load 5.5; benchmarks/RESULTS.md
     "cpu-native-vnni"). Not under bf16/fp16: there the reference rounds the dequantized

@@ -1,6 +1,6 @@
 """W8A8 inside the MoE experts: the activation schemes of a checkpoint's per-expert projections
 (`experts.E.gate_proj / up_proj / down_proj`, Mixtral's w1 / w3 / w2), gathered per MoE layer and installed on
-its stacked experts as one ExpertInputQuant (layers/fused_moe/input_quant.py), which quantizes the hidden
+its stacked experts as one ExpertInputQuant (quantization/expert_input_quant.py), which quantizes the hidden
 states before the gate/up product and each (token, expert) intermediate row before the down product.
 
 Served: every expert of a layer with the same scheme per projection (gate/up and down may differ, or one of
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..fused_moe.input_quant import ExpertInputQuant
+from .expert_input_quant import ExpertInputQuant
 from .activations import ActivationScheme
 from .errors import QuantizationError
 from .w8a8_tp import whole_token_range

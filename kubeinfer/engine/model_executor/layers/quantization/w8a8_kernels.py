@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cpu_native import ops as native_ops
+from ....platforms.cpu.native import ops as native_ops
 from .kernel_registry import Kernel, KernelRegistry
 
 W8A8 = KernelRegistry("w8a8")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import two_cores
+from ....platforms.cpu import two_cores
 from .int_weight import IntWeight
 
 # torch's CPU weight-only products with the activations rounded to bf16 (the format's "A16") in a float32 model
@@ -70,7 +70,7 @@ class WeightOnlyIntMethod:
         bias = layer.bias if bias else None
         if self.kernel in ("cpu_int4", "cpu_int8"):
             rows = x.reshape(-1, x.shape[-1]).to(self.act_dtype)  # no copy when the dtypes agree
-            # In a small step the large products run in two halves on both cores (layers/two_cores.py).
+            # In a small step the large products run in two halves on both cores (platforms/cpu/two_cores.py).
             if self.kernel == "cpu_int4":
                 out = two_cores.product(lambda w, sz: torch.ops.aten._weight_int4pack_mm_for_cpu(
                     rows, w, self.group_size, sz), len(rows), (layer.qweight, layer.scales_and_zeros),

@@ -12,6 +12,7 @@
  * (~290 GMAC/s a core). Two row groups times four tokens a tile (before) is 1.1-1.2x faster with the weights in
  * cache (and the prefetch costs ~10% there at one token), but 1.1-2x slower from memory (two streams, each tile
  * reading them again). */
+#include "kubeinfer_cpu.h"
 
 #ifndef Q8_TILE /* (-D: benchmarks/bench_q8_0_shapes.py --variants) */
 #define Q8_TILE 8        /* tokens per tile: each weight vector feeds 8 of them */

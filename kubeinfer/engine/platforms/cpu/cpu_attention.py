@@ -1,4 +1,4 @@
-"""Decode attention on the CPU through the native kernels (quantization/cpu_native/attention.c).
+"""Decode attention on the CPU through the native kernels (platforms/cpu/native/attention.c).
 
 A step's decode rows attend in one C call per layer: each (sequence, KV head) pair on the kernels' thread pool
 reads its context in place through the block table (no gather of the context, no mask), softmax in float32. It
@@ -13,12 +13,11 @@ index_copy_ of write_kv_cache): the rows are cast to the cache's type by the sam
 (to_cache_dtype: fp8 saturation included), so the cache holds the same bytes."""
 from __future__ import annotations
 
-import ctypes
 
 import torch
 
-from .quantization.cpu_native import ops
-from .quantization.kv_cache_dtype import to_cache_dtype
+from .native import ops
+from ...model_executor.layers.quantization.kv_cache_dtype import to_cache_dtype
 
 CACHE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}  # attention.c's
 QUERY_TYPES = (torch.float32, torch.bfloat16)
@@ -32,9 +31,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, meta, softcap, sinks) -> bool
 
 
 def _kernel():
-    p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    return ops.kernel("ki_decode_attention", [p, n, i, p, p, n, p, p, p, i, p, p, n, p, i, i, i, i, i, i,
-                                              ctypes.c_float, p], i)
+    return ops.kernel("ki_decode_attention")  # bindings.py's signature
 
 
 def byte_values(dtype: torch.dtype) -> torch.Tensor:

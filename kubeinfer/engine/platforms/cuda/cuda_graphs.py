@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import torch
 
-from .layers.attention import AttentionMetadata
+from ...model_executor.layers.attention import AttentionMetadata
 
 MAX_CAPTURED_BATCH = 512  # beyond this a decode step is compute-bound and a graph saves nothing that matters
 # The static per-row inputs, in their rows' order (input ids, positions, KV slots, context lengths, adapter
@@ -112,8 +112,8 @@ class DecodeGraphs:
                 self.lora_replays[size], pool = capture(self._lora_step_for(size), pool)
 
     def _lora_step_for(self, size: int) -> Callable[[], None]:
-        from ..lora.layers import LoRAContext
-        from ..lora.triton_ops import TokenPlan
+        from ...lora.layers import LoRAContext
+        from ...lora.triton_ops import TokenPlan
 
         plan = TokenPlan(self.lora_pool, self.lora_slots[:size])
         step = self._step_for(size, LoRAContext(self.lora_pool, [], kernel_plan=plan))

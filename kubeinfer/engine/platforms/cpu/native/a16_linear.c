@@ -28,6 +28,7 @@
  * load a step in the first tile of a load-bound loop), nothing at 1 token. Speeds against the kernel before these
  * tilings and the prefetch (benchmarks/RESULTS.md "cpu-a16-kernel", one thread): int4 0.96-1.04x on cached weights,
  * 1.2-1.75x on cold ones (the layers larger than the caches); int8 1.4x at 16 tokens. */
+#include "kubeinfer_cpu.h"
 
 #if KI_VNNI && defined(__AVX512BF16__)
 #define KI_A16_BF16 1

@@ -15,7 +15,6 @@ thread one of them; after a call the workers spin KUBEINFER_CPU_NATIVE_SPIN_US m
 for the next one, then sleep, so they do not hold the cores that OpenBLAS and torch use between calls."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import threading
@@ -25,8 +24,8 @@ import torch
 
 import kubeinfer.engine.envs as envs
 from kubeinfer.engine.kernel_config import setting as kernel_setting
-from ..activations import ActivationScheme, dynamic_qparams, quantize
-from . import build
+from ....model_executor.layers.quantization.activations import ActivationScheme, dynamic_qparams, quantize
+from . import bindings, build
 from .build import load
 
 ROWS, BLOCK = 16, 32
@@ -35,7 +34,7 @@ logger = logging.getLogger(__name__)
 _state: dict = {}
 _held = threading.local()  # .layers: layers_enabled()'s answer in this thread's step (layers_switch_held)
 _UNREAD = object()  # in a step, before its first layers_enabled()
-EBOUNDS = -3  # kernels.c's KI_EBOUNDS
+EBOUNDS = bindings.EBOUNDS  # kubeinfer_cpu.h's KI_EBOUNDS
 
 
 class NativeArgumentError(ValueError):
@@ -60,11 +59,10 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-# Each pointer followed by its buffer's length in bytes (kernels.c's argument checks).
-W8A8_SIGNATURE = ([_P, _L, _P, _L, _I, _I, _P, _L, _P, _L, _I, _P, _L], _I)
-QUANTIZE_TOKEN_SIGNATURE = ([_P, _L, _I, _I, _P, _L, _P, _L], _I)
-PACKED_SIGNATURE = ([_P, _L, _I, _I, _P, _L, _I, _P, _L, _P, _L, _I, _I, _I, _P, _L], _I)  # q8_0 and a16 linear
+# Each pointer followed by its buffer's length in bytes (the C side's argument checks); declared in bindings.py.
+W8A8_SIGNATURE = bindings.SIGNATURES["ki_w8a8"]
+QUANTIZE_TOKEN_SIGNATURE = bindings.SIGNATURES["ki_quantize_token_int8"]
+PACKED_SIGNATURE = bindings.SIGNATURES["ki_q8_0_linear"]  # q8_0 and a16 linear
 
 
 def quantize_token_int8(rows: torch.Tensor, q: torch.Tensor, sx: torch.Tensor) -> None:
@@ -93,12 +91,7 @@ def library():
         if lib is None:
             logger.warning("native CPU int8 kernels unavailable, using torch's: %s", why)
         else:
-            p, i = ctypes.c_void_p, ctypes.c_int
-            lib.ki_init.argtypes, lib.ki_init.restype = [i, ctypes.c_long], i
-            lib.ki_w8a8.argtypes, lib.ki_w8a8.restype = W8A8_SIGNATURE
-            lib.ki_q8_0_linear.argtypes, lib.ki_q8_0_linear.restype = PACKED_SIGNATURE
-            lib.ki_quantize_q8_0.argtypes, lib.ki_quantize_q8_0.restype = [p, i, i, p, p, p], None
-            lib.ki_quantize_token_int8.argtypes, lib.ki_quantize_token_int8.restype = QUANTIZE_TOKEN_SIGNATURE
+            bindings.declare(lib)
             lib.ki_init(default_threads(), envs.CPU_NATIVE_SPIN_US.get())
         _state["lib"] = lib
     return _state["lib"]
@@ -115,9 +108,9 @@ def available() -> bool:
 
 def layers_enabled() -> bool:
     """Whether a CPU model's non-matmul ops (decode attention, norms, activation, rotary) run through the native
-    kernels, and with them whole decoder layers of a decode step (models/native_decode.py);
-    the engine's kernels.cpu_native_layers False (KUBEINFER_CPU_NATIVE_LAYERS=0) keeps them in torch (default on,
-    where the library is built). Read at every call, except inside `layers_switch_held` (an engine step): once there."""
+    kernels, and with them whole decoder layers of a decode step (platforms/cpu/native_decode.py);
+    the engine's cpu_native_layers False (KUBEINFER_CPU_NATIVE_LAYERS=0) keeps them in torch (default on, where
+    the library is built). Read at every call, except inside `layers_switch_held` (an engine step): once there."""
     held = getattr(_held, "layers", None)
     if held is None:
         return _read_layers_switch()
@@ -242,16 +235,16 @@ def packed_linear(kernel, name: str, x: torch.Tensor, packed: torch.Tensor, bits
     return out if flat else out.view(*x.shape[:-1], out_features)
 
 
-def kernel(name: str, argtypes: list, restype):
-    """The library's function `name` with its ctypes signature set, looked up once per loaded library (_state:
-    cleared with it); None where no library is built."""
+def kernel(name: str, argtypes: list | None = None, restype=None):
+    """The library's function `name` with its ctypes signature set (bindings.py's unless given), looked up once
+    per loaded library (_state: cleared with it); None where no library is built."""
     fn = _state.get(name)
     if fn is None:
         lib = library()
         if lib is None:
             return None
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
+        fn.argtypes, fn.restype = bindings.SIGNATURES[name] if argtypes is None else (argtypes, restype)
         _state[name] = fn
     return fn
 

@@ -1,11 +1,11 @@
-"""The ctypes side of cpu_native/decoder_layer.c: whole decoder layers of a CPU decode step in one C call.
+"""The ctypes side of platforms/cpu/native/decoder_layer.c: whole decoder layers of a CPU decode step in one C call.
 
 `Layers` holds a run of consecutive layers' descriptors (their weights' pointers, prepared once; the tensors kept
 alive here) and the step's scratch (grown to the largest batch seen, reused). `Layers.run` takes only the step's
 pointers: the input and residual, positions, each layer's K/V caches and the step's metadata per window. The caches
 are float32, bfloat16 or fp8 (e4m3 / e5m2), all of one type; the C side rounds the step's K/V rows to it as
 kv_cache_dtype.to_cache_dtype does. Which layers qualify, and when a step may take this path, is
-models/native_decode.py's business."""
+platforms/cpu/native_decode.py's business."""
 from __future__ import annotations
 
 import ctypes
@@ -13,9 +13,9 @@ import ctypes
 import torch
 
 from .cpu_attention import CACHE_KINDS, byte_values
-from .quantization.cpu_native import ops
-from .quantization.cpu_native.a16_method import A16Method
-from .quantization.w4a8 import W4A8Method
+from .native import ops
+from .native.a16_method import A16Method
+from ...model_executor.layers.quantization.w4a8 import W4A8Method
 
 P, INT, LONG, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 CACHE_TYPES = CACHE_KINDS  # decoder_layer.c's cache types: ki_decode_attention's kinds
@@ -40,9 +40,7 @@ class Layer(ctypes.Structure):
 
 def _kernel(name: str):
     """The library's `name` with its signature (ops.kernel: looked up once per loaded library)."""
-    signatures = {"ki_decoder_scratch_floats": ([P], ctypes.c_size_t),
-                  "ki_decoder_layers": ([P, INT, P, P, INT, INT, P, P, P, P, INT, P, LONG, P, P, LONG], INT)}
-    return ops.kernel(name, *signatures[name])
+    return ops.kernel(name)  # bindings.py's signature
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -3,23 +3,21 @@ cores), the weights read in their own row-major layout. Each output element is s
 (f32_linear.c), so a token's logits do not depend on the batch size or the thread count, and the portable twin
 gives the same bits.
 
-Used for the lm_head (layers/native_lm_head.py) and for a float32 model's projections in steps of 2-16 tokens
-(layers/cpu_blas.py): every projection native was 1.47-1.51x tok/s at batch 16 but 0.89-0.98x at batch 1, where
+Used for the lm_head (platforms/cpu/native_lm_head.py) and for a float32 model's projections in steps of 2-16 tokens
+(platforms/cpu/cpu_blas.py): every projection native was 1.47-1.51x tok/s at batch 16 but 0.89-0.98x at batch 1, where
 OpenBLAS reads one token's weights faster, and OpenBLAS's blocked gemm wins from 32 tokens. Figures:
 benchmarks/RESULTS.md "native-f32-linear"."""
 from __future__ import annotations
 
-import ctypes
 
 import torch
 
-from . import ops
+from . import bindings, ops
 
 MAX_TOKENS = 64  # larger products (prefill) keep torch's / OpenBLAS's blocked GEMM
 
 
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-SIGNATURE = ([_P, _L, _I, _I, _P, _L, _I, _P, _L, _I], _I)  # each pointer then its buffer's bytes
+SIGNATURE = bindings.SIGNATURES["ki_f32_linear"]  # each pointer then its buffer's bytes
 
 
 def _kernel():

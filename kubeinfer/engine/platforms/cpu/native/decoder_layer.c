@@ -1,5 +1,5 @@
 /* Whole Llama-family decoder layers of a decode step in one call (#included at the end of kernels.c;
- * layers/cpu_decoder.py prepares the descriptors and calls it, models/native_decode.py decides when).
+ * cpu_decoder.py prepares the descriptors and calls it, native_decode.py decides when).
  *
  * Each layer is the per-module native path's calls, in its order and with its arguments, so the same bits:
  * ki_rms_norm (input norm, the residual add inside), ki_q8_0_linear (fused qkv) plus its bias, the optional
@@ -9,6 +9,7 @@
  * What saves time is only what is no longer between them: ~40 us of Python a layer at batch 1.
  * A cache in another type than float32 (bf16, fp8 e4m3 / e5m2): the step's K/V rows are rounded to it first, as
  * kv_cache_dtype.to_cache_dtype rounds them in the per-module path (kd_to_cache), so the cache gets the same bytes. */
+#include "kubeinfer_cpu.h"
 
 typedef struct {
     const uint8_t *w;
@@ -18,13 +19,13 @@ typedef struct {
     long w_bytes, scale_bytes, bias_bytes, offset_bytes; /* the buffers' lengths (the products check against them) */
 } ki_proj;
 
-typedef struct {                      /* the step's attention metadata for one window */
+typedef struct ki_view {              /* the step's attention metadata for one window */
     const int64_t *slots, *tables, *lens;
     long table_stride;
     int window;                       /* <= 0: none */
 } ki_view;
 
-typedef struct {
+typedef struct ki_layer {
     ki_proj qkv, o, gate_up, down;
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* q_norm, k_norm: NULL for none */
     const float *cos, *sin;           /* [max_positions, D / 2] */

@@ -5,12 +5,11 @@ the same bits as compressed-tensors' fake quantization) with exact int32 sums pe
 out = sum over groups, in order, of fl(isum_g * fl(x_scale * w_scale_g)), float32, no fused multiply-add."""
 from __future__ import annotations
 
-import ctypes
 
 import torch
 
-from ..activations import ActivationScheme, dynamic_qparams, quantize
-from . import ops
+from ....model_executor.layers.quantization.activations import ActivationScheme, dynamic_qparams, quantize
+from . import bindings, ops
 
 
 def takes(cols: int, groups: int, group_size: int) -> bool:
@@ -42,10 +41,8 @@ def quantized_tokens(rows: torch.Tensor, scheme: ActivationScheme, reduce_range=
     return q, scale.to(torch.float32).reshape(-1).contiguous()
 
 
-_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 # each pointer followed by its buffer's length in bytes (the C side's argument checks)
-SIGNATURES = {"ki_w4a8": ([_P, _L, _P, _L, _I, _I, _P, _L, _P, _L, _I, _I, _I, _P, _L], _I),
-              "ki_w4a8_f32": ([_P, _L, _I, _I, _P, _L, _P, _L, _I, _I, _I, _P, _L], _I)}
+SIGNATURES = {name: bindings.SIGNATURES[name] for name in ("ki_w4a8", "ki_w4a8_f32")}
 
 
 def _kernel():

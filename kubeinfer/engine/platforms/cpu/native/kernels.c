@@ -1,4 +1,4 @@
-/* Integer-dot-product kernels for quantized linear layers on the CPU (cpu_native/__init__.py says why).
+/* Integer-dot-product kernels for quantized linear layers on the CPU (native/__init__.py says why).
  *
  * Weights are repacked at load (ops.py) so that one 64-byte vector holds 16 output rows x 4 inputs: each
  * int32 lane of AVX-512 VNNI's vpdpbusd (u8 x s8, four products summed into an int32) is one output row, the
@@ -19,6 +19,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "kubeinfer_cpu.h"
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(KI_PORTABLE)
 #include <immintrin.h>
 #define KI_VNNI 1
@@ -37,7 +39,6 @@ int ki_has_vnni(void) { return KI_VNNI; }
  * length in bytes of each buffer it reads or writes and refuses, before touching any, a call whose dimensions
  * would reach past one: KI_EBOUNDS, nothing read or written (the Python side raises). A check is a few integer
  * operations per call. */
-#define KI_EBOUNDS (-3)
 
 /* Whether a * b * elem bytes (each >= 0, no overflow) fit in `have` bytes. */
 static inline int ki_fits(long have, long a, long b, long elem) {

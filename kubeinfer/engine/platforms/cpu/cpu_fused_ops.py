@@ -1,4 +1,4 @@
-"""Native CPU kernels for a decode step's small ops (cpu_native/decode_ops.c): RMSNorm with its residual add,
+"""Native CPU kernels for a decode step's small ops (platforms/cpu/native/decode_ops.c): RMSNorm with its residual add,
 silu(gate) * up, and rotary embeddings in place. Each replaces 3-8 torch kernels with one pass over each row;
 at batch 1 a step's ~100 such calls are most of its time outside the products.
 
@@ -9,17 +9,13 @@ sum and the rotation are torch's bits; the norm and the activation within a few 
 another order)."""
 from __future__ import annotations
 
-import ctypes
 
 import torch
 
-from .quantization.cpu_native import ops
+from .native import bindings, ops
 
 MAX_BF16_NORM = 16384  # decode_ops.c's KI_NORM_MAX: a bf16 row is widened into a stack buffer
-_P, _I, _LONG, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-SIGNATURES = {"ki_rms_norm": ([_P, _LONG, _LONG, _P, _P, _P, _P, _I, _I, _I, _F, _I], _I),
-              "ki_silu_mul": ([_P, _LONG, _P, _I, _I], None),
-              "ki_rotary": ([_P, _LONG, _LONG, _P, _P, _P, _I, _I, _I, _I], _I)}
+SIGNATURES = {name: bindings.SIGNATURES[name] for name in ("ki_rms_norm", "ki_silu_mul", "ki_rotary")}
 
 
 def _kernel(name: str):

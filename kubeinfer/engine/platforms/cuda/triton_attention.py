@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ...triton_utils import MIN_DOT, must_upcast, unit_last_stride
-from .attention import AttentionBackend
+from ...model_executor.layers.attention import AttentionBackend
 
 NO_WINDOW = 1 << 30  # a sliding window wider than any context: full attention without a branch
 

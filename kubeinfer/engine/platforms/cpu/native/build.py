@@ -24,6 +24,7 @@ import kubeinfer.engine.envs as envs
 
 SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "decoder_layer.c", "f32_linear.c",
            "a16_linear.c", "a16_tiles.c", "w4a8_linear.c")
+HEADER = "kubeinfer_cpu.h"  # every source includes it: part of the cache key
 HERE = Path(__file__).parent
 
 
@@ -75,7 +76,7 @@ def build(portable: bool | None = None) -> Path:
         raise RuntimeError(f"C compiler {cc} does not run: {exc}") from exc
     args = flags(portable, sanitizer())
     digest = hashlib.sha256()
-    for part in [*(HERE / s for s in SOURCES)]:
+    for part in [*(HERE / s for s in SOURCES), HERE / HEADER]:
         digest.update(part.read_bytes())
     digest.update(version.encode())
     digest.update(" ".join([cc, *args, platform.machine(), _cpu_features()]).encode())

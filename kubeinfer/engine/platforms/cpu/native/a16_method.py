@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import bindings, ops
 from .method import PackedIntMethod
 
 KERNELS = {"cpu_int8_a16": 8, "cpu_int4_a16": 4}
@@ -65,7 +65,7 @@ def fast() -> bool:
     return bool(lib is not None and lib.ki_has_a16_bf16())
 
 
-SIGNATURE = ops.PACKED_SIGNATURE  # ki_a16_linear's: ki_q8_0_linear's (each pointer then its buffer's bytes)
+SIGNATURE = bindings.SIGNATURES["ki_a16_linear"]  # ki_q8_0_linear's (each pointer then its buffer's bytes)
 
 
 def kernel():

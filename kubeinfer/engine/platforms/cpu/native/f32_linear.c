@@ -13,6 +13,7 @@
  * j (0..15) sums w[k] * x[k] for k = j, j + 16, ... with one fused multiply-add each, in order, the inputs past
  * K read as zeros; then the 16 lanes in a tree: j += j + 8, j += j + 4, j += j + 2, then lane 0 + lane 1. The
  * portable twin (KI_PORTABLE) does the same operations in the same order: the same bits. */
+#include "kubeinfer_cpu.h"
 
 #define F32_LANES 16
 #define F32_RT 4     /* rows per tile (several tokens) */

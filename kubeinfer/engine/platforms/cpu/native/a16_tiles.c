@@ -1,5 +1,6 @@
 /* The tile kernels of a16_linear.c (included by it), in the summation order of its docstring; which runs where:
  * a16_linear.c's a16_task. */
+#include "kubeinfer_cpu.h"
 
 /* bf16(i - 15), i = 0..31: int4 weights through vpermw, indexed by nibble + 7 - zero. */
 static const int16_t a16_table[32] = {

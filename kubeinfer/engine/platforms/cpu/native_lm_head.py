@@ -1,7 +1,7 @@
 """The logits product of a CPU model whose lm_head is float32 (float32 models, and the quantized checkpoints that
 leave lm_head float, as llm-compressor's `ignore: [lm_head]` does; a tied embedding's too; a head the checkpoint
 quantizes keeps its quant method's product) through the native float32 product
-(quantization/cpu_native/f32_linear.c) in small steps: both cores through the native pool, where OpenBLAS's
+(platforms/cpu/native/f32_linear.c) in small steps: both cores through the native pool, where OpenBLAS's
 product of 16 tokens ran at about one core's multiply-add peak.
 
 Taken where: tensor parallelism off (the caller), the head float32 on the CPU without bias or quantization
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import cpu_blas
-from .quantization.cpu_native import f32_ops
+from .native import f32_ops
 
 
 def use_native_lm_head(model: nn.Module) -> bool:

@@ -1,4 +1,5 @@
-"""A CPU decode step's Llama-family decoder layers in one native call (layers/cpu_decoder.py, cpu_native/
+"""A CPU decode step's Llama-family decoder layers in one native call (platforms/cpu/cpu_decoder.py,
+platforms/cpu/native/
 decoder_layer.c) instead of ~10 module calls each: at batch 1 the Python between the native kernels was ~40 us a
 layer, a fifth of a 5.5 ms step. The same C kernels in the same order as the per-module path: the same bits.
 
@@ -20,14 +21,14 @@ import torch
 import torch.nn.functional as F
 
 from kubeinfer.engine.kernel_config import setting as kernel_setting
-from ..layers import cpu_decoder
-from ..layers.attention import TorchAttentionBackend
-from ..layers.layernorm import RMSNorm
-from ..layers.quantization.cpu_native import ops
-from ..layers.quantization.cpu_native.a16_method import A16Method
-from ..layers.quantization.cpu_native.method import NativeIntMethod
-from ..layers.quantization.w4a8 import W4A8Method
-from ..layers.rotary_embedding import RotaryEmbedding
+from . import cpu_decoder
+from ...model_executor.layers.attention import TorchAttentionBackend
+from ...model_executor.layers.layernorm import RMSNorm
+from .native import ops
+from .native.a16_method import A16Method
+from .native.method import NativeIntMethod
+from ...model_executor.layers.quantization.w4a8 import W4A8Method
+from ...model_executor.layers.rotary_embedding import RotaryEmbedding
 
 PLAN = "_native_decode_plan"
 

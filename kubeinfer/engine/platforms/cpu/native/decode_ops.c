@@ -13,6 +13,7 @@
  *   Sleef exp is within 1): a few ulps of torch.
  * - rotary: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) in float32: the products and sums of
  *   RotaryEmbedding.rotate, so torch's bits. */
+#include "kubeinfer_cpu.h"
 
 #define KI_PAR_ELEMS 65536 /* below this many elements a call runs on the calling thread alone */
 

@@ -20,6 +20,7 @@
  * 16-position scores with AVX-512, its 16 K rows widened into a tile first, and its V rows are widened once per
  * position for the whole query group (each query's sums in the same order as one query at a time: the same
  * bits), not once per query. */
+#include "kubeinfer_cpu.h"
 
 #define KA_LANES 16
 

@@ -17,6 +17,7 @@
  * From 5 tokens (bound by vpdpbusd) two row groups at once times up to W4_TILE tokens, the first tile prefetching
  * the next pair: 6 tokens a tile ran 1.2x faster than 8 (whose 16 accumulators gcc spilled) and 4 or 5 (more
  * unpacking per product) on the 222M model's shapes (benchmarks/RESULTS.md "cpu-w4a8-kernel"). */
+#include "kubeinfer_cpu.h"
 
 #ifndef W4_TILE
 #define W4_TILE 6

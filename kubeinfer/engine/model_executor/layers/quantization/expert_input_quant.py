@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..quantization.activations import ActivationScheme, fake_quantize
+from .activations import ActivationScheme, fake_quantize
 
 
 class ExpertInputQuant(nn.Module):

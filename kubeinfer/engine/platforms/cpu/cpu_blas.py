@@ -27,7 +27,7 @@ threads for a W8A16 model's whole step instead (lm_head through torch, KUBEINFER
 a core (a barrier waits for a descheduled worker); with OpenBLAS on both cores for lm_head as well (two
 pools), 1.35-1.55x slower than one thread.
 Steps of 2-16 tokens (and any KUBEINFER_CPU_NATIVE_LAYERS step's lm_head, native_lm_head.py) take the native
-float32 product instead, on the native kernels' pool (quantization/cpu_native/f32_linear.c), where the library
+float32 product instead, on the native kernels' pool (platforms/cpu/native/f32_linear.c), where the library
 builds and KUBEINFER_CPU_NATIVE_LAYERS is on: per call at 2 / 4 / 16 tokens it was 4.6 / 3.2 / 1.9x faster than
 OpenBLAS on the qkv product of the 222M benchmark model and 3.5 / 3.3 / 0.95x on gate_up, while one token (a
 read of the weights, 49 against OpenBLAS's 56 GB/s) and 32+ tokens (OpenBLAS's blocked gemm, 1.3-2x) stay on
@@ -48,7 +48,7 @@ from torch import nn
 import kubeinfer.engine.envs as envs
 from kubeinfer.engine.kernel_config import setting as kernel_setting
 from . import two_cores
-from .quantization.cpu_native import f32_ops
+from .native import f32_ops
 
 # Per thread, as torch's thread count is (OpenMP keeps it per thread): engines stepping on two threads
 # of one process do not change each other's.
