@@ -3,7 +3,8 @@ rotary;
 platforms/cpu/cpu_attention.py: the decode attention) or torch, on the large model of bench_quantized_decode.py
 (222M; its
 checkpoints under .cache, built on first use): float32 and W8A16 through KUBEINFER_QUANT_KERNEL=cpu_int8_vnni, batch
-1 and 16. One engine per model; the switch KUBEINFER_CPU_NATIVE_LAYERS (read at each step) flips between rounds, on
+1 and 16. One engine per model; the switch KUBEINFER_CPU_NATIVE_LAYERS (the engine's
+kernels.cpu_native_layers, flipped on the built engine) flips between rounds, on
 and off alternating in each round and their order swapped round to round, so both see the same load; best and median
 round, ms per decode step.
 
@@ -40,9 +41,9 @@ def measure(system: EngineSystem, batch: int, repeats: int) -> dict[str, list[fl
     system.rate(prompts)  # warm-up
     for r in range(repeats):
         for switch in ("1", "0") if r % 2 == 0 else ("0", "1"):
-            os.environ["KUBEINFER_CPU_NATIVE_LAYERS"] = switch
+            system.llm.engine.runner.kernels.cpu_native_layers = switch == "1"  # the engine's, seen at its next step
             steps[switch].append(batch / system.rate(prompts) * 1e3)
-    os.environ.pop("KUBEINFER_CPU_NATIVE_LAYERS", None)
+    system.llm.engine.runner.kernels.cpu_native_layers = True
     return steps
 
 

@@ -6,6 +6,8 @@ import copy
 import importlib.util
 from dataclasses import dataclass, field
 
+from .kernel_config import KernelConfig, variable_default
+
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's CacheDType spellings
 # KV cache memory when the user gives no block count and the device is a CPU (vLLM's CPU default is 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
@@ -60,8 +62,18 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # node 0's address, where the group meets
     master_port: int | None = None  # None: a free port (one node only)
     distributed_timeout: float = 60.0  # seconds a rank may stay silent in a step before the engine dies
+    # Which kernels the layers use (`kernels`, kernel_config.KernelConfig says what each means): the KUBEINFER_*
+    # variables fill these defaults when this config is built, and the layers read the engine's, not the variables
+    quant_kernel: str | None = field(default_factory=variable_default("quant_kernel"))  # KUBEINFER_QUANT_KERNEL
+    w8a8_kernel: str = field(default_factory=variable_default("w8a8_kernel"))  # KUBEINFER_W8A8_KERNEL
+    cpu_native_layers: bool = field(default_factory=variable_default("cpu_native_layers"))
+    cpu_fused_layers: bool = field(default_factory=variable_default("cpu_fused_layers"))
+    cpu_share_cores: str = field(default_factory=variable_default("cpu_share_cores"))
+    cpu_openblas: bool = field(default_factory=variable_default("cpu_openblas"))
 
     def __post_init__(self) -> None:
+        self.kernels  # noqa: B018  (checks the kernel fields)
+
         def positive(name: str) -> None:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -100,6 +112,11 @@ class EngineConfig:
             on_gpu = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
             self.attention_backend = "triton" if on_gpu else "torch"
 
+
+    @property
+    def kernels(self) -> KernelConfig:
+        """A new KernelConfig of this config's kernel fields (each ModelRunner holds its own)."""
+        return KernelConfig(**{name: getattr(self, name) for name in KernelConfig.field_names()})
 
     @property
     def world_size(self) -> int:

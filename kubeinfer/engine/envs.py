@@ -37,28 +37,33 @@ def _default_cache_dir(text: str) -> str:
 
 
 QUANT_KERNEL: EnvVar[str | None] = EnvVar(
-    "KUBEINFER_QUANT_KERNEL", "forces the quantized layers' kernel where it applies (docs/quantization.md)",
+    "KUBEINFER_QUANT_KERNEL", "forces the quantized layers' kernel where it applies (docs/quantization.md); the "
+    "default of EngineConfig.quant_kernel, read when an engine is built (so for all that follow)",
     lambda text: text_or_none(one_of(QUANT_KERNELS, allow_empty=True)(text)),
     accepts="one of " + ", ".join(QUANT_KERNELS),
     shown_default="unset: the measured choice")
 W8A8_KERNEL: EnvVar[str] = EnvVar(
     "KUBEINFER_W8A8_KERNEL", "the exact int8 product of W8A8/W4A8 layers on a float32 CPU model; fake_quant "
-    "dequantizes instead", one_of(W8A8_KERNELS), default="int8_vnni", accepts="int8_vnni, int_mm or fake_quant",
-    empty_is_unset=False)
+    "dequantizes instead. Default of EngineConfig.w8a8_kernel", one_of(W8A8_KERNELS), default="int8_vnni",
+    accepts="int8_vnni, int_mm or fake_quant", empty_is_unset=False)
 CPU_NATIVE_LAYERS: EnvVar[bool] = EnvVar(
     "KUBEINFER_CPU_NATIVE_LAYERS", "CPU: a step's non-matmul ops (attention, norms, rotary) and small-step "
-    "projections through the native kernels where they build; 0 keeps torch's. Read at each engine step", _switch,
+    "projections through the native kernels where they build; 0 keeps torch's. Default of "
+    "EngineConfig.cpu_native_layers (an engine's, set when it is built)", _switch,
     default="1", accepts="0 or 1", empty_is_unset=False)
 CPU_FUSED_LAYERS: EnvVar[bool] = EnvVar(
     "KUBEINFER_CPU_FUSED_LAYERS", "CPU: a decode step's Llama-family decoder layers in one native call; 0: one "
-    "call per module (A/B measurements). Read at each engine step", _switch, default="1", accepts="0 or 1",
+    "call per module (A/B measurements). Default of EngineConfig.cpu_fused_layers", _switch, default="1",
+    accepts="0 or 1",
     empty_is_unset=False)
 CPU_SHARE_CORES: EnvVar[str] = EnvVar(
     "KUBEINFER_CPU_SHARE_CORES", "CPU small steps: int products and decode attention in two halves on two cores; "
-    "auto: on where OPENBLAS_THREAD_TIMEOUT <= 10. Read at import", one_of(("auto", "0", "1")), default="auto",
+    "auto: on where OPENBLAS_THREAD_TIMEOUT <= 10 (the process's answer at import). Default of "
+    "EngineConfig.cpu_share_cores", one_of(("auto", "0", "1")), default="auto",
     accepts="auto, 0 or 1", empty_is_unset=False)
 CPU_OPENBLAS: EnvVar[bool] = EnvVar(
-    "KUBEINFER_CPU_OPENBLAS", "CPU, float32: small steps' projections through numpy's OpenBLAS; 0 keeps torch's",
+    "KUBEINFER_CPU_OPENBLAS", "CPU, float32: small steps' projections through numpy's OpenBLAS; 0 keeps torch's. "
+    "Default of EngineConfig.cpu_openblas",
     lambda text: text != "0", default="1", accepts="0 (off) or anything else (on)", empty_is_unset=False)
 CPU_OPENBLAS_MAX_CONTEXT: EnvVar[int] = EnvVar(
     "KUBEINFER_CPU_OPENBLAS_MAX_CONTEXT", "the context (tokens) up to which small steps take the OpenBLAS path. "

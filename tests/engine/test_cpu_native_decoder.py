@@ -107,6 +107,13 @@ def decode_steps(model, batch: int, steps: int = 3, prefill: int = 0, lora=None,
     return out, caches
 
 
+def switch_engine(monkeypatch, engine, variable: str, value: str) -> None:
+    """A built engine's switch flipped between steps: its kernel config (the variable only fills the default of
+    an engine built after it, kernel_config.py)."""
+    field = {"KUBEINFER_CPU_FUSED_LAYERS": "cpu_fused_layers", "KUBEINFER_CPU_NATIVE_LAYERS": "cpu_native_layers"}
+    monkeypatch.setattr(engine.engine.runner.kernels, field[variable], value == "1")
+
+
 def both_ways(model, monkeypatch, **kwargs):
     """{switch: (logits of each step, caches, native runs)} with the fused layers on ("1") and off ("0")."""
     results, calls = {}, spied(monkeypatch)
@@ -229,7 +236,7 @@ def test_engine_greedy_tokens_equal_either_way(engine, monkeypatch):
     prompts = [{"prompt_token_ids": list(range(3 + i, 20 + 2 * i))} for i in range(4)]
     tokens, calls = {}, spied(monkeypatch)
     for switch in ("1", "0"):
-        monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", switch)
+        switch_engine(monkeypatch, engine, "KUBEINFER_CPU_FUSED_LAYERS", switch)
         before = calls[0]
         outs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=8))
         tokens[switch] = [o.outputs[0].token_ids for o in outs]
@@ -283,11 +290,11 @@ def test_lora_steps_take_the_per_module_path(engine, checkpoints, monkeypatch, t
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     tokens, calls = {}, spied(monkeypatch)
     for switch in ("1", "0"):
-        monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", switch)
+        switch_engine(monkeypatch, engine, "KUBEINFER_CPU_FUSED_LAYERS", switch)
         outs = engine.generate(prompts, params, lora_request=adapter)
         tokens[switch] = [o.outputs[0].token_ids for o in outs]
     assert calls[0] == 0 and tokens["1"] == tokens["0"]
-    monkeypatch.setenv("KUBEINFER_CPU_FUSED_LAYERS", "1")
+    switch_engine(monkeypatch, engine, "KUBEINFER_CPU_FUSED_LAYERS", "1")
     base = engine.generate(prompts, params)  # the same engine, no adapter in the step: fused
     assert calls[0] > 0 and [o.outputs[0].token_ids for o in base] != tokens["1"]
 
@@ -315,7 +322,7 @@ def test_decode_steps_past_the_context_bound_keep_torch_on_one_thread(engine, mo
     switches = ((None, True), ("KUBEINFER_CPU_FUSED_LAYERS", True), ("KUBEINFER_CPU_NATIVE_LAYERS", False))
     for switch, decodes in switches:
         if switch:
-            monkeypatch.setenv(switch, "0")  # the fused layers off, then the native layers as well
+            switch_engine(monkeypatch, engine, switch, "0")  # the fused layers off, then the native layers as well
         seen.clear()
         engine.generate([{"prompt_token_ids": list(range(10, 16))}] * 2, params)
         assert seen == [False] + [decodes] * 2, switch  # the prompts' step, then two decode steps

@@ -12,7 +12,6 @@ from collections import Counter
 
 import torch
 
-import kubeinfer.engine.envs as envs
 from ..config import EngineConfig, ModelSpec
 from ..lora.pool import LoRAPool
 from ..model_executor.layers.attention_selector import check_attention_backend
@@ -63,7 +62,7 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
     send = ranks.send if ranks is not None else (lambda message: None)
 
     check_kv_cache_dtype(config.kv_cache_dtype, backend, device)
-    if envs.QUANT_KERNEL.get() == "triton":  # forced (quantization/linear_method.choose_kernel)
+    if config.kernels.quant_kernel == "triton":  # forced (quantization/linear_kernels.py)
         from ..triton_utils import check_device
 
         check_device(device, "KUBEINFER_QUANT_KERNEL=triton", "the CPU's kernels (unset KUBEINFER_QUANT_KERNEL)")
@@ -73,11 +72,12 @@ def build_runner(config: EngineConfig, files: ModelFiles, spec: ModelSpec, devic
         nonlocal draft_runner
         runner = ModelRunner(files, device=device, dtype=dtype, max_model_len=max_model_len,
                              block_size=config.block_size, attention_backend=backend, lora_pool=pool,
-                             tp_size=config.world_size)
+                             tp_size=config.world_size, kernels=config.kernels)
         runner.ranks = ranks
         if draft is not None:
             draft_runner = ModelRunner(draft, device=device, dtype=dtype, max_model_len=max_model_len,
-                                       block_size=config.block_size, attention_backend=backend)
+                                       block_size=config.block_size, attention_backend=backend,
+                                       kernels=config.kernels)
         for built, source in ((runner, files), (draft_runner, draft)):
             if built is not None and kv_dtype != dtype:  # bf16, or 8 bits with the checkpoint's scales if any
                 built.cache_dtype = kv_dtype

@@ -82,7 +82,7 @@ def build_rank_runner(config: EngineConfig, plan: RankPlan, device: torch.device
                         tp_rank=plan.rank, tp_size=plan.world_size)
     runner = ModelRunner(files, device=device, dtype=dtype, max_model_len=max_model_len, block_size=config.block_size,
                          attention_backend=check_attention_backend(config.attention_backend, device), lora_pool=pool,
-                         tp_rank=plan.rank, tp_size=plan.world_size)
+                         tp_rank=plan.rank, tp_size=plan.world_size, kernels=config.kernels)
     kv_dtype = cache_dtype(config.kv_cache_dtype, dtype)
     if kv_dtype != dtype:  # rank 0's cache type here too, and for 8 bits the checkpoint's per-layer scales
         runner.cache_dtype = kv_dtype

@@ -18,7 +18,7 @@ from ..platforms.cpu import native_lm_head
 from .layers import deferred_weight
 from .layers.attention import AttentionBackend
 from ..platforms.cpu.cpu_blas import use_openblas_for_small_steps
-from .layers.quantization import QuantizationError, fp8, linear_method, w8a8
+from .layers.quantization import QuantizationError, fp8, kernel_registry, linear_method, w8a8
 from .layers.quantization.kv_cache_dtype import SCALE_KEY as KV_SCALE_KEY
 from .layers.quantization.w8a8 import hold_int4
 from .layers.rotary_embedding import RotaryEmbedding
@@ -108,6 +108,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
         # MoE experts kept as integers / fp8 too, stacked per layer once every shard is read (expert_int_weights.py;
         # --quantization fp8: each float expert weight quantized per channel as it is read)
         w8a8_checkpoint = any(s.inputs for s in getattr(quantization, "schemes", ()))  # compressed-tensors W8A8
+        log = kernel_registry.ChoiceLog(getattr(quantization, "method", None))  # each kernel choice said once
         experts = ExpertIntegers(model, quantization, _tensor_getter(handles), weight.device, weight.dtype,
                                  w8a8_checkpoint) if keep and special else None
         for key, (f, file) in handles.items():
@@ -144,7 +145,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
                 loaded[name] = loaded.get(name, 0) + 1
                 if len(integers[name]) == expected[name]:  # installed at once: one layer's integers in transit
                     complete = {name: integers.pop(name)}
-                    kernels.update(_install_integers(model, params, complete, expected, w8a8_checkpoint))
+                    kernels.update(_install_integers(model, params, complete, expected, w8a8_checkpoint, log))
                 continue
             params[name] = deferred_weight.allocated(module, params[name])  # a deferred weight written in float
             if hasattr(module, "weight_pieces") and quantization is None and not _stored_as_fp8(f, key):
@@ -159,7 +160,7 @@ def _load_weights(model: CausalLM, weight_files: list[Path], quantization=None) 
             else:
                 _copy_into(params[name], tensor, shard, model, name)
             loaded[name] = loaded.get(name, 0) + 1
-        model.quant_kernels = kernels | _install_integers(model, params, integers, expected, w8a8_checkpoint)
+        model.quant_kernels = kernels | _install_integers(model, params, integers, expected, w8a8_checkpoint, log)
         try:  # W8A8: the quantized layers' inputs quantized as the checkpoint says (static scales read here)
             model.activation_schemes = w8a8.install(model, quantization, handles, _tensor_getter(handles),
                                                     (lambda k: (k, None)) if model.checkpoint_fused else _target)
@@ -220,7 +221,7 @@ def _int_weight(key: str, f, handles: dict, quantization, module, param, shard, 
 
 
 def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], expected: dict[str, int],
-                      w8a8: bool) -> dict[str, str]:
+                      w8a8: bool, log=None) -> dict[str, str]:
     """Kept-quantized weights onto their layers; a fused weight with a slice that had to be dequantized is
     dequantized whole. Returns {layer: kernel} (linear_method.install)."""
     whole = {}
@@ -241,7 +242,7 @@ def _install_integers(model: CausalLM, params: dict, integers: dict[str, dict], 
     dtype = next(iter(params.values())).dtype
     if w8a8:  # int4 weights W4A8's exact product may take: held until w8a8.install reads their activations
         whole = hold_int4(model, whole, dtype)
-    return linear_method.install(model, whole, dtype, w8a8)
+    return linear_method.install(model, whole, dtype, w8a8, log)
 
 
 def _slice_name(name: str, shard: int) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from ..device_copy import on_device
+from ..kernel_config import KernelConfig, active
 from ..lora.layers import LoRAContext
 from ..lora.pool import LoRAPool
 from ..sequence import PENDING_TOKEN, ScheduledBatch, Sequence
@@ -32,8 +33,10 @@ class ModelRunner:
 
     def __init__(self, files: ModelFiles, *, device: torch.device, dtype: torch.dtype, max_model_len: int,
                  block_size: int, attention_backend: str = "torch", lora_pool: LoRAPool | None = None,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
-        """`tp_rank` of `tp_size`: which slice of the model this process holds (tensor parallelism)."""
+                 tp_rank: int = 0, tp_size: int = 1, kernels: KernelConfig | None = None) -> None:
+        """`tp_rank` of `tp_size`: which slice of the model this process holds (tensor parallelism); `kernels`: the
+        engine's kernel choice (EngineConfig.kernels; None: the KUBEINFER_* variables'), active on this thread
+        while the model loads and in each step (kernel_config.active)."""
         if lora_pool is not None and not ARCHITECTURES[files.architecture].lora:
             with_lora = ", ".join(a.name for a in ARCHITECTURES.values() if a.lora)
             raise ValueError(f"LoRA adapters are not supported on {files.architecture} yet (`kubeinfer models` lists "
@@ -44,10 +47,12 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.backend = get_attention_backend(attention_backend)
-        self.model = load_model(files, self.backend, max_model_len, device, dtype, tp_rank, tp_size)
+        self.kernels = kernels if kernels is not None else KernelConfig.from_env()
+        with active(self.kernels):
+            self.model = load_model(files, self.backend, max_model_len, device, dtype, tp_rank, tp_size)
+            if device.type == "cpu":  # the native library loads at start, not at the first step
+                native_ops.layers_enabled(), native_decode.switched_on()
         self.spec = self.model.spec
-        if device.type == "cpu":  # a misspelt switch fails the start, not the first step
-            native_ops.layers_enabled(), native_decode.switched_on()
         self.sliding_window = self.spec.sliding_window
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None
@@ -119,7 +124,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(length) for length in lengths]).to(self.device)
         input_ids = torch.zeros_like(positions)
         logits_indices = torch.tensor(starts[1:], device=self.device) - 1
-        self.model(input_ids, positions, self._new_kv_cache(next_block), meta, logits_indices, None)
+        with active(self.kernels):
+            self.model(input_ids, positions, self._new_kv_cache(next_block), meta, logits_indices, None)
 
     def capture_decode_graphs(self, max_num_seqs: int, capture: Callable = capture_cuda_graph) -> None:
         """Records decode steps of every size up to max_num_seqs (see cuda_graphs); needs the KV cache."""
@@ -198,7 +204,8 @@ class ModelRunner:
         timer = self.timer
         timer.num_seqs, timer.all_decode = len(batch.entries), inputs.num_decodes == len(batch.entries)
         kernels = getattr(self.model, "quant_kernels", {}).values()  # kept-int models share the cores (two_cores.py)
-        with (cpu_blas.small_step(self._openblas_step(inputs), any(k.startswith("cpu_int") for k in kernels)),
+        with (active(self.kernels),  # this engine's kernel choice, for the layers that read one in a step
+              cpu_blas.small_step(self._openblas_step(inputs), any(k.startswith("cpu_int") for k in kernels)),
               native_ops.layers_switch_held()):  # the native-layers switch read once a step, not once a layer
             return self._forward_and_sample(batch, inputs, sampling_seqs)
 
@@ -245,6 +252,10 @@ class ModelRunner:
             raise self.ranks.step_failed(error) from error
 
     def _run_model(self, inputs: StepInputs, token_slots: list[int] | None) -> torch.Tensor:
+        with active(self.kernels):  # a follower rank's step comes here straight from run_model
+            return self._run_model_active(inputs, token_slots)
+
+    def _run_model_active(self, inputs: StepInputs, token_slots: list[int] | None) -> torch.Tensor:
         if self._graph_can_run(inputs, token_slots):  # decodes only: one token per sequence
             self.timer.mark("prepare")  # the graph's own copies into its static inputs count as forward
             fill = (lambda ids: self._fill_pending(ids, inputs)) if inputs.pending else None
@@ -265,7 +276,7 @@ class ModelRunner:
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The logits of `inputs.logits_indices` after one eager pass over the inputs (a draft model's)."""
-        with cpu_blas.small_step(self._openblas_step(inputs)):
+        with active(self.kernels), cpu_blas.small_step(self._openblas_step(inputs)):
             return self._run_eager(inputs, None)
 
     def _run_eager(self, inputs: StepInputs, lora: LoRAContext | None) -> torch.Tensor:

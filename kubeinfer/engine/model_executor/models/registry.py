@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from ..layers.quantization import SERVED as QUANTIZATION_METHODS
+from ..layers.quantization.registry import for_every_architecture
 
 
 @dataclass(frozen=True)
@@ -19,8 +19,9 @@ class Architecture:
     sliding_window: str  # "no", "all layers" (when the config sets one) or "per layer" (by the config's layer_types)
     tensor_parallel: bool = False
     # the quantization_config methods served (the loader dequantizes any dense family alike, and the MoE families'
-    # per-expert tensors into their stacked experts; mxfp4 is gpt-oss's own expert format)
-    quantized: str = ", ".join(m for m in QUANTIZATION_METHODS if m != "mxfp4")
+    # per-expert tensors into their stacked experts): the registered methods every architecture serves
+    # (quantization/methods.py); a family's own format (mxfp4, gpt-oss's experts) is named by that family
+    quantized: str = ", ".join(for_every_architecture())
     text_only: bool = False  # a multimodal checkpoint served as its language model (its text_config)
 
 

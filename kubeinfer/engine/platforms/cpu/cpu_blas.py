@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 import kubeinfer.engine.envs as envs
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from . import two_cores
 from .native import f32_ops
 
@@ -60,7 +61,7 @@ NATIVE_MAX_TOKENS = 16
 
 def use_openblas_for_small_steps(model: nn.Module) -> bool:
     """Route the float32 CPU nn.Linear layers of `model` through OpenBLAS during small steps; whether it did."""
-    if not envs.CPU_OPENBLAS.get():
+    if not kernel_setting("cpu_openblas"):  # the engine's (KUBEINFER_CPU_OPENBLAS)
         return False
     layers = [m for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, "quant_method")
               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32]  # quant methods run their own

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-import kubeinfer.engine.envs as envs
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from . import cpu_decoder
 from ...model_executor.layers.attention import TorchAttentionBackend
 from ...model_executor.layers.layernorm import RMSNorm
@@ -34,7 +34,7 @@ PLAN = "_native_decode_plan"
 
 
 def switched_on() -> bool:
-    return envs.CPU_FUSED_LAYERS.get()
+    return kernel_setting("cpu_fused_layers")  # the engine's (KUBEINFER_CPU_FUSED_LAYERS)
 
 
 def _norm_ok(norm) -> bool:

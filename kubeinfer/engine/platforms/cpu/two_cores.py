@@ -30,24 +30,24 @@ from collections.abc import Callable
 
 import torch
 
-import kubeinfer.engine.envs as envs
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 
 MIN_SPLIT_WEIGHTS = 1 << 21
 BLOCK = 64  # rows: the int4 CPU packing's block along the output
 
 
 def _enabled() -> bool:
-    """KUBEINFER_CPU_SHARE_CORES: 1 on, 0 off, auto (default) on where OpenBLAS's idle workers sleep within
-    2**10 cycles (OPENBLAS_THREAD_TIMEOUT <= 10, read by OpenBLAS at load): with its default (2**28 cycles, ~0.1 s)
+    """kernels.cpu_share_cores (KUBEINFER_CPU_SHARE_CORES): 1 on, 0 off, auto (default) on where OpenBLAS's idle
+    workers sleep within 2**10 cycles (OPENBLAS_THREAD_TIMEOUT <= 10, read by OpenBLAS at load): with its default (2**28 cycles, ~0.1 s)
     the worker lm_head woke spins on the core the helper needs, through the whole next step."""
-    setting = envs.CPU_SHARE_CORES.get()
+    setting = kernel_setting("cpu_share_cores")
     if setting != "auto":
         return setting == "1"
     timeout = os.environ.get("OPENBLAS_THREAD_TIMEOUT", "")
     return timeout.isdigit() and int(timeout) <= 10
 
 
-ENABLED = _enabled()
+ENABLED = _enabled()  # the process's answer (at import), which an engine's "auto" takes
 
 _local = threading.local()  # .sharing: this thread is in a small step that shares products; .pair: its helper
 
@@ -111,8 +111,10 @@ class _Helper:
 
 
 def sharing(on: bool) -> None:
-    """Switch sharing on or off for the calling thread's products (cpu_blas.small_step calls it)."""
-    _local.sharing = on and ENABLED
+    """Switch sharing on or off for the calling thread's products (cpu_blas.small_step calls it, in a step of an
+    engine whose kernels.cpu_share_cores is 1, or auto and the process's answer is on)."""
+    setting = kernel_setting("cpu_share_cores")
+    _local.sharing = on and (ENABLED if setting == "auto" else setting == "1")
 
 
 def active() -> bool:

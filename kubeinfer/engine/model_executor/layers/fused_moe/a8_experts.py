@@ -30,11 +30,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kubeinfer.engine.envs as envs
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..quantization import w8a8
 from ..quantization.activations import ActivationScheme, int8_linear
 from ....platforms.cpu.native import ops, w4a8_ops
 from ..quantization.linear_method import NATIVE, IntWeight
+from ..quantization.w8a8_kernels import W4A8, W8A8, ExactTarget, w4a8_forced, w8a8_forced
 from .a16_experts import register_stacks
 
 KERNELS = ("w4a8_vnni", "w4a8_int_mm", "int8_vnni", "int_mm")
@@ -44,19 +45,18 @@ TOKEN = ActivationScheme("int", "token", True, True)  # the only input scheme th
 def choose(sample: IntWeight, inputs: ActivationScheme | None, device: torch.device, dtype: torch.dtype) -> str | None:
     """The exact integer product for one expert's weight `sample` whose input scheme is `inputs` (module
     docstring), or None: the other kernels' choice."""
-    forced = envs.QUANT_KERNEL.get()
+    forced = kernel_setting("quant_kernel")
     if (inputs != TOKEN or device.type != "cpu" or dtype != torch.float32 or sample.fp8 or sample.zero is not None
             or sample.values.dim() != 2 or (forced and forced not in NATIVE)):
         return None
     wanted = w8a8.wanted_kernel()
     if wanted == "fake_quant":
         return None
-    native = wanted == "int8_vnni" and ops.available()
-    cols, groups = sample.values.shape[1], sample.scale.shape[-1]
+    cols, groups = sample.values.shape[1], sample.scale.shape[-1]  # the dense layers' registries choose
     if sample.bits == 4 and w4a8_ops.takes(cols, groups, sample.group_size):
-        return "w4a8_vnni" if native else "w4a8_int_mm"
+        return W4A8.choose(ExactTarget("experts", True), w4a8_forced(wanted)).name
     if sample.bits == 8 and groups == 1:
-        return "int8_vnni" if native and cols <= ops.MAX_INPUTS else "int_mm"
+        return W8A8.choose(ExactTarget("experts", True, True, cols), w8a8_forced(wanted)).name
     return None
 
 

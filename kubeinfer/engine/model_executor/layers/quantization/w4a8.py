@@ -33,7 +33,7 @@ import logging
 import torch
 from torch import nn
 
-import kubeinfer.engine.envs as envs
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..deferred_weight import allocated, device_of
 from ..vocab_parallel import ParallelLMHead
 from .activations import ActivationScheme
@@ -50,7 +50,7 @@ _HELD = "_w4a8_held"  # the held IntWeight, an attribute of its layer until w8a8
 def holds(weight: IntWeight, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the loader keeps this weight for the W4A8 product (module docstring), before the activation scheme
     of its layer is read."""
-    forced = envs.QUANT_KERNEL.get()
+    forced = kernel_setting("quant_kernel")
     cols, groups = weight.values.shape[1], weight.scale.shape[1]
     return (weight.bits == 4 and not weight.fp8 and weight.zero is None and weight.values.dim() == 2
             and device.type == "cpu" and dtype == torch.float32 and (not forced or forced in NATIVE)

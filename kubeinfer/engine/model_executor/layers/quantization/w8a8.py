@@ -20,14 +20,16 @@ from functools import partial
 import torch
 from torch import nn
 
-import kubeinfer.engine.envs as envs
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ..deferred_weight import device_of
 from . import w4a8
 from .activations import ActivationScheme, fake_quantize, int8_linear
 from ....platforms.cpu.native import ops as native_ops
 from .errors import QuantizationError
+from .kernel_registry import Choice, ChoiceLog
 from .linear_method import attach, dense
 from .w8a8_experts import ExpertSchemes
+from .w8a8_kernels import W4A8, W8A8, ExactTarget, w4a8_forced, w8a8_forced
 from .w8a8_tp import check as check_tensor_parallel
 from .w8a8_tp import range_reducer, rank_rows
 
@@ -40,12 +42,12 @@ class ActivationQuantMethod:
 
     def __init__(self, layer: nn.Linear, scheme: ActivationScheme, inner, segments: list[tuple[int, int, int]],
                  scales: torch.Tensor | None, zeros: torch.Tensor | None,
-                 int_mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 int_mm: tuple[torch.Tensor, torch.Tensor] | None = None, kernel: str | None = None) -> None:
         self.scheme, self.inner, self.segments, self.kernel = scheme, inner, segments, "fake_quant"
         self.reduce_range = range_reducer(layer, scheme)  # a row-parallel rank's token range made whole (w8a8_tp)
         if int_mm is not None:  # int8 weights [in, out] and their row scales replace the float weight
             # parameters, as linear_method's: the start-up log's weight bytes count them
-            self.kernel = _int8_kernel(int_mm[0].shape[0])
+            self.kernel = kernel or _int8_kernel(int_mm[0].shape[0])  # w8a8_kernels.py's choice
             # the native kernel's layout (platforms/cpu/native/kernels.c), one byte a weight
             if self.kernel == "int8_vnni":
                 layer.register_parameter("qweight_vnni", nn.Parameter(native_ops.pack_int8(int_mm[0].t()),
@@ -109,7 +111,7 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
         layer = _linear(model, name.removesuffix(".weight"), module)
         parts.setdefault(name.removesuffix(".weight"), {})[shard] = (scheme, layer, *_static(quantization, module,
                                                                                               scheme, get), module)
-    installed = {}
+    installed, log = {}, ChoiceLog(getattr(quantization, "method", None))
     for name, shards in parts.items():
         schemes = {s[0] for s in shards.values()}
         if len(schemes) != 1:
@@ -117,19 +119,24 @@ def install(model: nn.Module, quantization, keys, get, target) -> dict[str, str]
                                     f"{', '.join(s.describe() for s in schemes)}")
         scheme, layer = next(iter(shards.values()))[:2]
         check_tensor_parallel(layer, scheme, name)
-        held = w4a8.take(layer, scheme, _int4_kernel(layer, scheme))  # int4 weights held for W4A8 (w4a8.py)
+        int4 = _int4_kernel(layer, scheme)
+        held = w4a8.take(layer, scheme, int4 and int4.name)  # int4 weights held for W4A8 (w4a8.py)
         if held is not None:
+            log.note(name, int4, W4A8.product)
             attach(layer, held)
             installed[name] = f"{scheme.describe()} ({held.kernel})"
             continue
         inner = getattr(layer, "quant_method", None)
         segments, scales, zeros = _segments(layer, shards, scheme)
-        int_mm = None
-        if inner is None and _int_mm_applies(layer, scheme):
+        int_mm, exact = None, inner is None and _int_mm_applies(layer, scheme)
+        if exact:
             order = sorted(shards, key=lambda s: -1 if s is None else s)
             int_mm = _int8_weight(layer, [rank_rows(layer, get(f"{shards[k][4]}.weight_scale"), k) for k in order])
+        choice = W8A8.choose(ExactTarget(name, exact, int_mm is not None, 0 if int_mm is None else len(int_mm[0])),
+                             w8a8_forced(wanted_kernel()))
+        log.note(name, choice, W8A8.product)
         method = ActivationQuantMethod(layer, scheme, inner.apply if inner is not None else dense, segments,
-                                       scales, zeros, int_mm)
+                                       scales, zeros, int_mm if choice.name != "fake_quant" else None, choice.name)
         attach(layer, method)
         installed[name] = f"{scheme.describe()} ({method.kernel})"
     w4a8.release(model)  # held int4 weights of layers that quantize no activations: dequantized
@@ -202,17 +209,19 @@ def _int_mm_applies(layer: nn.Linear, scheme: ActivationScheme) -> bool:
             and scheme.type == "int" and scheme.symmetric and scheme.dynamic and scheme.strategy == "token")
 
 
-def _int4_kernel(layer: nn.Linear, scheme: ActivationScheme) -> str | None:
-    """W4A8's kernel where the int8 one would apply: w4a8_vnni (the native kernel) unless int_mm is asked for or
-    the native library does not build, then w4a8_int_mm (torch._int_mm per weight group, the same bits)."""
+def _int4_kernel(layer: nn.Linear, scheme: ActivationScheme) -> Choice | None:
+    """W4A8's kernel where the int8 one would apply (w8a8_kernels.py): w4a8_vnni (the native kernel) unless int_mm
+    is asked for or the native library does not build, then w4a8_int_mm (torch._int_mm per weight group, the same
+    bits)."""
     if not _int_mm_applies(layer, scheme):
         return None
-    return "w4a8_vnni" if wanted_kernel() == "int8_vnni" and native_ops.available() else "w4a8_int_mm"
+    return W4A8.choose(ExactTarget(str(layer), True), w4a8_forced(wanted_kernel()))
 
 
 def wanted_kernel() -> str:
+    """The engine's kernels.w8a8_kernel (KUBEINFER_W8A8_KERNEL)."""
     try:
-        return envs.W8A8_KERNEL.get()
+        return kernel_setting("w8a8_kernel")
     except ValueError as err:  # envs.EnvVarError; a quantization setting, refused as the others are
         raise QuantizationError(str(err)) from None
 
@@ -220,8 +229,7 @@ def wanted_kernel() -> str:
 def _int8_kernel(inputs: int) -> str:
     """int8_vnni unless int_mm is asked for, the native library does not build (it warns once), or the inputs
     are too many for its int32 sums of (w + 128) * x (native_ops.MAX_INPUTS)."""
-    native = wanted_kernel() == "int8_vnni" and inputs <= native_ops.MAX_INPUTS and native_ops.available()
-    return "int8_vnni" if native else "int_mm"
+    return W8A8.choose(ExactTarget("a layer", True, True, inputs), w8a8_forced(wanted_kernel())).name
 
 
 def _int8_weight(layer: nn.Linear, scales: list) -> tuple[torch.Tensor, torch.Tensor] | None:

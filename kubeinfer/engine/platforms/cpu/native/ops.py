@@ -23,6 +23,7 @@ from contextlib import contextmanager
 import torch
 
 import kubeinfer.engine.envs as envs
+from kubeinfer.engine.kernel_config import setting as kernel_setting
 from ....model_executor.layers.quantization.activations import ActivationScheme, dynamic_qparams, quantize
 from . import bindings, build
 from .build import load
@@ -108,8 +109,8 @@ def available() -> bool:
 def layers_enabled() -> bool:
     """Whether a CPU model's non-matmul ops (decode attention, norms, activation, rotary) run through the native
     kernels, and with them whole decoder layers of a decode step (platforms/cpu/native_decode.py);
-    KUBEINFER_CPU_NATIVE_LAYERS=0 keeps them in torch (default 1, where the library is built). Read at every call,
-    except inside `layers_switch_held` (an engine step): once there."""
+    the engine's cpu_native_layers False (KUBEINFER_CPU_NATIVE_LAYERS=0) keeps them in torch (default on, where
+    the library is built). Read at every call, except inside `layers_switch_held` (an engine step): once there."""
     held = getattr(_held, "layers", None)
     if held is None:
         return _read_layers_switch()
@@ -119,7 +120,7 @@ def layers_enabled() -> bool:
 
 
 def _read_layers_switch() -> bool:
-    return envs.CPU_NATIVE_LAYERS.get() and available()
+    return kernel_setting("cpu_native_layers") and available()
 
 
 @contextmanager
