@@ -14,6 +14,7 @@ from ..lora.pool import LoRAPool
 from ..sequence import PENDING_TOKEN, ScheduledBatch, Sequence
 from ..platforms.cuda.cuda_graphs import DecodeGraphs, capture_cuda_graph, capture_sizes
 from ..platforms.cpu import cpu_blas
+from . import kv_cache_layout
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
 from ..platforms.cpu.native import ops as native_ops
@@ -74,28 +75,13 @@ class ModelRunner:
         # to the other ranks before this one runs it; `step_failed(error)` is what a failed step raises.
         self.ranks = None
 
-    @staticmethod
-    def kv_bytes_per_block(spec, block_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        layers = spec.num_layers if num_layers is None else num_layers
-        return 2 * layers * block_size * spec.num_kv_heads * spec.head_dim * element
-
-    @staticmethod
-    def window_group(spec) -> int | None:
-        """The window of the layers that get a pool of their own (core/window_blocks.py): on models mixing
-        windowed and full layers with one window; None otherwise."""
-        windows = set(spec.layer_windows)
-        return next(iter(windows - {None})) if len(windows) == 2 and None in windows else None
+    kv_bytes_per_block = staticmethod(kv_cache_layout.kv_bytes_per_block)
+    window_group = staticmethod(kv_cache_layout.window_group)
 
     def _new_kv_cache(self, num_blocks: int, num_window_blocks: int | None = None
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        def cache(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-            shape = (blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-            return (torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
-                    torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
-        if num_window_blocks is None:
-            return [cache(num_blocks) for _ in range(self.spec.num_layers)]
-        return [cache(num_blocks if w is None else num_window_blocks + 1) for w in self.spec.layer_windows]
+        return kv_cache_layout.new_kv_cache(self.spec, self.block_size, self.cache_dtype, self.device, num_blocks,
+                                            num_window_blocks)
 
     def allocate_kv_cache(self, num_blocks: int, num_window_blocks: int | None = None) -> None:
         """`num_window_blocks`: the windowed layers' pool (plus its null block), on models with one."""
