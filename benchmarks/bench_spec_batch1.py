@@ -41,7 +41,7 @@ def cpu_flags() -> str:
 
 def build(directory: Path, weights: str) -> str:
     """The float32 model, or its W8A16 checkpoint (per channel, symmetric; lm_head float): its layers then run a
-    decode step in one native call each (models/native_decode.py) with KUBEINFER_QUANT_KERNEL=cpu_int8_a16."""
+    decode step in one native call each (platforms/cpu/native_decode.py) with KUBEINFER_QUANT_KERNEL=cpu_int8_a16."""
     if not (directory / "config.json").exists():
         build_random_model(directory, "llama", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8,
                            intermediate_size=2048, vocab_size=32000, max_position_embeddings=1024,

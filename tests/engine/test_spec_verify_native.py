@@ -12,7 +12,7 @@ import pytest
 from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, write_checkpoint
 
 from kubeinfer.engine import LLM, SamplingParams
-from kubeinfer.engine.model_executor.layers.quantization.cpu_native import ops
+from kubeinfer.engine.platforms.cpu.native import ops
 from kubeinfer.engine.model_executor.models import native_decode
 from kubeinfer.engine.spec_decode import step_costs
 from kubeinfer.engine.spec_decode.step_costs import StepCosts
