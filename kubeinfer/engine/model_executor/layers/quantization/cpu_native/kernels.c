@@ -25,12 +25,24 @@
 #else
 #define KI_VNNI 0
 #endif
+/* x86-64-v3 (AVX2 and FMA; build.py's v3 library): the kernels' AVX2 paths, where they have one, take over from the
+ * portable C when there is no AVX-512 path (KI_VNNI 0), in the same order of operations or the bound their file
+ * states. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KI_PORTABLE)
+#include <immintrin.h>
+#define KI_AVX2 1
+#else
+#define KI_AVX2 0
+#endif
 
 #define ROWS 16  /* output rows per group: one int32 lane each */
 #define BLOCK 32 /* inputs per block of the llama.cpp arithmetic (its QK8_0) */
 #define TILE 4   /* tokens per tile: each weight vector loaded once per tile */
 
 int ki_has_vnni(void) { return KI_VNNI; }
+
+/* The instruction set the library was built for: 4 (AVX-512 VNNI), 3 (AVX2 and FMA), 0 (portable C). */
+int ki_level(void) { return KI_VNNI ? 4 : KI_AVX2 ? 3 : 0; }
 
 /* ------------------------------------------------------------------ argument checks
  * The products' dimensions come from a checkpoint (through Python), so every exported product is handed the
