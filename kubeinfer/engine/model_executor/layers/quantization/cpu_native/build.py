@@ -25,7 +25,7 @@ from pathlib import Path
 import kubeinfer.engine.envs as envs
 
 SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "decoder_layer.c", "f32_linear.c",
-           "a16_linear.c", "a16_tiles.c", "w4a8_linear.c")
+           "a16_linear.c", "a16_tiles.c", "a16_avx2.c", "w4a8_linear.c")
 HERE = Path(__file__).parent
 
 
