@@ -129,13 +129,17 @@ def main() -> None:
         update_results("cpu-levels", "Decode per x86-64 level of the native kernels against llama.cpp (CPU)", text)
 
 
+def peer_build() -> str:
+    return (f" (llama-cpp-python {llama_cpp_peer.version()}, built here by pip, its own CPU dispatch: the same "
+            "llama.cpp in every level's table)")
+
+
 def report(args, levels, rates, kernels, loads, note: str) -> str:
     cell = lambda key: f"{max(rates[key]):.1f} / {statistics.median(rates[key]):.1f}"  # noqa: E731
     lines = [f"Command: `python benchmarks/bench_cpu_levels.py --tokens {args.tokens} --repeats {args.repeats}"
              + (f" --levels {args.levels}" if args.levels else "") + (f" --peer {args.peer}" if args.peer else "")
              + f"`. CPU: {cpu_line()}. torch {torch.__version__}, {torch.get_num_threads()} threads for the engine "
-             "and llama.cpp" + (f" (llama-cpp-python {llama_cpp_peer.version()}, built here by pip, its own CPU "
-                                "dispatch: the same llama.cpp in every level's table)" if not note and args.peer else "")
+             "and llama.cpp" + (peer_build() if not note and args.peer else "")
              + f"; load average {min(loads):.1f}-{max(loads):.1f} while measured (the machine is shared). Model: "
              "random Llama, hidden 768, 8 layers, intermediate 2048, vocab 32000 (106M); W8A16 int8 per channel, "
              "W4A16 int4 groups of 32 (compressed-tensors package), lm_head float; llama.cpp Q8_0/Q4_0 by its "
