@@ -40,7 +40,8 @@ SHAPE = dict(hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, interm
              max_position_embeddings=1024)
 SCHEMES = {"w8a16": ("pack-quantized", 8, "int", "channel", True, None),
            "w4a16": ("pack-quantized", 4, "int", "group", True, 32)}
-PAIRS = (("float32", "llama.cpp f32"), ("W8A16", "llama.cpp Q8_0"), ("W4A16", "llama.cpp Q4_0"))
+PAIRS = (("float32", "llama.cpp f32"), ("W8A16", "llama.cpp Q8_0"), ("W4A16", "llama.cpp Q4_0"),
+         ("W8A16 torch bf16", "llama.cpp Q8_0"), ("W4A16 torch bf16", "llama.cpp Q4_0"))
 BATCHES, PROMPT_LEN = (1, 16), 32
 SIMD = ("sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
         "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -89,7 +90,10 @@ def main() -> None:
     made = checkpoints()
     use_level(levels[0])
     engines = {"float32": EngineSystem(made["float32"], args.tokens), "W8A16": EngineSystem(made["w8a16"], args.tokens),
-               "W4A16": EngineSystem(made["w4a16"], args.tokens)}
+               "W4A16": EngineSystem(made["w4a16"], args.tokens),
+               # what a CPU without AVX-512 BF16 ran before the v3 build: torch's weight-only bf16 products
+               "W8A16 torch bf16": EngineSystem(made["w8a16"], args.tokens, "cpu_int8_bf16"),
+               "W4A16 torch bf16": EngineSystem(made["w4a16"], args.tokens, "cpu_int4_bf16")}
     peers, note = {}, ""
     if args.peer:
         why_not = llama_cpp_peer.missing(args.llama_cpp_converter)
