@@ -98,3 +98,38 @@ def test_each_level_this_cpu_runs_loads_logs_once_and_is_the_metric_label(monkey
     monkeypatch.setattr(ops, "_state", {})
     assert list(cpu_native_kernels(["m"])) == []  # nothing asked for the kernels: no series
 
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no C compiler here: the torch kernels serve")
+def test_an_engine_gives_the_same_log_probs_on_every_level(tmp_path, monkeypatch):
+    """A W4A16 (groups of 32) and a W8A16 (per channel) checkpoint of a float32 model served under each level this
+    CPU runs: the default kernel the A16 product on v3 and v4 (torch's on the portable build, which it skips), the
+    native decode layers on, and every generated token's log-probabilities the same bits on v3 as on v4."""
+    from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, write_checkpoint
+
+    from kubeinfer.dev.testing.random_model import build_random_model
+    from kubeinfer.engine import LLM, SamplingParams
+
+    float_dir = build_random_model(tmp_path / "float", "llama", tokenizer=False, seed=47, **SHAPE)
+    schemes = {"w4": ("pack-quantized", 4, "int", "group", False, 32), "w8": ("pack-quantized", 8, "int", "channel",
+                                                                            True, None)}
+    prompts = [list(range(3 + i, 30 + 2 * i)) for i in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    levels = [lv for lv in levels_this_cpu_runs() if lv != "portable"]
+    if len(levels) < 2:
+        pytest.skip(f"this CPU runs only {levels}")
+    for name, scheme in schemes.items():
+        config = ct_scheme(*scheme)
+        path = write_checkpoint(float_dir, tmp_path / name, ct_compress(float_weights(float_dir), config), config)
+        seen = {}
+        for level in levels:
+            monkeypatch.setenv("KUBEINFER_CPU_LEVEL", level)
+            monkeypatch.setattr(ops, "_state", {})
+            llm = LLM(str(path), max_model_len=64, num_kv_blocks=32)
+            assert set(llm.engine.runner.model.quant_kernels.values()) == {f"cpu_int{name[1]}_a16"}
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            llm.shutdown()
+            assert ops.level() == level
+            seen[level] = [[(t, e.logprob) for step in o.outputs[0].logprobs for t, e in sorted(step.items())]
+                           for o in outputs]
+        assert all(got == seen[levels[0]] for got in seen.values()), name
