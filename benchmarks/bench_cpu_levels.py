@@ -24,7 +24,9 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
+# as the `kubeinfer` command does (kubeinfer/cli.py), before numpy loads OpenBLAS: small steps share the cores
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
