@@ -16,8 +16,16 @@
  * block's weights come from L1 for each chain. */
 
 #if KI_A16_AVX2
-/* x [n] -> bf16(x) as floats (a16_bf16's rounding); 1 where every value is in the exact range above. */
-static int a16v_round(const float *x, size_t n, float *xf) {
+/* int4: input 2p or 2p + 1 of each step of 8 is stored times 2^-4p (exact: a16v_round's range for int4 starts at
+ * 2^-114, so the scaled value stays normal), its weight taken as (nibble + offset) * 2^4p, straight from the bits
+ * where the packed word holds it (a mask, no shift): the same real product, so the same float32 FMA result. */
+static const float a16v_step_scale[8] = {1.0f, 1.0f, 0x1p-4f, 0x1p-4f, 0x1p-8f, 0x1p-8f, 0x1p-12f, 0x1p-12f};
+
+/* x [n] -> bf16(x) as floats (a16_bf16's rounding), times a16v_step_scale where `scaled` (n a multiple of 8 then,
+ * rows of K inputs); 1 where every value is 0 or lo <= bf16's exponent field <= 245 (lo: 2^-119 or, scaled,
+ * 2^-114, at field 8 or 13). */
+static int a16v_round(const float *x, size_t n, float *xf, int scaled) {
+    const int lo = scaled ? 13 : 8;
     const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF), fmax = _mm256_set1_epi32(0xFF);
     __m256i bad = _mm256_setzero_si256();
     size_t i = 0;
@@ -30,40 +38,50 @@ static int a16v_round(const float *x, size_t n, float *xf) {
         const __m256i zero = _mm256_cmpeq_epi32(e, _mm256_setzero_si256());
         /* out of range: the input infinite or NaN, or a nonzero result below 2^-119 (field < 8) or >= 2^119 */
         bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(ein, fmax));
-        bad = _mm256_or_si256(bad, _mm256_andnot_si256(zero, _mm256_cmpgt_epi32(_mm256_set1_epi32(8), e)));
+        bad = _mm256_or_si256(bad, _mm256_andnot_si256(zero, _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), e)));
         bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(245)));
         h = _mm256_andnot_si256(zero, h); /* a16_bf16's subnormals to +0 */
-        _mm256_storeu_si256((__m256i *)(xf + i), _mm256_slli_epi32(h, 16));
+        __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+        if (scaled) f = _mm256_mul_ps(f, _mm256_loadu_ps(a16v_step_scale)); /* i a multiple of 8: a whole step */
+        _mm256_storeu_ps(xf + i, f);
     }
     int ok = _mm256_testz_si256(bad, bad);
     for (; i < n; i++) {
         const uint16_t h = a16_bf16(x[i]);
         const int e = (h >> 7) & 0xFF;
-        ok &= e == 0 || (e >= 8 && e <= 245);
-        xf[i] = a16_float(h);
+        ok &= e == 0 || (e >= lo && e <= 245);
+        xf[i] = a16_float(h) * (scaled ? a16v_step_scale[i % 8] : 1.0f);
     }
     return ok;
 }
 
 /* Half h (rows 8h.. 8h + 7) of a row group's zero points for group grp, as the int32 to add to the widened weight:
- * int4 nibble + 7 - zero - 15, int8 q - zero. */
-static inline __m256i a16v_offset(const a16_ctx *c, int g, int grp, int h, const int bits) {
+ * int4 nibble + 7 - zero - 15, int8 q - zero; vector loads of the packed zeros (each row twice), no stores (a
+ * gather through the stack stalled on store forwarding once a group). */
+static inline __attribute__((always_inline)) __m256i a16v_offset(const a16_ctx *c, int g, int grp, int h,
+                                                                 const int bits) {
     const size_t zi = ((size_t)g * c->groups + grp) * 32 + 16 * h;
-    int32_t o[8];
-    for (int r = 0; r < 8; r++)
-        o[r] = bits == 4 ? ((const int16_t *)c->zero)[zi + 2 * r] - 15 : -((const int32_t *)c->zero)[zi + 2 * r];
-    return _mm256_loadu_si256((const __m256i *)o);
+    if (bits == 4) { /* 16 int16, each row's twice: the low one of each int32 lane, sign-extended */
+        const __m256i z = _mm256_loadu_si256((const __m256i *)((const int16_t *)c->zero + zi));
+        return _mm256_sub_epi32(_mm256_srai_epi32(_mm256_slli_epi32(z, 16), 16), _mm256_set1_epi32(15));
+    }
+    const int32_t *z = (const int32_t *)c->zero + zi; /* 16 int32, each row's twice: lanes 0, 2, .., 14 */
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+    const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)z), even);
+    const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(z + 8)), even);
+    return _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_blend_epi32(lo, hi, 0xF0));
 }
 
-/* Pair p of a step's weights (wb), half h, as floats: the even input's (we) and the odd one's (wo). */
+/* Pair p of a step's weights (wb), half h, as floats: the even input's (we) and the odd one's (wo). int4: one uint32
+ * a row, pair p nibble p of the low (even) and the high (odd) half, from v and vo = v >> 16 (loaded once a step),
+ * as (nibble + offset) * 2^4p (off: the offset times 2^4p; the activations scaled to match, a16v_step_scale). */
 static inline __attribute__((always_inline)) void a16v_weights(const uint8_t *wb, int p, int h, __m256i off,
-                                                               const int bits, __m256 *we, __m256 *wo) {
-    if (bits == 4) { /* one uint32 a row: pair p is nibble p of the low (even) and the high (odd) half */
-        const __m256i m = _mm256_set1_epi32(0xF);
-        const __m256i v = _mm256_srl_epi32(_mm256_loadu_si256((const __m256i *)(wb + 32 * h)),
-                                           _mm_cvtsi32_si128(4 * p));
+                                                               const int bits, __m256i v, __m256i vo, __m256 *we,
+                                                               __m256 *wo) {
+    if (bits == 4) {
+        const __m256i m = _mm256_set1_epi32(0xF << 4 * p);
         *we = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_and_si256(v, m), off));
-        *wo = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 16), m), off));
+        *wo = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_and_si256(vo, m), off));
     } else { /* 8 rows' (even, odd) bytes: as int16 pairs, one int32 lane a row */
         const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + 32 * p + 16 * h)));
         *we = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16), off));
@@ -84,8 +102,12 @@ static inline __attribute__((always_inline)) void a16v_tile(const a16_ctx *c, in
         for (int hh = 0; hh < nh; hh++)
             for (int t = 0; t < mt; t++) out[hh][t] = _mm256_setzero_ps();
         for (int grp = 0; grp < c->groups; grp++) {
-            __m256i off[2];
-            for (int hh = 0; hh < nh; hh++) off[hh] = a16v_offset(c, g, grp, h0 + hh, bits);
+            __m256i off[2][4]; /* int4: times 2^4p for pair p */
+            for (int hh = 0; hh < nh; hh++) {
+                off[hh][0] = a16v_offset(c, g, grp, h0 + hh, bits);
+                for (int p = 1; p < 4; p++)
+                    off[hh][p] = bits == 4 ? _mm256_slli_epi32(off[hh][0], 4 * p) : off[hh][0];
+            }
             const int j0 = grp * gsteps, j1 = j0 + gsteps;
             for (int jb = j0; jb < j1; jb += A16_BLOCK) {
                 const int je = j1 - jb < A16_BLOCK ? j1 : jb + A16_BLOCK;
@@ -99,11 +121,20 @@ static inline __attribute__((always_inline)) void a16v_tile(const a16_ctx *c, in
                         for (int hh = 0; hh < nh; hh++)
                             for (int t = 0; t < mt; t++)
                                 acc[q][hh][t] = jb == j0 ? _mm256_setzero_ps() : part[p0 + q][hh][t];
-                    for (int j = jb; j < je; j++)
+                    for (int j = jb; j < je; j++) {
+                        __m256i v[2], vo[2];
+                        for (int hh = 0; hh < nh; hh++) {
+                            v[hh] = vo[hh] = _mm256_setzero_si256();
+                            if (bits == 4) {
+                                v[hh] = _mm256_loadu_si256((const __m256i *)(wg + j * step_bytes + 32 * (h0 + hh)));
+                                vo[hh] = _mm256_srli_epi32(v[hh], 16);
+                            }
+                        }
                         for (int q = 0; q < cp; q++) {
                             __m256 we[2], wo[2];
                             for (int hh = 0; hh < nh; hh++)
-                                a16v_weights(wg + j * step_bytes, p0 + q, h0 + hh, off[hh], bits, &we[hh], &wo[hh]);
+                                a16v_weights(wg + j * step_bytes, p0 + q, h0 + hh, off[hh][p0 + q], bits, v[hh],
+                                             vo[hh], &we[hh], &wo[hh]);
                             const float *xp = x + 8 * j + 2 * (p0 + q);
                             for (int t = 0; t < mt; t++) {
                                 const __m256 xe = _mm256_broadcast_ss(xp + (size_t)t * K);
@@ -113,6 +144,7 @@ static inline __attribute__((always_inline)) void a16v_tile(const a16_ctx *c, in
                                         _mm256_fmadd_ps(we[hh], xe, _mm256_fmadd_ps(wo[hh], xo, acc[q][hh][t]));
                             }
                         }
+                    }
                     for (int q = 0; q < cp; q++)
                         for (int hh = 0; hh < nh; hh++)
                             for (int t = 0; t < mt; t++) part[p0 + q][hh][t] = acc[q][hh][t];

@@ -181,7 +181,7 @@ int ki_a16_linear(const float *x, long x_bytes, int M, int K, const uint8_t *w, 
 #if KI_A16_AVX2
     float *xf = malloc(sizeof(float) * ((size_t)M * K + 1));
     if (!xf) return -1;
-    if (a16v_round(x, (size_t)M * K, xf)) {
+    if (a16v_round(x, (size_t)M * K, xf, bits == 4)) {
         a16_ctx v = {NULL, w, scale, zero, out, M, N, K, bits, groups, group_size, xf};
         pthread_mutex_lock(&call_mu);
         parallel(a16v_task, &v, ((N + ROWS - 1) / ROWS + 1) / 2);
