@@ -23,3 +23,27 @@ def outputs_of_both_builds(monkeypatch, compute: Callable[[], T], check_vnni: bo
         outs[portable] = compute()
     ops._state.clear()
     return outs["0"], outs["1"]
+
+
+LEVELS = ("v4", "v3", "portable")  # build.LEVELS, best first
+
+
+def levels_this_cpu_runs() -> list[str]:
+    """The levels whose code this CPU runs (build.py's flags check): an AVX-512 machine runs all three."""
+    from kubeinfer.engine.platforms.cpu.native import build
+    return [lv for lv in LEVELS if set(build.LEVELS[lv][1]) <= build.cpu_flags()]
+
+
+def outputs_by_level(monkeypatch, compute: Callable[[], T]) -> dict[str, T]:
+    """compute() under each level's library this CPU runs (KUBEINFER_CPU_LEVEL forcing it, ops.level() checking
+    the build loaded is that one): {level: result}. The loaded library is dropped after, as above."""
+    outs = {}
+    monkeypatch.delenv("KUBEINFER_CPU_NATIVE_PORTABLE", raising=False)
+    for level in levels_this_cpu_runs():
+        monkeypatch.setenv("KUBEINFER_CPU_LEVEL", level)
+        ops._state.clear()
+        assert ops.available() and ops.level() == level
+        outs[level] = compute()
+    monkeypatch.delenv("KUBEINFER_CPU_LEVEL")
+    ops._state.clear()
+    return outs

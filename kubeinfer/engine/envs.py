@@ -17,6 +17,7 @@ QUANT_KERNELS = ("triton", "cpu_int4", "cpu_int8", "cpu_int4_bf16", "cpu_int8_bf
                  "cpu_int8_vnni", "cpu_int4_vnni", "dequantized")
 W8A8_KERNELS = ("int8_vnni", "int_mm", "fake_quant")
 SANITIZERS = ("address",)
+CPU_LEVELS = ("v4", "v3", "portable")  # the native kernels' builds (platforms/cpu/native/build.py)
 
 
 def _switch(text: str) -> bool:
@@ -77,6 +78,11 @@ CPU_NATIVE_SPIN_US: EnvVar[int] = EnvVar(
 CPU_NATIVE_PORTABLE: EnvVar[bool] = EnvVar(
     "KUBEINFER_CPU_NATIVE_PORTABLE", "builds the native kernels' portable C on any CPU (tests)",
     lambda text: text not in ("", "0"), default="0", accepts="0 or empty (off) or anything else (on)")
+CPU_LEVEL: EnvVar[str | None] = EnvVar(
+    "KUBEINFER_CPU_LEVEL", "which build of the native CPU kernels loads: v4 (AVX-512 with VNNI and BF16), v3 (AVX2, "
+    "FMA, F16C) or portable (C); a level this CPU lacks is refused (torch's kernels run, with the warning). Read "
+    "when the library loads", lambda text: text_or_none(one_of(CPU_LEVELS, allow_empty=True)(text)),
+    accepts="one of " + ", ".join(CPU_LEVELS), shown_default="unset: the best level the CPU's flags allow")
 CPU_NATIVE_SANITIZE: EnvVar[str | None] = EnvVar(
     "KUBEINFER_CPU_NATIVE_SANITIZE", "builds the native kernels with a sanitizer (`make test-asan`); a failed "
     "load is then an error", lambda text: text_or_none(one_of(SANITIZERS, allow_empty=True)(text)),
@@ -98,7 +104,7 @@ ALLOWED_LORA_DIRS: EnvVar[list[str]] = EnvVar(
 ENGINE: tuple[EnvVar, ...] = (
     QUANT_KERNEL, W8A8_KERNEL, CPU_NATIVE_LAYERS, CPU_FUSED_LAYERS, CPU_SHARE_CORES, CPU_OPENBLAS,
     CPU_OPENBLAS_MAX_CONTEXT, CPU_NATIVE_THREADS, CPU_NATIVE_SPIN_US, CPU_NATIVE_PORTABLE, CPU_NATIVE_SANITIZE,
-    CACHE_DIR, LOG_LEVEL, TERMINATION_LOG, ALLOWED_LORA_DIRS)
+    CPU_LEVEL, CACHE_DIR, LOG_LEVEL, TERMINATION_LOG, ALLOWED_LORA_DIRS)
 ALL: tuple[EnvVar, ...] = SHARED + ENGINE
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_builds import outputs_of_both_builds
+from native_builds import outputs_by_level, outputs_of_both_builds
 
 from kubeinfer.engine.platforms.cpu.native import a16_method, ops
 
@@ -92,6 +92,48 @@ def test_portable_build_equals_the_avx512_build(monkeypatch):
                       a16_method.pack_zero(torch.zeros(16, 1, dtype=torch.int8), 8), 32, 16)))
     native, portable = outputs_of_both_builds(monkeypatch, lambda: [product(x, args) for x, args, *_ in cases])
     assert all(torch.equal(a, b) for a, b in zip(native, portable))
+
+
+def level_cases() -> list:
+    """Every tiling of both widths (1-8 tokens a tile, a remainder), inputs not a multiple of 8 floats' vectors, and
+    activations outside the AVX2 path's exact range (subnormal sums, products past float32's largest, inf, NaN)."""
+    cases = [case(m, *layout, seed=m) for m in (1, 4, 13) for layout in LAYOUTS]
+    cases += [case(m, *LAYOUTS[(3 * i) % len(LAYOUTS)], seed=m) for i, m in enumerate((2, 3, 5, 6, 7, 8))]
+    cases += [case(m, bits, None, True, seed=9, k=k) for m, k in ((5, 40), (9, 1048)) for bits in (4, 8)]
+    return cases
+
+
+def extreme(cases: list) -> list:
+    """Activations the AVX2 build hands to its portable C: below 2^-119 (int4: 2^-114), near float32's largest,
+    infinite."""
+    # (cases[:4] are int4: below 2^-114 too, the v3 build scaling int4's activations down by up to 2^-12)
+    out = [(x / x.abs().max() * 2.0 ** e, args) for e in (-121, -116, 125) for x, args, *_ in cases[:4]]
+    inf = cases[0][0].clone()
+    inf[0, 3] = float("inf")
+    return out + [(inf, cases[0][1])]
+
+
+def test_every_level_gives_the_portable_bits(monkeypatch):
+    """The v4 (vdpbf16ps), v3 (float32 FMAs, a16_avx2.c) and portable builds, each forced: the same bits, the v3
+    build in its AVX2 code for activations in its exact range and in its portable C for the others."""
+    cases, far = level_cases(), extreme(level_cases())
+
+    def run():
+        lib = ops.library()
+        before = lib.ki_a16_portable_calls()
+        near = [product(x, args) for x, args, *_ in cases]
+        middle = lib.ki_a16_portable_calls()
+        outside = [product(x, args) for x, args in far]
+        return near, outside, (middle - before, lib.ki_a16_portable_calls() - middle)
+
+    outs = outputs_by_level(monkeypatch, run)
+    assert "portable" in outs and len(outs) >= 2, f"only {list(outs)} run here"
+    for level, (near, outside, _) in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(near, outs["portable"][0])), level
+        assert all(torch.equal(a, b) or (a.isnan().any() and torch.equal(a.isnan(), b.isnan()))
+                   for a, b in zip(outside, outs["portable"][1])), level
+    if "v3" in outs:
+        assert outs["v3"][2] == (0, len(far)), "the AVX2 path ran where it must not, or not where it should"
 
 
 def test_applies_only_where_the_layout_does():

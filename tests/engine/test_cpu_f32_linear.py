@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from native_builds import outputs_of_both_builds
+from native_builds import outputs_by_level, outputs_of_both_builds
 
 from kubeinfer.engine.platforms.cpu.native import f32_ops, ops
 
@@ -74,6 +74,15 @@ def test_portable_build_equals_the_avx512_build(monkeypatch):
         monkeypatch, lambda: [f32_ops.f32_linear(*case(m, n, k, seed=2)) for m, n, k in SHAPES], check_vnni=False)
     for a, b in zip(native, portable):
         assert torch.equal(a, b)
+
+
+
+def test_every_level_gives_the_portable_bits(monkeypatch):
+    """The v4 (AVX-512), v3 (AVX2: two 8-lane halves) and portable builds, each forced: the same bits."""
+    outs = outputs_by_level(monkeypatch, lambda: [f32_ops.f32_linear(*case(m, n, k, seed=3)) for m, n, k in SHAPES])
+    assert "portable" in outs and len(outs) >= 2, f"only {list(outs)} run here"
+    for level, products in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(products, outs["portable"])), level
 
 
 # ------------------------------------------------------------------ in the engine

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_builds import outputs_of_both_builds
+from native_builds import outputs_by_level, outputs_of_both_builds
 
 from kubeinfer.engine.platforms.cpu import cpu_attention
 from kubeinfer.engine.model_executor.layers.attention import AttentionMetadata, TorchAttentionBackend
@@ -85,7 +85,7 @@ def test_fp8_cache_widens_each_byte_exactly(dtype, cache_dtype):
 def test_fp8_bytes_widen_to_torchs_bits(cache_dtype, monkeypatch):
     """Every byte value (NaNs, infinities, subnormals, signed zeros): a one-position context returns its V row
     (softmax of one score is 1), so the output is the byte widened, bit for bit as torch's cast; both builds."""
-    from native_builds import outputs_of_both_builds
+    from native_builds import outputs_by_level, outputs_of_both_builds
 
     q, k_cache, v_cache, meta = make_step([1] * 4, 4, 4, 64, torch.float32, cache_dtype, seed=4)
     rows = [int(meta.slot_mapping[i]) for i in range(4)]
@@ -214,6 +214,21 @@ def test_portable_build_equals_the_avx512_build(monkeypatch, cache_dtype):
     native, portable = outputs_of_both_builds(
         monkeypatch, lambda: [cpu_attention.decode(q, k, v, meta, 0.125) for q, k, v, meta in steps])
     assert all(torch.equal(a, b) for a, b in zip(native, portable))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["f32", "bf16", "e4m3", "e5m2"])
+def test_every_level_gives_the_portable_bits(monkeypatch, cache_dtype):
+    """The v4, v3 (AVX2: fp8 widened 8 bytes at a time, the plain C vectorized for AVX2) and portable builds, each
+    forced: the same bits; D 64, 128 and 40 (not a multiple of 16: the plain C on every level)."""
+    steps = [make_step(lengths, h, kv, d, torch.float32, cache_dtype, window=window, seed=d + h)
+             for lengths in ([1, 5, 17, 33], [300, 2]) for h, kv, d in ((8, 8, 64), (12, 2, 128), (4, 2, 40))
+             for window in (None, 20)]
+    outs = outputs_by_level(monkeypatch,
+                            lambda: [cpu_attention.decode(q, k, v, meta, 0.125) for q, k, v, meta in steps])
+    assert "portable" in outs and len(outs) >= 2, f"only {list(outs)} run here"
+    for level, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, outs["portable"])), level
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2],

@@ -13,7 +13,7 @@ from kubeinfer.engine.platforms.cpu.native import bindings, build
 
 NATIVE = Path(build.__file__).parent
 HEADER = NATIVE / build.HEADER
-DECLARATION = re.compile(r"^(?:int|void|size_t)\s+\**(ki_\w+)\(([^)]*)\);", re.M | re.S)
+DECLARATION = re.compile(r"^(?:int|long|void|size_t)\s+\**(ki_\w+)\(([^)]*)\);", re.M | re.S)
 
 
 def header_functions(text: str) -> dict[str, int]:

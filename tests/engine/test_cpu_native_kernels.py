@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from native_builds import outputs_of_both_builds
+from native_builds import outputs_by_level, outputs_of_both_builds
 
 from kubeinfer.engine.model_executor.layers.quantization import activations
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
@@ -144,6 +144,23 @@ def test_portable_build_equals_the_vnni_build(monkeypatch):
 
     native, portable = outputs_of_both_builds(monkeypatch, products)
     assert all(torch.equal(a, b) for a, b in zip(native, portable))
+
+
+def test_every_level_gives_the_portable_bits(monkeypatch):
+    """The v4 (vpdpbusd), v3 (AVX2: vpmaddwd on int16) and portable builds, each forced: the W8A8 and Q8_0
+    products' bits, every shape (1 to 33 tokens: the AVX2 pairs of tokens and an odd one; N past 16 and not
+    aligned: the masked halves), weights at both ends of int8 (-128 and 127: exact int32 sums)."""
+    def products():
+        cases = [int8_case(m, k, n, seed=4) for m, k, n in SHAPES]
+        ends = torch.tensor([-128, 127], dtype=torch.int8).repeat(40, 50)  # [40, 100]
+        cases.append((torch.full((5, 100), -7.0), ends, torch.ones(40)))
+        w8a8 = [ops.w8a8_linear(x, TOKEN, ops.pack_int8(w), scale) for x, w, scale in cases]
+        return w8a8 + [ops.q8_0_linear(x, *args) for x, _, args in (grouped_case(*case) for case in CASES)]
+
+    outs = outputs_by_level(monkeypatch, products)
+    assert "portable" in outs and len(outs) >= 2, f"only {list(outs)} run here"
+    for level, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, outs["portable"])), level
 
 
 def test_w8a8_engine_tokens_equal_int_mm(tmp_path, monkeypatch):

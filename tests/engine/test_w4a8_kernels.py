@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from native_builds import outputs_of_both_builds
+from native_builds import outputs_by_level, outputs_of_both_builds
 
 from kubeinfer.engine.model_executor.layers.quantization.activations import ActivationScheme
 from kubeinfer.engine.platforms.cpu.native import ops, w4a8_ops
@@ -108,6 +108,19 @@ def test_a_token_s_output_does_not_depend_on_its_batch():
 def test_portable_build_equals_the_vnni_build(monkeypatch):
     vnni, portable = outputs_of_both_builds(monkeypatch, lambda: [native(*int4_case(*shape)) for shape in SHAPES])
     assert all(torch.equal(a, b) for a, b in zip(vnni, portable))
+
+
+def test_every_level_gives_the_portable_bits(monkeypatch):
+    """The v4 (vpdpbusd), v3 (AVX2: vpmaddubsw then vpmaddwd) and portable builds, each forced: the same bits, at
+    1 to 20 tokens (the AVX2 tiles of up to 4 and a remainder)."""
+    def products():
+        x, w, scale, group = int4_case(20, 256, 48, 64, seed=5)
+        return [native(*int4_case(*shape)) for shape in SHAPES] + [native(x[:n], w, scale, group) for n in (1, 6, 20)]
+
+    outs = outputs_by_level(monkeypatch, products)
+    assert "portable" in outs and len(outs) >= 2, f"only {list(outs)} run here"
+    for level, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, outs["portable"])), level
 
 
 def test_layouts_the_kernel_does_not_take():

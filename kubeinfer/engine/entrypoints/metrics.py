@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..core.async_engine import AsyncEngine
 from ..core.outputs import RequestOutput
+from ..platforms.cpu.native import ops as cpu_native
 from .openai.protocol_base import IGNORED_FIELDS
 
 disable_created_metrics()  # the *_created series only add noise to every scrape
@@ -125,6 +126,7 @@ class _StateCollector:
         yield counter("kubeinfer:request_fields_ignored", "Unknown request body fields ignored (named in a warning).",
                       IGNORED_FIELDS.total)
         yield from _spec_decode_counters(engine.speculator, name)
+        yield from cpu_native_kernels(name)
         if engine.kv_events is not None:  # --kv-events-config: batches sent, and dropped rather than stall a step
             publisher = engine.kv_events.publisher
             yield counter("kubeinfer:kv_events_published", "KV-event batches published.", publisher.published)
@@ -142,6 +144,18 @@ class _StateCollector:
         for reason in ("stop", "length", "abort"):
             success.add_metric(name + [reason], m.success_by_reason.get(reason, 0))
         yield success
+
+
+def cpu_native_kernels(name: list[str]):
+    """kubeinfer:cpu_native_kernels_info{level}: the native CPU kernels' build this engine loaded (build.py's
+    level), once a CPU engine asked for them; nothing before (a GPU engine never does)."""
+    level = cpu_native.level()
+    if level is not None:
+        kernels = GaugeMetricFamily("kubeinfer:cpu_native_kernels_info", "The native CPU kernels' build this "
+                                    "engine loaded: level v4, v3, portable or native; torch where none loads.",
+                                    labels=["model_name", "level"])
+        kernels.add_metric(name + [level], 1)
+        yield kernels
 
 
 def _spec_decode_counters(speculator, name: list[str]):

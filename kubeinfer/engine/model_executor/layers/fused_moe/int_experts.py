@@ -9,7 +9,7 @@ exactly) and stacked over the experts for the kernel that multiplies them:
   int8 (asymmetric) and dequantizes each tile inside the kernel, as triton_int_matmul.py does for a dense layer.
 - CPU: the dense layers' kernel choice (linear_method.choose_kernel) applied per active expert: each expert's
   rows of the step go through its own product (grouped.py's loop). For a float32 model:
-  - where the native library builds with AVX-512 BF16 (a16_method.fast()), the exact A16 product
+  - where the native library has an A16 vector path (a16_method.fast(): AVX-512 BF16 or AVX2), the exact A16 product
     (`cpu_int4_a16` / `cpu_int8_a16`, a16_experts.py): int4 (groups of a multiple of 32, or per channel) and
     int8 (per channel or grouped, symmetric or not: kept now, dequantized before), each expert packed at load
     in a16_linear.c's layout (half a byte / one byte a weight, float32 scales and the zero points per 16 rows

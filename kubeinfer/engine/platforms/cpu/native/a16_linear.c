@@ -35,6 +35,7 @@
 #else
 #define KI_A16_BF16 0
 #endif
+#define KI_A16_AVX2 (!KI_A16_BF16 && KI_AVX2) /* a16_avx2.c: the same sums with float32 FMAs */
 
 #define A16_TT 8     /* tokens per tile of x (int8: each weight vector, unpacked once, feeds all of them) */
 #define A16_BLOCK 16 /* steps a chain runs before the next chain takes over: their x and weights stay in L1 */
@@ -46,9 +47,17 @@ typedef struct {
     const void *zero;
     float *out;
     int M, N, K, bits, groups, group_size;
+    const float *xf; /* a16_avx2.c: bf16(x) as floats, [M, K] */
 } a16_ctx;
 
 int ki_has_a16_bf16(void) { return KI_A16_BF16; }
+
+/* Whether the product runs vector code (AVX-512 BF16 or AVX2 and FMA), not the portable C. */
+int ki_has_a16_vector(void) { return KI_A16_BF16 || KI_A16_AVX2; }
+
+/* Calls the AVX2 build ran in portable C (activations outside a16_avx2.c's exact range): tests, inspection. */
+static atomic_long a16_portable_calls;
+long ki_a16_portable_calls(void) { return atomic_load(&a16_portable_calls); }
 
 /* torch's float -> bfloat16 (round to nearest even; NaN to its quiet NaN); subnormal results to +0. */
 static inline uint16_t a16_bf16(float f) {
@@ -109,6 +118,7 @@ static void a16_round_x(const float *x, int M, int K, uint32_t *xb, int tt) {
 }
 
 #include "a16_tiles.c"
+#include "a16_avx2.c"
 
 /* Work items: pairs of row groups, each with all the tokens. int8 from 5 tokens (unpacking a weight vector takes 7
  * operations): A16_TT tokens at once, chain by chain (a16_tile8), 1.35-1.6x the 4-token tiles at 16 tokens; int4 (4
@@ -169,10 +179,24 @@ int ki_a16_linear(const float *x, long x_bytes, int M, int K, const uint8_t *w, 
         || !ki_fits(scale_bytes, ki_padded_rows(N), groups, 4)
         || !ki_fits(zero_bytes, ki_padded_rows(N) * 2, groups, bits == 4 ? 2 : 4) || !ki_fits(out_bytes, M, N, 4))
         return KI_EBOUNDS;
+#if KI_A16_AVX2
+    float *xf = malloc(sizeof(float) * ((size_t)M * K + 1));
+    if (!xf) return -1;
+    if (a16v_round(x, (size_t)M * K, xf, bits == 4)) {
+        a16_ctx v = {NULL, w, scale, zero, out, M, N, K, bits, groups, group_size, xf};
+        pthread_mutex_lock(&call_mu);
+        parallel(a16v_task, &v, ((N + ROWS - 1) / ROWS + 1) / 2);
+        pthread_mutex_unlock(&call_mu);
+        free(xf);
+        return 0;
+    }
+    free(xf); /* an activation outside a16_avx2.c's exact range: the portable C below */
+    atomic_fetch_add(&a16_portable_calls, 1);
+#endif
     uint32_t *xb = malloc(sizeof(uint32_t) * ((size_t)M * K / 2 + 1));
     if (!xb) return -1;
     a16_round_x(x, M, K, xb, bits == 8 && M > 4 ? A16_TT : 1); /* a16_tile4 reads rows: tiles of one token */
-    a16_ctx c = {xb, w, scale, zero, out, M, N, K, bits, groups, group_size};
+    a16_ctx c = {xb, w, scale, zero, out, M, N, K, bits, groups, group_size, NULL};
     pthread_mutex_lock(&call_mu);
     parallel(a16_task, &c, ((N + ROWS - 1) / ROWS + 1) / 2);
     pthread_mutex_unlock(&call_mu);

@@ -1,7 +1,7 @@
 """The exact A16 product of weight-only int4 / int8 checkpoints in a float32 model (a16_linear.c): the activations
 rounded to bf16 as torch rounds them, nothing else rounded but float32 sums in a fixed order (a token's output
 does not depend on the batch or the thread count; the portable twin gives the same bits). Kernels `cpu_int4_a16`
-and `cpu_int8_a16` (linear_method.KERNELS), the float32 default where the library builds with AVX-512 BF16. The
+and `cpu_int8_a16` (linear_method.KERNELS), the float32 default where the library has a vector path (fast()). The
 weight is packed at load (a16_linear.c's layout: half a byte or one byte a weight), its scales float32 and zero
 points per output row and group; the float weight goes (meta).
 
@@ -59,10 +59,11 @@ def pack_zero(zero: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def fast() -> bool:
-    """Whether the library builds with its AVX-512 BF16 path (vdpbf16ps): where it does not, the portable C twin
+    """Whether the loaded library has a vector path for the product: AVX-512 BF16 (vdpbf16ps, the v4 build) or
+    AVX2 and FMA (a16_avx2.c, the v3 build; build.py picks the level). Where it has neither, the portable C twin
     would run, correct but slower than torch's products, so the default keeps torch's there."""
     lib = ops.library()
-    return bool(lib is not None and lib.ki_has_a16_bf16())
+    return bool(lib is not None and lib.ki_has_a16_vector())
 
 
 SIGNATURE = bindings.SIGNATURES["ki_a16_linear"]  # ki_q8_0_linear's (each pointer then its buffer's bytes)

@@ -19,7 +19,8 @@
  * very values, 3-5x faster than the lookups. A bf16 or fp8 cache takes the same
  * 16-position scores with AVX-512, its 16 K rows widened into a tile first, and its V rows are widened once per
  * position for the whole query group (each query's sums in the same order as one query at a time: the same
- * bits), not once per query. */
+ * bits), not once per query. The AVX2 build (v3) widens fp8 the same way 8 bytes at a time (D a multiple of 8) and
+ * otherwise runs the plain C, vectorized by gcc for AVX2: the same bits. */
 #include "kubeinfer_cpu.h"
 
 #define KA_LANES 16
@@ -126,6 +127,25 @@ static inline __attribute__((always_inline)) __m512 ka_e5m2x16(const uint8_t *sr
 }
 #endif
 
+#if !KI_VNNI && KI_AVX2
+/* ka_e4m3x16's arithmetic on 8 bytes (AVX2: blends for the masked moves): the same exact values. */
+static inline __attribute__((always_inline)) __m256 ka_e4m3x8(const uint8_t *src) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)src));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24);
+    const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
+    __m256i bits = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+    bits = _mm256_blendv_epi8(bits, _mm256_castps_si256(sub), _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FF00000), _mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F)));
+    return _mm256_castsi256_ps(_mm256_or_si256(bits, sign));
+}
+
+/* ka_e5m2x16's on 8 bytes: F16C's exact half-precision conversion. */
+static inline __attribute__((always_inline)) __m256 ka_e5m2x8(const uint8_t *src) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)src)), 8));
+}
+#endif
+
 /* Row `row` (token slot * Hkv + head) of a cache as float32: the cache itself for float32, else widened to buf. */
 static inline __attribute__((always_inline)) const float *ka_row(const attn_ctx *c, const char *cache, size_t row, float *buf, const int D) {
     size_t at = row * (size_t)D;
@@ -139,6 +159,12 @@ static inline __attribute__((always_inline)) const float *ka_row(const attn_ctx 
         if (D % KA_LANES == 0) {
             for (int d = 0; d < D; d += KA_LANES)
                 _mm512_storeu_ps(buf + d, c->kind == 2 ? ka_e4m3x16(src + d) : ka_e5m2x16(src + d));
+            return buf;
+        }
+#elif KI_AVX2
+        if (D % 8 == 0) {
+            for (int d = 0; d < D; d += 8)
+                _mm256_storeu_ps(buf + d, c->kind == 2 ? ka_e4m3x8(src + d) : ka_e5m2x8(src + d));
             return buf;
         }
 #endif

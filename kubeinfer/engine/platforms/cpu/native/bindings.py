@@ -13,6 +13,7 @@ _PACKED = [P, L, I, I, P, L, I, P, L, P, L, I, I, I, P, L]  # q8_0 and a16 linea
 SIGNATURES: dict[str, tuple[list, type | None]] = {
     # kernels.c
     "ki_has_vnni": ([], I),
+    "ki_level": ([], I),
     "ki_init": ([I, L], I),
     "ki_w8a8": ([P, L, P, L, I, I, P, L, P, L, I, P, L], I),
     "ki_quantize_token_int8": ([P, L, I, I, P, L, P, L], I),
@@ -21,6 +22,8 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "ki_q8_0_linear": (_PACKED, I),
     # a16_linear.c
     "ki_has_a16_bf16": ([], I),
+    "ki_has_a16_vector": ([], I),
+    "ki_a16_portable_calls": ([], L),
     "ki_a16_linear": (_PACKED, I),
     # w4a8_linear.c
     "ki_w4a8": ([P, L, P, L, I, I, P, L, P, L, I, I, I, P, L], I),

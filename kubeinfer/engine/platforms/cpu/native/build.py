@@ -1,9 +1,11 @@
 """Compiles kernels.c (with the files it #includes: SOURCES) into a shared library with the system C compiler,
-once per source, compiler, flags and CPU: the library is cached under $KUBEINFER_CACHE_DIR or
-~/.cache/kubeinfer/cpu_native/<key>/,
-the key a hash of those (the CPU's feature flags: -march=native code never runs on another CPU). `-O3
--march=native`: AVX-512 VNNI intrinsics where the CPU has them, the portable C twins elsewhere;
-KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the portable C on any CPU (for tests).
+one library per x86-64 level (LEVELS: v4 AVX-512 with VNNI and BF16, v3 AVX2/FMA/F16C, portable C), each built
+once per source, compiler and flags: cached under $KUBEINFER_CACHE_DIR or ~/.cache/kubeinfer/cpu_native/<key>/,
+the key a hash of those. The level loaded is the best one the CPU's flags (/proc/cpuinfo: the kernel's cpuid
+view) allow, or KUBEINFER_CPU_LEVEL's (a level the CPU lacks is refused: its code would stop the process on an
+illegal instruction); `chosen_level()` says which and why, without building. Other machines (arm64) keep one
+`-mcpu=native` build, keyed by the CPU's flags as well (native code never runs on another CPU).
+KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the portable C on any CPU (for tests), as KUBEINFER_CPU_LEVEL=portable.
 KUBEINFER_CPU_NATIVE_SANITIZE=address builds it with AddressSanitizer (`make test-asan`; cached apart, its flags
 in the key): python must run with LD_PRELOAD of `gcc -print-file-name=libasan.so` (the runtime first), and a
 sanitized library that does not load is an error (ops.library), never a silent fall back to torch's kernels.
@@ -23,7 +25,7 @@ from pathlib import Path
 import kubeinfer.engine.envs as envs
 
 SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "decoder_layer.c", "f32_linear.c",
-           "a16_linear.c", "a16_tiles.c", "w4a8_linear.c")
+           "a16_linear.c", "a16_tiles.c", "a16_avx2.c", "w4a8_linear.c")
 HEADER = "kubeinfer_cpu.h"  # every source includes it: part of the cache key
 HERE = Path(__file__).parent
 
@@ -31,11 +33,61 @@ HERE = Path(__file__).parent
 SANITIZERS = envs.SANITIZERS
 
 
-def flags(portable: bool, sanitizer: str | None = None) -> list[str]:
-    native = ["-march=native"] if platform.machine() in ("x86_64", "AMD64", "i686") else ["-mcpu=native"]
+X86 = ("x86_64", "AMD64", "i686")
+# Each level's compiler flags and the /proc/cpuinfo flags it needs (x86-64-v3 and -v4 as the psABI defines them;
+# v4 here also needs VNNI and BF16, which the kernels' AVX-512 paths use: an AVX-512 CPU without them takes v3).
+LEVELS: dict[str, tuple[list[str], tuple[str, ...]]] = {
+    "v4": (["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"],
+           ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni", "avx512_bf16")),
+    "v3": (["-march=x86-64-v3"], ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")),
+    "portable": ([], ()),
+}
+
+
+def flags(portable: bool, sanitizer: str | None = None, level: str | None = None) -> list[str]:
+    """The compiler's flags for `level` (x86: v4, v3, portable; None: this machine's -march/-mcpu=native)."""
+    if portable:
+        level = "portable"
+    if level is None:
+        arch = ["-march=native"] if platform.machine() in X86 else ["-mcpu=native"]
+    else:
+        arch = LEVELS[level][0]
     checked = [f"-fsanitize={sanitizer}", "-fno-omit-frame-pointer", "-g"] if sanitizer else []
-    return ["-O3", *native, "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-std=gnu11",
-            *(["-DKI_PORTABLE"] if portable else []), *checked]
+    return ["-O3", *arch, "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-std=gnu11",
+            *(["-DKI_PORTABLE"] if level == "portable" else []), *checked]
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags, from /proc/cpuinfo's first `flags` line (or `cpuinfo`, the file's text: tests)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as info:
+                cpuinfo = info.read()
+        except OSError:
+            return set()
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return set(line.partition(":")[2].split())
+
+
+def best_level(features: set[str]) -> str:
+    """The highest level whose flags the CPU has (portable where it has neither v3's nor v4's)."""
+    return next(level for level, (_, needs) in LEVELS.items() if set(needs) <= features)
+
+
+def chosen_level(cpuinfo: str | None = None, machine: str | None = None) -> tuple[str | None, str]:
+    """(the level to load, why); level None: this machine is not x86 (one native build) or the level asked for
+    (KUBEINFER_CPU_LEVEL) is one this CPU lacks, the reason saying which flags are missing."""
+    if (machine or platform.machine()) not in X86:
+        return None, f"{machine or platform.machine()}: one -mcpu=native build"
+    features = cpu_flags(cpuinfo)
+    wanted = "portable" if portable_requested() else envs.CPU_LEVEL.get()
+    if wanted is None:
+        level = best_level(features)
+        return level, f"the best level of this CPU's flags ({' '.join(LEVELS[level][1]) or 'no AVX2'})"
+    missing = sorted(set(LEVELS[wanted][1]) - features)
+    if missing:
+        return None, f"KUBEINFER_CPU_LEVEL={wanted} but this CPU lacks {', '.join(missing)}"
+    return wanted, "KUBEINFER_CPU_LEVEL" if envs.CPU_LEVEL.get() else "KUBEINFER_CPU_NATIVE_PORTABLE"
 
 
 def sanitizer() -> str | None:
@@ -64,9 +116,15 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def build(portable: bool | None = None) -> Path:
-    """The compiled library's path, compiling it when the cache has none. Raises RuntimeError on failure."""
-    portable = portable_requested() if portable is None else portable
+def build(portable: bool | None = None, level: str | None = None) -> Path:
+    """The compiled library's path for `level` (None: chosen_level()'s), compiling it when the cache has none.
+    Raises RuntimeError on failure, or where the level chosen is one this CPU lacks."""
+    if portable or (portable is None and portable_requested()):
+        level = "portable"
+    elif level is None:
+        level, why = chosen_level()
+        if level is None and platform.machine() in X86:
+            raise RuntimeError(why)
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc on PATH, or $CC)")
@@ -74,13 +132,14 @@ def build(portable: bool | None = None) -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"C compiler {cc} does not run: {exc}") from exc
-    args = flags(portable, sanitizer())
+    args = flags(False, sanitizer(), level)
     digest = hashlib.sha256()
     for part in [*(HERE / s for s in SOURCES), HERE / HEADER]:
         digest.update(part.read_bytes())
     digest.update(version.encode())
-    digest.update(" ".join([cc, *args, platform.machine(), _cpu_features()]).encode())
-    target = cache_root() / digest.hexdigest()[:20] / "libkubeinfer_cpu.so"
+    native = "" if level is not None else _cpu_features()  # a level's code runs on every CPU that has the level
+    digest.update(" ".join([cc, *args, platform.machine(), native]).encode())
+    target = cache_root() / digest.hexdigest()[:20] / f"libkubeinfer_cpu_{level or 'native'}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -94,15 +153,26 @@ def build(portable: bool | None = None) -> Path:
     return target
 
 
-def load(portable: bool | None = None) -> tuple[ctypes.CDLL | None, str]:
+def load(portable: bool | None = None, level: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
     try:
-        return ctypes.CDLL(str(build(portable))), ""
+        return ctypes.CDLL(str(build(portable, level))), ""
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         return None, str(exc)
 
 
-if __name__ == "__main__":  # `make setup` builds it ahead of first use
-    lib, why = load()
-    print(f"cpu_native kernels: {'built' if lib else 'not built: ' + why}"
-          + (f" (VNNI: {bool(lib.ki_has_vnni())})" if lib else ""))
+def loaded_level(lib: ctypes.CDLL) -> str:
+    """The level a loaded library was built for (its file's name: libkubeinfer_cpu_<level>.so)."""
+    return Path(lib._name).stem.removeprefix("libkubeinfer_cpu_")
+
+
+if __name__ == "__main__":  # `make setup` builds it ahead of first use; `--all` builds every level (x86: compiling
+    import sys               # a level needs no CPU that runs it)
+    if "--all" in sys.argv[1:]:
+        for lvl in list(LEVELS) if platform.machine() in X86 else [None]:
+            lib, why = load(level=lvl)
+            print(f"cpu_native kernels {lvl or 'native'}: {'built ' + lib._name if lib else 'not built: ' + why}")
+    else:
+        lib, why = load()
+        print(f"cpu_native kernels: {'built ' + loaded_level(lib) if lib else 'not built: ' + why}"
+              + (f" (VNNI: {bool(lib.ki_has_vnni())})" if lib else ""))

@@ -12,7 +12,9 @@
  * Summation order, fixed per output element whatever M, the tiling or the thread count (batch invariance): lane
  * j (0..15) sums w[k] * x[k] for k = j, j + 16, ... with one fused multiply-add each, in order, the inputs past
  * K read as zeros; then the 16 lanes in a tree: j += j + 8, j += j + 4, j += j + 2, then lane 0 + lane 1. The
- * portable twin (KI_PORTABLE) does the same operations in the same order: the same bits. */
+ * portable twin (KI_PORTABLE) does the same operations in the same order: the same bits. The AVX2 path (KI_AVX2
+ * without AVX-512: build.py's v3) holds lanes 0-7 and 8-15 in two 8-lane registers, the same fused multiply-adds,
+ * and starts the tree by adding the two: the same bits again. */
 #include "kubeinfer_cpu.h"
 
 #define F32_LANES 16
@@ -33,6 +35,52 @@ static inline float f32_tree16(__m512 v) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
     __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
     return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+#endif
+
+#if !KI_VNNI && KI_AVX2
+/* f32_tree16 from its first step's sum (lanes j + lanes j + 8, one 8-lane register). */
+static inline float f32_tree8(__m256 s8) {
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+}
+
+/* Lanes k.. k + 7 of a row, those at or past K read as zeros (as the AVX-512 path's masked loads). */
+static inline __m256 f32_load8(const float *row, int k, int K) {
+    if (K - k >= 8) return _mm256_loadu_ps(row + k);
+    if (K - k <= 0) return _mm256_setzero_ps();
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(row + k, _mm256_cmpgt_epi32(_mm256_set1_epi32(K - k), lanes));
+}
+
+/* nr (<= 4) rows times mt (<= 2 where nr > 2) tokens: 2 * nr * mt accumulators (of 16 registers). */
+static inline __attribute__((always_inline)) void f32_tile8(const f32_ctx *c, int n0, int m0, const int nr,
+                                                            const int mt, const float *pf) {
+    const int K = c->K;
+    __m256 acc[4][2][2];
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < mt; t++) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+    const float *w = c->w + (size_t)n0 * K, *x = c->x + (size_t)m0 * K;
+    for (int k = 0; k < K; k += F32_LANES) {
+        const int whole = K - k >= F32_LANES;
+        __m256 xv[2][2];
+        for (int t = 0; t < mt; t++)
+            for (int h = 0; h < 2; h++)
+                xv[t][h] = whole ? _mm256_loadu_ps(x + (size_t)t * K + k + 8 * h)
+                                 : f32_load8(x + (size_t)t * K, k + 8 * h, K);
+        if (pf)
+            for (int r = 0; r < nr; r++) _mm_prefetch((const char *)(pf + (size_t)r * K + k), _MM_HINT_T1);
+        for (int r = 0; r < nr; r++)
+            for (int h = 0; h < 2; h++) {
+                __m256 wv = whole ? _mm256_loadu_ps(w + (size_t)r * K + k + 8 * h)
+                                  : f32_load8(w + (size_t)r * K, k + 8 * h, K);
+                for (int t = 0; t < mt; t++) acc[r][t][h] = _mm256_fmadd_ps(wv, xv[t][h], acc[r][t][h]);
+            }
+    }
+    for (int t = 0; t < mt; t++)
+        for (int r = 0; r < nr; r++)
+            c->out[(size_t)(m0 + t) * c->N + n0 + r] = f32_tree8(_mm256_add_ps(acc[r][t][0], acc[r][t][1]));
 }
 #endif
 
@@ -57,6 +105,23 @@ static inline __attribute__((always_inline)) void f32_tile(const f32_ctx *c, int
     }
     for (int t = 0; t < mt; t++)
         for (int r = 0; r < nr; r++) c->out[(size_t)(m0 + t) * c->N + n0 + r] = f32_tree16(acc[r][t]);
+#elif KI_AVX2
+    /* AVX2's 16 registers: 4 rows of one token, or 2 rows of 2 tokens, a sub-tile (nr, mt constants: unrolled) */
+    const int rs = mt == 1 ? 4 : 2, ts = mt == 1 ? 1 : 2;
+    for (int r0 = 0; r0 < nr; r0 += rs)
+        for (int t0 = 0; t0 < mt; t0 += ts) {
+            const float *p = pf && t0 == 0 ? pf + (size_t)r0 * K : NULL;
+            const int rn = nr - r0 < rs ? nr - r0 : rs, tn = mt - t0 < ts ? mt - t0 : ts;
+            if (tn == 2) {
+                if (rn == 2) f32_tile8(c, n0 + r0, m0 + t0, 2, 2, p);
+                else f32_tile8(c, n0 + r0, m0 + t0, 1, 2, p);
+            } else switch (rn) {
+                case 4: f32_tile8(c, n0 + r0, m0 + t0, 4, 1, p); break;
+                case 3: f32_tile8(c, n0 + r0, m0 + t0, 3, 1, p); break;
+                case 2: f32_tile8(c, n0 + r0, m0 + t0, 2, 1, p); break;
+                default: f32_tile8(c, n0 + r0, m0 + t0, 1, 1, p); break;
+            }
+        }
 #else
     (void)pf;
     for (int t = 0; t < mt; t++) {

@@ -27,12 +27,24 @@
 #else
 #define KI_VNNI 0
 #endif
+/* x86-64-v3 (AVX2 and FMA; build.py's v3 library): the kernels' AVX2 paths, where they have one, take over from the
+ * portable C when there is no AVX-512 path (KI_VNNI 0), in the same order of operations or the bound their file
+ * states. */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(KI_PORTABLE)
+#include <immintrin.h>
+#define KI_AVX2 1
+#else
+#define KI_AVX2 0
+#endif
 
 #define ROWS 16  /* output rows per group: one int32 lane each */
 #define BLOCK 32 /* inputs per block of the llama.cpp arithmetic (its QK8_0) */
 #define TILE 4   /* tokens per tile: each weight vector loaded once per tile */
 
 int ki_has_vnni(void) { return KI_VNNI; }
+
+/* The instruction set the library was built for: 4 (AVX-512 VNNI), 3 (AVX2 and FMA), 0 (portable C). */
+int ki_level(void) { return KI_VNNI ? 4 : KI_AVX2 ? 3 : 0; }
 
 /* ------------------------------------------------------------------ argument checks
  * The products' dimensions come from a checkpoint (through Python), so every exported product is handed the
@@ -179,6 +191,7 @@ static void parallel(task_fn fn, const void *ctx, int items) {
  * out[m, n] = ((float)(sum_k q[m, k] * w[n, k]) * sx[m]) * sw[n], as torch._int_mm then the two scales. */
 typedef struct {
     const int8_t *q;     /* [M, Kp] activations, zero-padded */
+    const int16_t *qw;   /* the AVX2 path's: q widened to int16 */
     const int32_t *bias; /* [M]: 128 * sum_k q[m, k] */
     const float *sx, *sw;
     const uint8_t *w;
@@ -194,6 +207,46 @@ typedef struct {
 #ifndef W8_PREFETCH
 #define W8_PREFETCH 8192
 #endif
+#if !KI_VNNI && KI_AVX2
+/* AVX2 (no vpdpbusd; vpmaddubsw's int16 pair sums would saturate on (w + 128) * q): a step's 16 rows x 4 inputs
+ * widened to int16 (4 rows a register), vpmaddwd with the token's 4 inputs as int16: two exact int32 partial sums
+ * a row, added pairwise at the end. Integer sums: the same bits as any order. One row group, mt (<= 2) tokens. */
+static inline __attribute__((always_inline)) void w8a8_tile_avx2(const w8a8_ctx *c, int g, int m0, const int mt) {
+    const uint8_t *wg = c->w + (size_t)g * c->Kp * ROWS;
+    __m256i acc[2][4];
+    for (int t = 0; t < mt; t++)
+        for (int i = 0; i < 4; i++) acc[t][i] = _mm256_setzero_si256();
+    for (int k = 0; k < c->Kp; k += 4) {
+        const uint8_t *wk = wg + (size_t)k * ROWS;
+        if (m0 == 0) _mm_prefetch((const char *)wk + W8_PREFETCH, _MM_HINT_T0);
+        __m256i w[4];
+        for (int i = 0; i < 4; i++) w[i] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wk + 16 * i)));
+        for (int t = 0; t < mt; t++) {
+            int64_t x4;
+            memcpy(&x4, c->qw + (size_t)(m0 + t) * c->Kp + k, 8);
+            const __m256i x = _mm256_set1_epi64x(x4);
+            for (int i = 0; i < 4; i++) acc[t][i] = _mm256_add_epi32(acc[t][i], _mm256_madd_epi16(w[i], x));
+        }
+    }
+    const int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int t = 0; t < mt; t++) {
+        const int m = m0 + t;
+        for (int h = 0; h < 2; h++) { /* rows 8h.. 8h + 7: registers 2h (rows 0-1 | 2-3) and 2h + 1 (4-5 | 6-7) */
+            const int rows = nn - 8 * h;
+            if (rows <= 0) break;
+            __m256i sum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[t][2 * h], acc[t][2 * h + 1]),
+                                                   _MM_SHUFFLE(3, 1, 2, 0));
+            sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(c->bias[m]));
+            const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), lanes);
+            const __m256 sw = _mm256_maskload_ps(c->sw + n0 + 8 * h, mask);
+            const __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(c->sx[m])), sw);
+            _mm256_maskstore_ps(c->out + (size_t)m * c->N + n0 + 8 * h, mask, f);
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void w8a8_tile(const w8a8_ctx *c, int g, int m0, const int ng,
                                                             const int mt) {
 #if KI_VNNI
@@ -241,6 +294,12 @@ static inline __attribute__((always_inline)) void w8a8_tile(const w8a8_ctx *c, i
             _mm512_mask_storeu_ps(c->out + (size_t)m * c->N + n0, mask, f);
         }
     }
+#elif KI_AVX2
+    for (int i = 0; i < ng; i++)
+        for (int t0 = 0; t0 < mt; t0 += 2) {
+            if (mt - t0 >= 2) w8a8_tile_avx2(c, g + i, m0 + t0, 2);
+            else w8a8_tile_avx2(c, g + i, m0 + t0, 1);
+        }
 #else
     for (int i = 0; i < ng; i++) {
         const uint8_t *wg = c->w + (size_t)(g + i) * c->Kp * ROWS;
@@ -309,11 +368,20 @@ int ki_w8a8(const int8_t *q, long q_bytes, const float *sx, long sx_bytes, int M
         memcpy(qp + (size_t)m * Kp, q + (size_t)m * K, K);
         memset(qp + (size_t)m * Kp + K, 0, Kp - K);
     }
-    w8a8_ctx c = {qp, bias, sx, sw, w, out, M, N, Kp};
+    int16_t *qw = NULL;
+#if !KI_VNNI && KI_AVX2
+    qw = malloc(sizeof(int16_t) * ((size_t)M * Kp + 4));
+    if (!qw) {
+        free(qp), free(bias);
+        return -1;
+    }
+    for (size_t i = 0; i < (size_t)M * Kp; i++) qw[i] = qp[i];
+#endif
+    w8a8_ctx c = {qp, qw, bias, sx, sw, w, out, M, N, Kp};
     pthread_mutex_lock(&call_mu);
     parallel(w8a8_task, &c, ((N + ROWS - 1) / ROWS + 1) / 2);
     pthread_mutex_unlock(&call_mu);
-    free(qp), free(bias);
+    free(qp), free(bias), free(qw);
     return 0;
 }
 

@@ -15,6 +15,7 @@ typedef struct ki_layer ki_layer; /* decoder_layer.c: one decoder layer's weight
 
 /* kernels.c: the thread pool, the W8A8 product and per-token int8 quantization */
 int ki_has_vnni(void);
+int ki_level(void); /* the x86-64 level this library was built for: 4, 3, or 0 (portable) */
 int ki_init(int threads, long spin_us);
 int ki_w8a8(const int8_t *q, long q_bytes, const float *sx, long sx_bytes, int M, int K, const uint8_t *w,
             long w_bytes, const float *sw, long sw_bytes, int N, float *out, long out_bytes);
@@ -29,6 +30,8 @@ int ki_q8_0_linear(const float *x, long x_bytes, int M, int K, const uint8_t *w,
 
 /* a16_linear.c: the exact A16 product */
 int ki_has_a16_bf16(void);
+int ki_has_a16_vector(void);    /* the A16 product has a vector path in this build (AVX-512 BF16 or AVX2) */
+long ki_a16_portable_calls(void); /* A16 calls that ran the portable C (activations out of the exact range) */
 int ki_a16_linear(const float *x, long x_bytes, int M, int K, const uint8_t *w, long w_bytes, int bits,
                   const float *scale, long scale_bytes, const void *zero, long zero_bytes, int groups,
                   int group_size, int N, float *out, long out_bytes);

@@ -90,8 +90,11 @@ def library():
             raise RuntimeError(f"KUBEINFER_CPU_NATIVE_SANITIZE is set but the sanitized library did not load: {why}")
         if lib is None:
             logger.warning("native CPU int8 kernels unavailable, using torch's: %s", why)
+            _state["level"] = "torch"
         else:
             bindings.declare(lib)
+            _state["level"] = build.loaded_level(lib)
+            logger.info("native CPU kernels: level %s (%s)", _state["level"], build.chosen_level()[1])
             lib.ki_init(default_threads(), envs.CPU_NATIVE_SPIN_US.get())
         _state["lib"] = lib
     return _state["lib"]
@@ -100,6 +103,12 @@ def library():
 def set_threads(threads: int) -> int:
     """The threads each product uses from now on (benchmarks); returns the count in use."""
     return library().ki_init(threads, -1)
+
+
+def level() -> str | None:
+    """The level of the library this process loaded (v4, v3, portable, native: build.py), "torch" where none
+    loads (torch's kernels serve), None before the first product asked for it (nothing loaded yet)."""
+    return _state.get("level")
 
 
 def available() -> bool:

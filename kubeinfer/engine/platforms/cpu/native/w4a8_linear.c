@@ -149,6 +149,59 @@ static inline __attribute__((always_inline)) void w4a8_wide(const w4a8_ctx *c, i
             _mm512_mask_storeu_ps(c->out + (size_t)(m0 + t) * c->N + n0, mask, _mm512_load_ps(part[r][t]));
     }
 }
+#elif KI_AVX2
+/* AVX2: a step's 16 rows x 8 inputs as two halves of 8 rows; per half the low and the high nibbles (0..15) times the
+ * token's 4 + 4 activation bytes by vpmaddubsw (int16 pair sums of at most 2 * 15 * 128: no saturation), the two
+ * added (at most 7680), widened to one int32 a row by vpmaddwd with ones: exact integer sums, the portable bits.
+ * One row group, mt (<= 4) tokens: 2 * mt int32 accumulators. */
+static inline __attribute__((always_inline)) void w4a8_avx2(const w4a8_ctx *c, int g, int m0, const int mt) {
+    const int steps = c->Kp / 8, gsteps = c->bpg * BLOCK / 8;
+    const uint8_t *wg = c->w + (size_t)g * steps * 64;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 out[4][2];
+    for (int t = 0; t < mt; t++) out[t][0] = out[t][1] = _mm256_setzero_ps();
+    for (int gi = 0; gi < c->groups; gi++) {
+        const int s0 = gi * gsteps, s1 = s0 + gsteps < steps ? s0 + gsteps : steps;
+        __m256i isum[4][2];
+        for (int t = 0; t < mt; t++) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+        for (int st = s0; st < s1; st++) {
+            const uint8_t *ws = wg + (size_t)st * 64;
+            if (m0 == 0) _mm_prefetch((const char *)ws + W4_PREFETCH, _MM_HINT_T0);
+            __m256i lo[2], hi[2];
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(ws + 32 * h));
+                lo[h] = _mm256_and_si256(v, low), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            for (int t = 0; t < mt; t++) {
+                const int8_t *q = c->q + (size_t)(m0 + t) * c->Kp + 8 * st;
+                int32_t qa, qb;
+                memcpy(&qa, q, 4), memcpy(&qb, q + 4, 4);
+                const __m256i a = _mm256_set1_epi32(qa), b = _mm256_set1_epi32(qb);
+                for (int h = 0; h < 2; h++) {
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], a), _mm256_maddubs_epi16(hi[h], b));
+                    isum[t][h] = _mm256_add_epi32(isum[t][h], _mm256_madd_epi16(p, ones));
+                }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 sw = _mm256_loadu_ps(c->sw + ((size_t)g * c->groups + gi) * ROWS + 8 * h);
+            for (int t = 0; t < mt; t++) {
+                const int m = m0 + t;
+                const __m256i sum =
+                    _mm256_sub_epi32(isum[t][h], _mm256_set1_epi32(c->s[(size_t)m * c->groups + gi]));
+                const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(c->sx[m]), sw);
+                out[t][h] = _mm256_add_ps(out[t][h], _mm256_mul_ps(_mm256_cvtepi32_ps(sum), scale));
+            }
+        }
+    }
+    const int n0 = g * ROWS, nn = c->N - n0 < ROWS ? c->N - n0 : ROWS;
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int h = 0; h < 2 && nn > 8 * h; h++) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nn - 8 * h), lanes);
+        for (int t = 0; t < mt; t++)
+            _mm256_maskstore_ps(c->out + (size_t)(m0 + t) * c->N + n0 + 8 * h, mask, out[t][h]);
+    }
+}
 #else
 /* The portable twin: the same sums (exact integers) and the same float operations in the same order. */
 static void w4a8_rows(const w4a8_ctx *c, int g, int m0, const int mt) {
@@ -201,6 +254,16 @@ static void w4a8_task(const void *ctx, int start, int end) {
                                 case 2: w4a8_narrow(c, g + r, 0, 2, stop); break;
                                 case 3: w4a8_narrow(c, g + r, 0, 3, stop); break;
                                 default: w4a8_narrow(c, g + r, 0, 4, stop); }
+#elif KI_AVX2
+        (void)stop;
+        for (int r = 0; r < 2 && g + r < last; r++)
+            for (int m0 = 0; m0 < c->M; m0 += 4)
+                switch (c->M - m0 < 4 ? c->M - m0 : 4) {
+                    case 1: w4a8_avx2(c, g + r, m0, 1); break;
+                    case 2: w4a8_avx2(c, g + r, m0, 2); break;
+                    case 3: w4a8_avx2(c, g + r, m0, 3); break;
+                    default: w4a8_avx2(c, g + r, m0, 4);
+                }
 #else
         (void)stop;
         for (int r = 0; r < 2 && g + r < last; r++) w4a8_rows(c, g + r, 0, c->M);
