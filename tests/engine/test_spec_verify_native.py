@@ -13,7 +13,7 @@ from quant_checkpoints import SHAPE, ct_compress, ct_scheme, float_weights, writ
 
 from kubeinfer.engine import LLM, SamplingParams
 from kubeinfer.engine.platforms.cpu.native import ops
-from kubeinfer.engine.model_executor.models import native_decode
+from kubeinfer.engine.platforms.cpu import native_decode
 from kubeinfer.engine.spec_decode import step_costs
 from kubeinfer.engine.spec_decode.step_costs import StepCosts
 
