@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all test-asan bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
+.PHONY: setup test test-all native-prebuilt test-asan bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
 
 setup: $(STAMP)
 
@@ -24,6 +24,11 @@ test: setup
 
 test-all: setup clients-venv
 	$(VENV)/bin/pytest -q
+
+# Every x86-64 level of the native CPU kernels compiled into the package (platforms/cpu/native/prebuilt/, stamped with
+# the sources): a wheel built after this, and the CPU image, carry them, so serving nodes need no C compiler
+native-prebuilt: setup
+	$(PY) -m kubeinfer.engine.platforms.cpu.native.prebuilt
 
 # The native CPU kernels built with AddressSanitizer (platforms/cpu/native/build.py, KUBEINFER_CPU_NATIVE_SANITIZE; cached apart)
 # under the crafted-checkpoint suite and the kernels' own tests: python preloads the ASan runtime; any report fails the

@@ -9,8 +9,9 @@ KUBEINFER_CPU_NATIVE_PORTABLE=1 builds the portable C on any CPU (for tests), as
 KUBEINFER_CPU_NATIVE_SANITIZE=address builds it with AddressSanitizer (`make test-asan`; cached apart, its flags
 in the key): python must run with LD_PRELOAD of `gcc -print-file-name=libasan.so` (the runtime first), and a
 sanitized library that does not load is an error (ops.library), never a silent fall back to torch's kernels.
-No compiler, or a failed build: `load()` returns None with the reason (ops.py warns once and the torch
-kernels run)."""
+A level's library built ahead of time (prebuilt.py: the package build, the CPU image) is taken first, where its
+stamp matches the sources. No compiler, or a failed build: `load()` returns None with the reason (ops.py warns
+once and the torch kernels run)."""
 from __future__ import annotations
 
 import ctypes
@@ -23,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 import kubeinfer.engine.envs as envs
+
+from . import prebuilt
 
 SOURCES = ("kernels.c", "kernels_q8_0.c", "attention.c", "decode_ops.c", "decoder_layer.c", "f32_linear.c",
            "a16_linear.c", "a16_tiles.c", "a16_avx2.c", "w4a8_linear.c")
@@ -125,6 +128,15 @@ def build(portable: bool | None = None, level: str | None = None) -> Path:
         level, why = chosen_level()
         if level is None and platform.machine() in X86:
             raise RuntimeError(why)
+    if level is not None and sanitizer() is None:
+        found = prebuilt.prebuilt_library(level, prebuilt.sources_digest(SOURCES, HEADER))
+        if found is not None:
+            return found
+    return compile_level(level)
+
+
+def compile_level(level: str | None) -> Path:
+    """Compile `level` (None: this machine's native build) into the cache, or return the cached library."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc on PATH, or $CC)")
