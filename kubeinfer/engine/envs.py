@@ -76,6 +76,11 @@ CPU_NATIVE_SANITIZE: EnvVar[str | None] = EnvVar(
     "KUBEINFER_CPU_NATIVE_SANITIZE", "builds the native kernels with a sanitizer (`make test-asan`); a failed "
     "load is then an error", lambda text: text_or_none(one_of(SANITIZERS, allow_empty=True)(text)),
     accepts="one of " + ", ".join(SANITIZERS), shown_default="unset")
+CPU_NATIVE_LIBRARY: EnvVar[str | None] = EnvVar(
+    "KUBEINFER_CPU_NATIVE_LIBRARY", "a prebuilt native kernels' library (`python -m kubeinfer.engine.model_executor."
+    "layers.quantization.cpu_native.build --out DIR`; the CPU engine image sets it), loaded where its sources match "
+    "and this CPU has every feature flag of the CPU it was built on; else the library is built here, as unset",
+    text_or_none, accepts="a path to libkubeinfer_cpu.so", shown_default="unset")
 CACHE_DIR: EnvVar[str] = EnvVar(
     "KUBEINFER_CACHE_DIR", "where the native kernels' built libraries are cached (under cpu_native/)",
     _default_cache_dir, shown_default="~/.cache/kubeinfer")
@@ -93,7 +98,7 @@ ALLOWED_LORA_DIRS: EnvVar[list[str]] = EnvVar(
 ENGINE: tuple[EnvVar, ...] = (
     QUANT_KERNEL, W8A8_KERNEL, CPU_NATIVE_LAYERS, CPU_FUSED_LAYERS, CPU_SHARE_CORES, CPU_OPENBLAS,
     CPU_OPENBLAS_MAX_CONTEXT, CPU_NATIVE_THREADS, CPU_NATIVE_SPIN_US, CPU_NATIVE_PORTABLE, CPU_NATIVE_SANITIZE,
-    CACHE_DIR, LOG_LEVEL, TERMINATION_LOG, ALLOWED_LORA_DIRS)
+    CPU_NATIVE_LIBRARY, CACHE_DIR, LOG_LEVEL, TERMINATION_LOG, ALLOWED_LORA_DIRS)
 ALL: tuple[EnvVar, ...] = SHARED + ENGINE
 
 

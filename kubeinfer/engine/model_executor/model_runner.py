@@ -16,6 +16,7 @@ from .layers import cpu_blas
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
 from .layers.quantization.cpu_native import ops as native_ops
+from .layers.quantization.cpu_native.paths import log_native_paths
 from .model_loader import ModelFiles, load_model
 from .models import native_decode
 from .models.registry import ARCHITECTURES
@@ -48,6 +49,8 @@ class ModelRunner:
         self.spec = self.model.spec
         if device.type == "cpu":  # a misspelt switch fails the start, not the first step
             native_ops.layers_enabled(), native_decode.switched_on()
+            if tp_rank == 0:
+                log_native_paths()
         self.sliding_window = self.spec.sliding_window
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.graphs: DecodeGraphs | None = None

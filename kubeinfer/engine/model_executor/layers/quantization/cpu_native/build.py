@@ -8,12 +8,18 @@ KUBEINFER_CPU_NATIVE_SANITIZE=address builds it with AddressSanitizer (`make tes
 in the key): python must run with LD_PRELOAD of `gcc -print-file-name=libasan.so` (the runtime first), and a
 sanitized library that does not load is an error (ops.library), never a silent fall back to torch's kernels.
 No compiler, or a failed build: `load()` returns None with the reason (ops.py warns once and the torch
-kernels run)."""
+kernels run).
+A prebuilt library (KUBEINFER_CPU_NATIVE_LIBRARY; the CPU engine image builds one in its build stage with
+`python -m ...cpu_native.build --out DIR`, its serving stage has no compiler) is loaded first where its manifest
+(libkubeinfer_cpu.json beside it) names these sources and a CPU whose feature flags this CPU all has: -march=native
+code from another CPU family would die on an illegal instruction."""
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
+import sys
 import platform
 import shutil
 import subprocess
@@ -63,6 +69,59 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
+def sources_digest() -> str:
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update((HERE / source).read_bytes())
+    return digest.hexdigest()
+
+
+def _flag_set(line: str) -> set[str]:
+    return set(line.partition(":")[2].split())
+
+
+def manifest_path(library: Path) -> Path:
+    return library.with_suffix(".json")
+
+
+def prebuilt(portable: bool) -> tuple[Path | None, str]:
+    """(KUBEINFER_CPU_NATIVE_LIBRARY's library, "") where it fits these sources and this CPU, else (None, why)."""
+    named = envs.CPU_NATIVE_LIBRARY.get()
+    if named is None:
+        return None, "KUBEINFER_CPU_NATIVE_LIBRARY is unset"
+    library = Path(named)
+    try:
+        manifest = json.loads(manifest_path(library).read_text())
+    except (OSError, ValueError) as exc:
+        return None, f"prebuilt library {library} has no readable manifest: {exc}"
+    if not library.is_file():
+        return None, f"prebuilt library {library} does not exist"
+    if manifest.get("sources") != sources_digest():
+        return None, f"prebuilt library {library} was built from other sources than this package's"
+    if manifest.get("portable") != portable or manifest.get("machine") != platform.machine():
+        return None, f"prebuilt library {library} was built for {manifest.get('machine')}" + (
+            ", portable" if manifest.get("portable") else "") + ", not for this run"
+    missing = _flag_set(manifest.get("cpu_flags", "")) - _flag_set(_cpu_features())
+    if missing:
+        return None, (f"prebuilt library {library} needs CPU features this CPU lacks: "
+                      + " ".join(sorted(missing)[:8]) + (" ..." if len(missing) > 8 else ""))
+    return library, ""
+
+
+def export(out_dir: Path, portable: bool | None = None) -> Path:
+    """Build (or take from the cache) the library and copy it with its manifest into out_dir: a prebuilt library
+    for KUBEINFER_CPU_NATIVE_LIBRARY."""
+    portable = portable_requested() if portable is None else portable
+    built = build(portable)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / built.name
+    shutil.copyfile(built, target)
+    manifest = {"sources": sources_digest(), "cpu_flags": _cpu_features().strip(), "portable": portable,
+                "machine": platform.machine()}
+    manifest_path(target).write_text(json.dumps(manifest, indent=1) + "\n")
+    return target
+
+
 def build(portable: bool | None = None) -> Path:
     """The compiled library's path, compiling it when the cache has none. Raises RuntimeError on failure."""
     portable = portable_requested() if portable is None else portable
@@ -93,15 +152,37 @@ def build(portable: bool | None = None) -> Path:
     return target
 
 
+# Where the library that load() returned came from: "prebuilt PATH" or "built PATH" (ops.native_paths says it).
+origin: dict[str, str] = {}
+
+
 def load(portable: bool | None = None) -> tuple[ctypes.CDLL | None, str]:
-    """(the library, "") or (None, why not)."""
+    """(the library, "") or (None, why not): the prebuilt one where it fits (not for a sanitized run), else built."""
+    portable = portable_requested() if portable is None else portable
+    skipped = ""
+    if sanitizer() is None and envs.CPU_NATIVE_LIBRARY.get() is not None:
+        library, skipped = prebuilt(portable)
+        if library is not None:
+            try:
+                lib = ctypes.CDLL(str(library))
+                origin["library"] = f"prebuilt {library}"
+                return lib, ""
+            except OSError as exc:
+                skipped = f"prebuilt library {library} does not load: {exc}"
     try:
-        return ctypes.CDLL(str(build(portable))), ""
+        path = build(portable)
+        lib = ctypes.CDLL(str(path))
+        origin["library"] = f"built {path}" + (f" ({skipped})" if skipped else "")
+        return lib, ""
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        return None, str(exc)
+        return None, f"{skipped}; {exc}" if skipped else str(exc)
 
 
-if __name__ == "__main__":  # `make setup` builds it ahead of first use
+if __name__ == "__main__":  # `make setup` builds it ahead of first use; `--out DIR` exports a prebuilt library
+    if sys.argv[1:2] == ["--out"] and len(sys.argv) == 3:
+        exported = export(Path(sys.argv[2]))
+        print(f"cpu_native kernels: {exported} (manifest {manifest_path(exported).name})")
+        sys.exit(0)
     lib, why = load()
     print(f"cpu_native kernels: {'built' if lib else 'not built: ' + why}"
           + (f" (VNNI: {bool(lib.ki_has_vnni())})" if lib else ""))

@@ -90,6 +90,7 @@ def library():
         if lib is None and build.sanitizer():  # a sanitized run that silently used torch's kernels would prove nothing
             raise RuntimeError(f"KUBEINFER_CPU_NATIVE_SANITIZE is set but the sanitized library did not load: {why}")
         if lib is None:
+            _state["why"] = why
             logger.warning("native CPU int8 kernels unavailable, using torch's: %s", why)
         else:
             p, i = ctypes.c_void_p, ctypes.c_int
@@ -110,6 +111,12 @@ def set_threads(threads: int) -> int:
 
 def available() -> bool:
     return library() is not None
+
+
+def load_failure() -> str:
+    """Why the library did not load ("" where it did)."""
+    library()
+    return _state.get("why", "")
 
 
 def layers_enabled() -> bool:
