@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all test-asan bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
+.PHONY: setup test test-all e2e test-asan bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
 
 setup: $(STAMP)
 
@@ -20,10 +20,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -m "not slow and not e2e"
 
 test-all: setup clients-venv
 	$(VENV)/bin/pytest -q
+
+# The end-to-end suite (tests/e2e/, docs/deploy.md "End-to-end tests"): builds the images, loads them into the cluster
+# of $$KUBECONFIG, installs the chart as the README says and serves tiny models through the gateway; prints a
+# transcript of timed steps. On this machine: /work/shared/k8s-node (setup.sh, up.sh, `. env.sh`), whose
+# buildah-k8s-node ($$K8S_NODE_ENGINE) builds and loads. Skipped, with the reason, without a cluster.
+E2E_ARGS ?=
+e2e: setup
+	$(VENV)/bin/pytest -m e2e -p no:cacheprovider -rs tests/e2e $(E2E_ARGS)
 
 # The native CPU kernels built with AddressSanitizer (cpu_native/build.py, KUBEINFER_CPU_NATIVE_SANITIZE; cached apart)
 # under the crafted-checkpoint suite and the kernels' own tests: python preloads the ASan runtime; any report fails the

@@ -1,0 +1,168 @@
+"""kubeinfer on a real cluster, as a user runs it (issue #46): the images built and loaded, the chart installed with
+the README's command, tiny models applied as InferenceModels, requests through the gateway Service. The tests run
+in file order and share the release; each is one step of the transcript (`make e2e` prints it)."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from e2e_cluster import (ROOT, TRANSCRIPT, E2EError, condition, get, helm, kubectl, model_state, wait_until)
+from e2e_models import inference_model, volume, write_adapter, write_model
+
+ENGINE_SELECTOR = "app.kubernetes.io/name=kubeinfer-engine"
+
+
+@pytest.fixture(scope="module")
+def store(release, node_dir) -> dict:
+    """The tiny model and three adapters: one beside the model on its claim, one on a claim of its own, one in a
+    host folder for file://."""
+    with TRANSCRIPT.step("write models and volumes (kubeinfer random-model)"):
+        models = node_dir / "models"
+        tiny = write_model(models / "tiny")
+        write_adapter(models / "adapters" / "sql", tiny, seed=1)
+        write_adapter(node_dir / "adapters" / "chat", tiny, seed=2)
+        write_adapter(node_dir / "host" / "legal", tiny, seed=3)
+        volume("models", models)
+        volume("adapters", node_dir / "adapters")
+    return {"host": node_dir / "host"}
+
+
+def wait_ready(name: str, timeout: float) -> dict:
+    def ready():
+        im = get("inferencemodel", name)
+        return im if condition(im, "Ready").get("status") == "True" else None
+    return wait_until(f"InferenceModel {name} Ready", ready, timeout, every=2, seen=lambda: model_state(name))
+
+
+def served(gateway, model: str, timeout: float = 120) -> dict:
+    """A completion through the gateway, retried until the gateway routes to the model (discovery takes a moment)."""
+    def complete():
+        r = httpx.post(f"{gateway.url}/v1/completions", timeout=60,
+                       json={"model": model, "prompt": "Hello", "max_tokens": 8, "temperature": 0})
+        if r.status_code != 200:
+            raise E2EError(f"{r.status_code} {r.text[:300]}")
+        return r.json()
+    return wait_until(f"a completion of {model} through the gateway", complete, timeout, every=2)
+
+
+def test_chart_pods_ready(release):
+    with TRANSCRIPT.step("operator and gateway Ready"):
+        for deployment in ("kubeinfer-operator", "kubeinfer-gateway"):
+            kubectl("rollout", "status", f"deployment/{deployment}", "--timeout=240s", timeout=260)
+
+
+def test_a_model_serves_completions_and_streamed_chat(store, gateway):
+    with TRANSCRIPT.step("model tiny Ready (2 active + 1 standby, pvc://)"):
+        kubectl("apply", "-f", "-", input=json.dumps(inference_model("tiny", "pvc://models/tiny", replicas=2,
+                                                                      standby=1)))
+        im = wait_ready("tiny", 420)
+        assert im["status"].get("readyReplicas") == 2
+    with TRANSCRIPT.step("completion through the gateway Service"):
+        gateway.start()
+        body = served(gateway, "tiny")
+        assert body["choices"][0]["text"] and body["model"] == "tiny"
+    with TRANSCRIPT.step("streamed chat through the gateway Service"):
+        chunks = []
+        with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", timeout=60,
+                          json={"model": "tiny", "stream": True, "max_tokens": 8,
+                                "messages": [{"role": "user", "content": "Hello"}]}) as r:
+            assert r.status_code == 200
+            chunks = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert chunks[-1] == "data: [DONE]" and len(chunks) >= 3
+        assert json.loads(chunks[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_status_after_a_bad_spec_and_after_its_fix(store):
+    with TRANSCRIPT.step("bad spec: conditions say why"):
+        kubectl("apply", "-f", "-", input=json.dumps(inference_model("broken", "pvc://models/missing")))
+
+        def failing():
+            ready = condition(get("inferencemodel", "broken"), "Ready")
+            return ready if ready.get("status") == "False" and "missing" in ready.get("message", "") else None
+        ready = wait_until("broken: Ready=False naming the missing directory", failing, 240, every=2,
+                           seen=lambda: model_state("broken"))
+        TRANSCRIPT.add("  Ready=False", 0.0, f"{ready['reason']}: {ready['message'][:100]}")
+    with TRANSCRIPT.step("spec fixed: Ready=True, no stale message"):
+        kubectl("patch", "inferencemodel", "broken", "--type=merge", "-p",
+                json.dumps({"spec": {"model": {"uri": "pvc://models/tiny"}}}))
+        im = wait_ready("broken", 300)
+        assert "missing" not in json.dumps(im["status"].get("conditions", []))
+        kubectl("delete", "inferencemodel", "broken", "--timeout=120s", timeout=150)
+
+
+def active_pods(model: str) -> list[dict]:
+    pods = get("pods", selector=f"{ENGINE_SELECTOR},app.kubernetes.io/instance={model},"
+                                "serving.kubeinfer.io/role=active")["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
+def test_kubectl_scale(store):
+    with TRANSCRIPT.step("kubectl scale im tiny --replicas=3, then 2"):
+        for replicas in (3, 2):
+            kubectl("scale", "inferencemodel", "tiny", f"--replicas={replicas}")
+            wait_until(f"tiny at {replicas} ready replicas",
+                       lambda: get("inferencemodel", "tiny")["status"].get("readyReplicas") == replicas
+                       and len(active_pods("tiny")) == replicas, 300, every=2, seen=lambda: model_state("tiny"))
+
+
+def test_failover_of_an_active_pod_fails_no_request(store, gateway):
+    results: list[int | str] = []
+    stop = threading.Event()
+
+    def load():
+        with httpx.Client(timeout=60) as client:
+            while not stop.is_set():
+                try:
+                    r = client.post(f"{gateway.url}/v1/completions",
+                                    json={"model": "tiny", "prompt": "Hi", "max_tokens": 4})
+                    results.append(r.status_code)
+                except httpx.HTTPError as exc:
+                    results.append(type(exc).__name__)
+
+    with TRANSCRIPT.step("delete an active pod under load"):
+        served(gateway, "tiny")
+        worker = threading.Thread(target=load, daemon=True)
+        worker.start()
+        time.sleep(3)
+        victim = active_pods("tiny")[0]["metadata"]["name"]
+        kubectl("delete", "pod", victim, "--wait=false")
+        wait_until("tiny back at 2 ready active pods", lambda: len(active_pods("tiny")) == 2 and victim not in
+                   [p["metadata"]["name"] for p in active_pods("tiny")]
+                   and get("inferencemodel", "tiny")["status"].get("readyReplicas") == 2, 180, every=1,
+                   seen=lambda: model_state("tiny"))
+        time.sleep(5)
+        stop.set()
+        worker.join(90)
+        failed = [r for r in results if r != 200]
+        TRANSCRIPT.add("  requests during failover", 0.0, f"{len(failed)} of {len(results)} failed")
+        assert results and not failed, f"{len(failed)} of {len(results)} failed: {sorted(set(map(str, failed)))}"
+
+
+def test_adapters_from_the_same_claim_their_own_claim_and_file(store, gateway):
+    adapters = [{"name": "sql", "uri": "pvc://models/adapters/sql"}, {"name": "chat", "uri": "pvc://adapters/chat"},
+                {"name": "legal", "uri": f"file://{store['host'] / 'legal'}"}]
+    with TRANSCRIPT.step("model with 3 adapters Ready (same PVC, own PVC, file://)"):
+        kubectl("apply", "-f", "-", input=json.dumps(inference_model("lora", "pvc://models/tiny", adapters=adapters)))
+        wait_ready("lora", 360)
+    with TRANSCRIPT.step("each adapter served through the gateway"):
+        for adapter in ("sql", "chat", "legal"):
+            served(gateway, adapter, timeout=180)
+        kubectl("delete", "inferencemodel", "lora", "--timeout=120s", timeout=150)
+
+
+def test_helm_upgrade_then_uninstall_keeps_engines_serving(release, gateway):
+    with TRANSCRIPT.step("helm upgrade (gateway setting changed)"):
+        helm("upgrade", "kubeinfer", str(ROOT / "charts" / "kubeinfer"), *release,
+             "--set", "gateway.upstream.maxAttempts=3", "--wait", "--timeout", "240s", timeout=300)
+        gateway.start()
+        served(gateway, "tiny")
+    with TRANSCRIPT.step("helm uninstall: engine pods keep running"):
+        before = {p["metadata"]["name"] for p in active_pods("tiny")}
+        helm("uninstall", "kubeinfer", "--namespace", "kubeinfer", "--wait", "--timeout", "120s", timeout=180)
+        time.sleep(15)
+        after = {p["metadata"]["name"]: p for p in active_pods("tiny")}
+        assert before == set(after), f"engine pods changed after uninstall: {before} -> {set(after)}"
+        assert all(p["status"]["phase"] == "Running" for p in after.values())
