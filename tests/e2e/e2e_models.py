@@ -45,11 +45,13 @@ def volume(name: str, host_dir: Path) -> None:
 
 
 def inference_model(name: str, uri: str, replicas: int = 1, standby: int = 0, adapters: list[dict] | None = None,
-                    cpu: str = "200m") -> dict:
+                    cpu: str = "200m", env: dict[str, str] | None = None) -> dict:
     spec: dict = {"model": {"uri": uri, "servedName": name},
                   "engine": {"dtype": "float32", "maxModelLen": 256,
                              "resources": {"gpus": 0, "cpu": cpu, "memory": "1Gi"}},
                   "replicas": replicas}
+    if env:
+        spec["engine"]["env"] = [{"name": k, "value": v} for k, v in env.items()]
     if standby:
         spec["standby"] = {"replicas": standby}
     if adapters:
@@ -58,3 +60,29 @@ def inference_model(name: str, uri: str, replicas: int = 1, standby: int = 0, ad
                                "replicasPerAdapter": replicas}
     return {"apiVersion": "serving.kubeinfer.io/v1alpha1", "kind": "InferenceModel", "metadata": {"name": name},
             "spec": spec}
+
+
+def hub_standin(engine_image: str) -> str:
+    """The hub stand-in (hub_standin.py) in a pod of the engine image, serving the `models` claim's tiny model as
+    every repository; returns its HF_ENDPOINT (the Service's ClusterIP: pods may have no cluster DNS)."""
+    script = Path(__file__).with_name("hub_standin.py")
+    apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "hub-standin"},
+           "data": {"hub_standin.py": script.read_text()}})
+    labels = {"app": "hub-standin"}
+    apply({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "hub-standin", "labels": labels},
+           "spec": {"securityContext": {"runAsUser": 1000, "runAsGroup": 1000, "runAsNonRoot": True},
+                    "containers": [{"name": "hub", "image": engine_image, "imagePullPolicy": "IfNotPresent",
+                                    "command": ["python", "/hub/hub_standin.py", "/models", "8000"],
+                                    "ports": [{"containerPort": 8000}],
+                                    "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 1},
+                                    "volumeMounts": [{"name": "script", "mountPath": "/hub"},
+                                                     {"name": "models", "mountPath": "/models", "subPath": "tiny",
+                                                      "readOnly": True}]}],
+                    "volumes": [{"name": "script", "configMap": {"name": "hub-standin"}},
+                                {"name": "models", "persistentVolumeClaim": {"claimName": "models",
+                                                                             "readOnly": True}}]}},
+          {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "hub-standin"},
+           "spec": {"selector": labels, "ports": [{"port": 8000, "targetPort": 8000}]}})
+    kubectl("wait", "pod/hub-standin", "--for=condition=Ready", "--timeout=120s", timeout=150)
+    ip = kubectl("get", "service", "hub-standin", "-o", "jsonpath={.spec.clusterIP}").stdout.strip()
+    return f"http://{ip}:8000"

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from e2e_cluster import (ROOT, TRANSCRIPT, E2EError, condition, get, helm, kubectl, model_state, wait_until)
-from e2e_models import inference_model, volume, write_adapter, write_model
+from e2e_models import hub_standin, inference_model, volume, write_adapter, write_model
 
 ENGINE_SELECTOR = "app.kubernetes.io/name=kubeinfer-engine"
 
@@ -151,6 +151,17 @@ def test_adapters_from_the_same_claim_their_own_claim_and_file(store, gateway):
         for adapter in ("sql", "chat", "legal"):
             served(gateway, adapter, timeout=180)
         kubectl("delete", "inferencemodel", "lora", "--timeout=120s", timeout=150)
+
+
+def test_an_hf_model_is_fetched_from_a_hub_stand_in(store, gateway, images):
+    with TRANSCRIPT.step("hub stand-in pod (HF file API) Ready"):
+        endpoint = hub_standin(f"{images['registry']}/engine:{images['tag']}-cpu")
+    with TRANSCRIPT.step("hf:// model fetched by its init container, Ready and served"):
+        kubectl("apply", "-f", "-", input=json.dumps(inference_model("fetched", "hf://e2e/tiny",
+                                                                      env={"HF_ENDPOINT": endpoint})))
+        wait_ready("fetched", 360)
+        served(gateway, "fetched")
+        kubectl("delete", "inferencemodel", "fetched", "--timeout=120s", timeout=150)
 
 
 def test_helm_upgrade_then_uninstall_keeps_engines_serving(release, gateway):
