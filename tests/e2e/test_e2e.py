@@ -30,11 +30,15 @@ def store(release, node_dir) -> dict:
     return {"host": node_dir / "host"}
 
 
-def wait_ready(name: str, timeout: float) -> dict:
+def wait_ready(name: str, timeout: float, replicas: int = 1, standby: int = 0) -> dict:
+    """Ready=True with `replicas` active and `standby` standby pods ready (Ready alone means one pod serves)."""
     def ready():
         im = get("inferencemodel", name)
-        return im if condition(im, "Ready").get("status") == "True" else None
-    return wait_until(f"InferenceModel {name} Ready", ready, timeout, every=2, seen=lambda: model_state(name))
+        status = im.get("status", {})
+        return im if (condition(im, "Ready").get("status") == "True" and status.get("readyReplicas") == replicas
+                      and status.get("standbyReplicas", 0) == standby) else None
+    return wait_until(f"InferenceModel {name} Ready with {replicas} active and {standby} standby pods", ready,
+                      timeout, every=2, seen=lambda: model_state(name))
 
 
 def served(gateway, model: str, timeout: float = 120) -> dict:
@@ -58,8 +62,7 @@ def test_a_model_serves_completions_and_streamed_chat(store, gateway):
     with TRANSCRIPT.step("model tiny Ready (2 active + 1 standby, pvc://)"):
         kubectl("apply", "-f", "-", input=json.dumps(inference_model("tiny", "pvc://models/tiny", replicas=2,
                                                                       standby=1)))
-        im = wait_ready("tiny", 420)
-        assert im["status"].get("readyReplicas") == 2
+        wait_ready("tiny", 420, replicas=2, standby=1)
     with TRANSCRIPT.step("completion through the gateway Service"):
         gateway.start()
         body = served(gateway, "tiny")
@@ -81,15 +84,16 @@ def test_status_after_a_bad_spec_and_after_its_fix(store):
 
         def failing():
             ready = condition(get("inferencemodel", "broken"), "Ready")
-            return ready if ready.get("status") == "False" and "missing" in ready.get("message", "") else None
-        ready = wait_until("broken: Ready=False naming the missing directory", failing, 240, every=2,
+            why = ready.get("message", "")
+            return ready if ready.get("status") == "False" and ("config.json" in why or "not exist" in why) else None
+        ready = wait_until("broken: Ready=False with the engine's own error", failing, 240, every=2,
                            seen=lambda: model_state("broken"))
         TRANSCRIPT.add("  Ready=False", 0.0, f"{ready['reason']}: {ready['message'][:100]}")
     with TRANSCRIPT.step("spec fixed: Ready=True, no stale message"):
         kubectl("patch", "inferencemodel", "broken", "--type=merge", "-p",
                 json.dumps({"spec": {"model": {"uri": "pvc://models/tiny"}}}))
         im = wait_ready("broken", 300)
-        assert "missing" not in json.dumps(im["status"].get("conditions", []))
+        assert "config.json" not in json.dumps(im["status"].get("conditions", []))
         kubectl("delete", "inferencemodel", "broken", "--timeout=120s", timeout=150)
 
 
