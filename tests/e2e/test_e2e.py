@@ -145,6 +145,22 @@ def test_failover_of_an_active_pod_fails_no_request(store, gateway):
         assert results and not failed, f"{len(failed)} of {len(results)} failed: {sorted(set(map(str, failed)))}"
 
 
+def test_scale_to_zero_then_a_request_wakes_the_model(store, gateway):
+    with TRANSCRIPT.step("scale to zero (minReplicas 0): ScaledToZero, standby kept"):
+        kubectl("patch", "inferencemodel", "tiny", "--type=merge", "-p",
+                json.dumps({"spec": {"minReplicas": 0, "replicas": 0}}))
+        wait_until("tiny with no active pod", lambda: not active_pods("tiny")
+                   and get("inferencemodel", "tiny")["status"].get("standbyReplicas") == 1, 120, every=1,
+                   seen=lambda: model_state("tiny"))
+    with TRANSCRIPT.step("a request held at the gateway wakes it"):
+        start = time.monotonic()
+        r = httpx.post(f"{gateway.url}/v1/completions", timeout=180,
+                       json={"model": "tiny", "prompt": "Hello", "max_tokens": 4})
+        assert r.status_code == 200, r.text[:300]
+        TRANSCRIPT.add("  first request after zero", time.monotonic() - start, "200")
+        assert get("inferencemodel", "tiny")["spec"]["replicas"] >= 1
+
+
 def test_adapters_from_the_same_claim_their_own_claim_and_file(store, gateway):
     adapters = [{"name": "sql", "uri": "pvc://models/adapters/sql"}, {"name": "chat", "uri": "pvc://adapters/chat"},
                 {"name": "legal", "uri": f"file://{store['host'] / 'legal'}"}]
@@ -181,3 +197,17 @@ def test_helm_upgrade_then_uninstall_keeps_engines_serving(release, gateway):
         after = {p["metadata"]["name"]: p for p in active_pods("tiny")}
         assert before == set(after), f"engine pods changed after uninstall: {before} -> {set(after)}"
         assert all(p["status"]["phase"] == "Running" for p in after.values())
+    with TRANSCRIPT.step("helm uninstall: a restarted engine pod starts again"):
+        victim = sorted(after)[0]
+        kubectl("delete", "pod", victim, "--wait=false")
+
+        def replaced():
+            pods = [p for p in get("pods", selector=f"{ENGINE_SELECTOR},app.kubernetes.io/instance=tiny")["items"]
+                    if p["metadata"]["name"] != victim and p["metadata"]["name"] not in after]
+            waiting = [c.get("state", {}).get("waiting", {}).get("reason") for p in pods
+                       for c in p.get("status", {}).get("containerStatuses", [])]
+            if "CreateContainerConfigError" in waiting:
+                raise AssertionError(f"the new engine pod cannot start: {waiting} (the engine key Secret is gone?)")
+            return any(c.get("ready") for p in pods for c in p.get("status", {}).get("containerStatuses", []))
+        wait_until("a replacement engine pod Ready after helm uninstall", replaced, 180, every=2,
+                   seen=lambda: model_state("tiny"))
