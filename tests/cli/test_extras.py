@@ -167,3 +167,20 @@ def test_a_missing_import_fails(monkeypatch):
     monkeypatch.setitem(globals(), "extra", lambda part: real - {"numpy"})
     with pytest.raises(AssertionError, match="numpy"):
         test_the_extra_holds_every_third_party_import("gateway")
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_the_image_installs_the_extra_and_no_list_of_its_own(part):
+    """docker/<part>.Dockerfile: the extra's requirements (docker/extra_requirements.py), then the package alone."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("extra_requirements", ROOT / "docker" / "extra_requirements.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert {normalize(Requirement(r).name) for r in module.requirements(str(ROOT / "pyproject.toml"), part)} == \
+        extra(part)
+    text = (ROOT / "docker" / f"{part}.Dockerfile").read_text()
+    assert f"extra_requirements.py /src/pyproject.toml {part} > /tmp/requirements.txt" in text
+    assert "pip install -r /tmp/requirements.txt" in text and "pip install --no-deps /src" in text
+    installs = re.findall(r"pip install ([^\n]*)", text)
+    assert all(args.startswith(("-r /tmp/requirements.txt", "--no-deps /src")) for args in installs), installs
