@@ -5,6 +5,8 @@ from pathlib import Path
 
 import torch
 
+from kubeinfer.dev.file_modes import share_readable
+
 
 def load_hf(base_dir):
     from transformers import AutoModelForCausalLM
@@ -24,6 +26,7 @@ def make_peft_adapter(base_dir, out_dir: Path, seed: int, scale: float = 0.3, **
             if "lora_" in name:
                 param.copy_(scale * torch.randn(param.shape, generator=generator))
     model.save_pretrained(out_dir)
+    share_readable(out_dir)
     return model
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kubeinfer.dev.file_modes import share_readable
 from kubeinfer.engine import LLM, SamplingParams
 
 # A CPU engine with KUBEINFER_QUANT_KERNEL=triton runs the kernels in Triton's interpreter only (the engine refuses
@@ -39,7 +40,7 @@ def write_checkpoint(src: Path, dst: Path, weights: dict, quantization_config: d
     if quantization_config is not None:
         config["quantization_config"] = quantization_config
     (dst / "config.json").write_text(json.dumps(config))
-    return str(dst)
+    return str(share_readable(dst))
 
 
 def ct_scheme(fmt: str, num_bits: int, kind: str, strategy: str, symmetric: bool, group_size: int | None,

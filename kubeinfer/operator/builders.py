@@ -13,6 +13,7 @@ from kubeinfer.operator.names import (API_VERSION, GRPC_PORT, HTTP_PORT, KIND, M
 from kubeinfer.operator.network_policy import group_network_policy_spec, network_policy_spec
 from kubeinfer.operator.pod_template import pod_template
 from kubeinfer.operator.spec import InferenceModelSpec
+from kubeinfer.operator.template_hash import stamp_templates
 
 
 def owner_reference(owner: dict[str, Any]) -> dict[str, Any]:
@@ -117,8 +118,8 @@ def group_network_policies(owner: dict[str, Any], spec: InferenceModelSpec) -> l
 def workload(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig) -> dict[str, Any]:
     """What runs the engine pods: a Deployment, or a LeaderWorkerSet of multi-node groups."""
     if multi_node(spec):
-        return leader_worker_set(_metadata(owner, spec), spec, config)
-    return deployment(owner, spec, config)
+        return stamp_templates(leader_worker_set(_metadata(owner, spec), spec, config))
+    return stamp_templates(deployment(owner, spec, config))
 
 
 def desired_objects(owner: dict[str, Any], spec: InferenceModelSpec, config: OperatorConfig,

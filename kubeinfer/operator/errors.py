@@ -5,9 +5,12 @@ Degraded with reason Forbidden, naming the verb and resource to grant. 400 and 4
 server refusing an object built from the spec (admission, validation): InvalidSpec with the
 server's own message. Everything else (409 conflicts, 404 on an object that just went away, 429,
 5xx, timeouts, broken connections) is expected to pass: retried with backoff while Progressing.
+A 403 for a namespace being deleted is no missing permission: the namespace refuses new objects while its
+contents go, the model with them, so the operator says so once (NamespaceTerminating) and stops.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -18,6 +21,9 @@ from kubeinfer.operator.kube import ApiError
 FORBIDDEN = "Forbidden"
 INVALID = "InvalidSpec"
 RETRYING = "Retrying"
+TERMINATING = "NamespaceTerminating"
+# The API server's words when a namespace refuses new content (its Status names the cause too)
+TERMINATING_MESSAGE = "because it is being terminated"
 INVALID_STATUSES = (400, 422)
 BACKOFF_BASE = 0.5
 BACKOFF_MAX = 30.0
@@ -55,18 +61,27 @@ def rbac_request(method: str, path: str) -> Request:
 
 @dataclass(frozen=True)
 class Failure:
-    reason: str  # Forbidden, InvalidSpec or Retrying
+    reason: str  # Forbidden, InvalidSpec, NamespaceTerminating or Retrying
     message: str
 
     @property
     def retry(self) -> bool:
         return self.reason == RETRYING
 
+    @property
+    def log_level(self) -> int:
+        """How loud the first report is: a namespace going away is expected, a refusal is not."""
+        return {RETRYING: logging.WARNING, TERMINATING: logging.INFO}.get(self.reason, logging.ERROR)
+
 
 def classify(err: BaseException) -> Failure | None:
     """A Failure for errors from talking to the API server; None for anything else (a bug: re-raise)."""
     if isinstance(err, ApiError):
         request = rbac_request(err.method, err.path)
+        if err.status == 403 and (TERMINATING in err.causes or TERMINATING_MESSAGE in err.message):
+            return Failure(TERMINATING, f"namespace {request.namespace or '(cluster)'} is being deleted: it refuses "
+                                        f"new objects ({request}), and the model goes with it; nothing more is "
+                                        "built there")
         if err.status == 403:
             return Failure(FORBIDDEN, f"the operator is not allowed to {request}: {err.message}; grant it in the "
                                       "operator's ClusterRole or Role (the chart's RBAC does)")

@@ -16,13 +16,13 @@ from typing import Any
 import kopf
 
 from kubeinfer.operator.drift import controller_of
+from kubeinfer.operator.in_cluster import SERVICE_ACCOUNT_DIR, api_server_answers, login_in_cluster
 from kubeinfer.operator.leader_worker import LWS_GROUP, LWS_PLURAL, LWS_VERSION
 from kubeinfer.operator.names import (GROUP, MANAGED_BY_LABEL, MANAGER, MODEL_LABEL, PLURAL, POOL_GROUP, POOL_PLURAL,
                                       POOL_VERSION, VERSION)
 from kubeinfer.operator.reconcile import Reconciler
 
 Connect = Callable[[], Awaitable[kopf.ConnectionInfo]]
-SERVICE_ACCOUNT_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 RETRY_SECONDS = 10
 # What the operator builds, watched by its label; kopf skips a resource whose CRD is not installed.
 OWNED = {"Deployment": ("apps", "v1", "deployments"), "Service": ("", "v1", "services"),
@@ -33,11 +33,12 @@ OWNED = {"Deployment": ("apps", "v1", "deployments"), "Service": ("", "v1", "ser
 
 
 async def connect_default() -> kopf.ConnectionInfo:
-    """In-cluster service account first, then KUBECONFIG (with exec plugins if `kubernetes` is installed)."""
+    """In-cluster service account first (KUBERNETES_SERVICE_HOST/PORT: in_cluster.py), then KUBECONFIG (with exec
+    plugins if `kubernetes` is installed)."""
     logger = logging.getLogger("kubeinfer.operator.login")
     attempts: list[Callable[..., Any]] = []
-    if os.path.exists(SERVICE_ACCOUNT_TOKEN):
-        attempts.append(kopf.login_with_service_account)
+    if os.path.exists(f"{SERVICE_ACCOUNT_DIR}/token"):
+        attempts.append(login_in_cluster)
     try:
         import kubernetes  # noqa: F401  (optional: understands every kubeconfig auth method)
         attempts.append(kopf.login_via_client)
@@ -79,6 +80,12 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler, connect: C
         # One loop over all models instead of a kopf timer per model: kopf timers put a finalizer on
         # every InferenceModel, and deleting one would then hang whenever the operator is down.
         reconciler.start_resync(interval)
+
+    # /healthz (kopf's liveness endpoint) fails while the API server does not answer: a pod that reconciles
+    # nothing must not look Ready.
+    @kopf.on.probe(registry=registry, id="api-server", errors=kopf.ErrorsMode.PERMANENT)
+    async def api_server(**_: Any) -> str:
+        return await api_server_answers(reconciler.client)
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:

@@ -30,11 +30,14 @@ logger = logging.getLogger(__name__)
 class ApiError(Exception):
     def __init__(self, status: int, method: str, url: str, body: str):
         try:
-            message = json.loads(body).get("message", body)
+            parsed = json.loads(body)
+            message = parsed.get("message", body)
+            causes = [c.get("reason") for c in (parsed.get("details") or {}).get("causes") or [] if isinstance(c, dict)]
         except (ValueError, AttributeError):
-            message = body
+            message, causes = body, []
         super().__init__(f"{method} {url}: HTTP {status}: {message}")
         self.status, self.method, self.path, self.message = status, method, url, str(message)
+        self.causes: tuple[str, ...] = tuple(str(c) for c in causes if c)  # the Status's details.causes[].reason
 
 
 def api_path(api_version: str, plural: str, namespace: str | None = None, name: str | None = None,

@@ -24,6 +24,7 @@ STANDBY = "standby"
 WORKER = "worker"  # a headless rank of a multi-node group: set by its template, never an endpoint
 
 ADAPTERS_ANNOTATION = f"{GROUP}/adapters"
+TEMPLATE_ANNOTATION = f"{GROUP}/pod-template"  # template_hash.py: which template a pod was made from
 # The ReplicaSet controller deletes pods with the lowest cost first: standby before active.
 DELETION_COST_ANNOTATION = "controller.kubernetes.io/pod-deletion-cost"
 

@@ -143,7 +143,8 @@ def staging(spec: InferenceModelSpec, image: str, config: OperatorConfig, worker
                        env=spec.engine.env, security_context=CONTAINER_SECURITY)
     out = Staging([{"name": "tmp", "emptyDir": {}}], [{"name": "tmp", "mountPath": "/tmp"}])
     out.extend(stage_model(spec.model, ctx))
-    out.extend(stage_adapters([(a.name, a.source) for a in spec.adapters], ctx))
+    model_claim = {spec.model.location: "model"} if spec.model.scheme == "pvc" else {}  # adapters beside it share it
+    out.extend(stage_adapters([(a.name, a.source) for a in spec.adapters], ctx, model_claim))
     if spec.adapters and not worker:  # the placement the operator writes on the pod, as a file the engine polls
         field = f"metadata.annotations['{ADAPTERS_ANNOTATION}']"
         out.volumes.append({"name": "placement", "downwardAPI": {

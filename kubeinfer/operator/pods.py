@@ -5,7 +5,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kubeinfer.operator.names import ADAPTERS_ANNOTATION, ROLE_LABEL
+from kubeinfer.operator.names import ADAPTERS_ANNOTATION, ROLE_LABEL, TEMPLATE_ANNOTATION
 
 # Waiting reasons after which a container does not start by itself.
 STUCK_REASONS = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
@@ -36,6 +36,7 @@ class PodView:
     stuck: str | None = None  # "<container>: <reason>: <message>"
     failed: bool = False
     trouble_of: str | None = None  # the pod unschedulable / stuck describe, when not this one (a group's worker)
+    template: str | None = None  # the hash of the template it was made from (template_hash.py), when stamped
 
 
 def parse_adapters(value: str | None) -> tuple[str, ...]:
@@ -72,7 +73,8 @@ def _stuck(status: dict[str, Any]) -> str | None:
         state = item.get("state") or {}
         waiting = state.get("waiting") or {}
         if waiting.get("reason") in STUCK_REASONS:
-            stuck = f"{item.get('name')}: {waiting['reason']}: {waiting.get('message', '')}".rstrip(": ")
+            said = excerpt(printable(waiting.get("message") or ""))  # the runtime's words can quote the container's
+            stuck = f"{item.get('name')}: {waiting['reason']}: {said}".rstrip(": ")
             words = last_words(item)  # CrashLoopBackOff alone says nothing of why: the last exit does
             return f"{stuck}; last {words}" if words else stuck
         if (state.get("terminated") or {}).get("exitCode", 0) != 0:  # crashed, not yet backing off
@@ -92,4 +94,5 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         deleting=bool(meta.get("deletionTimestamp")), created=meta.get("creationTimestamp") or "",
         adapters=parse_adapters((meta.get("annotations") or {}).get(ADAPTERS_ANNOTATION)),
         ip=status.get("podIP"), unschedulable=unschedulable, stuck=_stuck(status),
-        failed=status.get("phase") in ("Failed", "Succeeded"))
+        failed=status.get("phase") in ("Failed", "Succeeded"),
+        template=(meta.get("annotations") or {}).get(TEMPLATE_ANNOTATION))

@@ -35,6 +35,7 @@ from kubeinfer.operator.roles import RolePlan, assign_roles
 from kubeinfer.operator.served_names import SERVED_NAME_CONFLICT, conflict_message, rivals
 from kubeinfer.operator.spec import InferenceModelSpec, SpecError, parse_spec
 from kubeinfer.operator.status import build_status, failure_status, invalid_status, now_rfc3339
+from kubeinfer.operator.template_hash import current_template
 
 logger = logging.getLogger(__name__)
 DELETION_COST = {ACTIVE: "100"}  # standby pods keep the default 0 and go first on a scale-down
@@ -172,7 +173,7 @@ class Reconciler:
             (logger.warning if first else logger.debug)("%s/%s: %s (next try in %.1f s)", namespace, name,
                                                         failure.message, delay)
         else:
-            (logger.error if first else logger.debug)("%s/%s: %s", namespace, name, failure.message)
+            logger.log(failure.log_level if first else logging.DEBUG, "%s/%s: %s", namespace, name, failure.message)
         try:
             body = await self.client.get(API_VERSION, PLURAL, namespace, name)
             if body is None:
@@ -221,7 +222,8 @@ class Reconciler:
         await self._retire_other_shape(body, spec, found, pods, full)
         placement = await self._apply_placement(body, spec, pods, plan)
         observed = await self._observe_adapters(spec, pods, placement)
-        status = build_status(body, spec, pods, plan, placement, now_rfc3339(), observed)
+        template = current_template(state.desired.get("LeaderWorkerSet" if multi_node(spec) else "Deployment"))
+        status = build_status(body, spec, pods, plan, placement, now_rfc3339(), observed, template)
         await self._write_status(body, status)
         placed = next(c for c in status["conditions"] if c["type"] == "AdaptersPlaced")
         if placed["reason"] == "NotLoaded":

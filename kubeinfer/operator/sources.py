@@ -23,6 +23,14 @@ HF_PART = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 HF_REVISION = re.compile(r"^[A-Za-z0-9._/-]+$")
 BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 SCHEMES = ("pvc", "hf", "s3", "file")
+# The fetch containers' own settings, after spec.engine.env (one entry per name: server-side apply refuses
+# duplicates). The root filesystem is read-only: tools keep their caches and config under /tmp. The engine
+# image sets HF_HUB_OFFLINE=1 for serving; the fetch is the one place that must go online. Plain text (no
+# colours): a failed fetch's log tail becomes the model's condition message.
+FETCH_ENV = ({"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/hf"},
+             {"name": "HF_HUB_OFFLINE", "value": "0"}, {"name": "NO_COLOR", "value": "1"},
+             {"name": "TERM", "value": "dumb"})
+FETCH_ENV_NAMES = frozenset(item["name"] for item in FETCH_ENV)
 
 
 class SourceError(ValueError):
@@ -111,9 +119,8 @@ def fetch_container(name: str, source: Source, dest: str, cache_volume: str, cac
         image = ctx.s3_image
         command = ["aws", "s3", "sync", f"s3://{source.location}/{source.path}".rstrip("/"), dest,
                    "--only-show-errors"]
-    # The root filesystem is read-only: tools keep their caches and config under /tmp.
-    env = [*fetch_env(source.scheme, ctx.env), {"name": "HOME", "value": "/tmp"},
-           {"name": "HF_HOME", "value": "/tmp/hf"}]
+    env = [item for item in fetch_env(source.scheme, ctx.env) if item.get("name") not in FETCH_ENV_NAMES]
+    env += [dict(item) for item in FETCH_ENV]
     return {"name": name, "image": image, "command": command, "env": env,
             "securityContext": ctx.security_context,
             "volumeMounts": [{"name": cache_volume, "mountPath": cache_root}, {"name": "tmp", "mountPath": "/tmp"}]}
@@ -134,22 +141,30 @@ def stage_model(source: Source, ctx: FetchContext) -> Staging:
                    [fetch_container("fetch-model", source, MODEL_DIR, "model-cache", root, ctx)])
 
 
-def stage_adapters(adapters: list[tuple[str, Source]], ctx: FetchContext) -> Staging:
-    """Every adapter appears read-only at ADAPTERS_DIR/<name>, the engine's --lora-catalog-dir."""
+def stage_adapters(adapters: list[tuple[str, Source]], ctx: FetchContext,
+                   claims: dict[str, str] | None = None) -> Staging:
+    """Every adapter appears read-only at ADAPTERS_DIR/<name>, the engine's --lora-catalog-dir.
+
+    Each adapter is its own mount; none sits inside another read-only mount (the runtime cannot create a
+    mount point in a read-only directory). `claims` maps claims the pod already mounts (the model's) to their
+    volume: one volume per claim, or the kubelet waits for good on the second.
+    """
     if not adapters:
         return Staging()
-    staging = Staging([{"name": "adapter-cache", "emptyDir": {}}],
-                      [{"name": "adapter-cache", "mountPath": ADAPTERS_DIR, "readOnly": True}])
-    claims: dict[str, str] = {}
+    staging = Staging()
+    claims = dict(claims or {})
     for i, (name, source) in enumerate(adapters):
         dest = f"{ADAPTERS_DIR}/{name}"
         if source.fetched:
+            if not staging.init_containers:
+                staging.volumes.append({"name": "adapter-cache", "emptyDir": {}})
             staging.init_containers.append(
                 fetch_container(f"fetch-adapter-{i}", source, dest, "adapter-cache", ADAPTERS_DIR, ctx))
+            staging.mounts.append({"name": "adapter-cache", "mountPath": dest, "readOnly": True, "subPath": name})
             continue
         if source.scheme == "pvc":
             if source.location not in claims:  # one volume per claim, however many adapters it holds
-                claims[source.location] = volume = f"adapter-pvc-{len(claims)}"
+                claims[source.location] = volume = f"adapter-pvc-{i}"
                 staging.volumes.append({"name": volume, "persistentVolumeClaim": {"claimName": source.location,
                                                                                   "readOnly": True}})
             mount = {"name": claims[source.location], "mountPath": dest, "readOnly": True}

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kubeinfer.operator.errors import FORBIDDEN, Failure
+from kubeinfer.operator.errors import FORBIDDEN, TERMINATING, Failure
 from kubeinfer.operator.loaded import Observed
 from kubeinfer.operator.names import HTTP_PORT, STANDBY, active_labels, selector_string
 from kubeinfer.operator.placement import Placement
@@ -48,15 +48,22 @@ def _trouble(pods: Sequence[PodView], gpu_resource: str) -> tuple[str, str] | No
     return None
 
 
+def current(pods: Sequence[PodView], template: str | None) -> list[PodView]:
+    """The pods made from `template` (and those not stamped): an earlier template's pods are on their way out,
+    so their trouble is history, not the model's state."""
+    return [p for p in pods if template is None or p.template is None or p.template == template]
+
+
 def conditions_for(spec: InferenceModelSpec, pods: Sequence[PodView], plan: RolePlan,
-                   placement: Placement | None, observed: Observed | None = None) -> list[Condition]:
+                   placement: Placement | None, observed: Observed | None = None,
+                   template: str | None = None) -> list[Condition]:
     alive = live(list(pods))
     by_name = {p.name: p for p in alive}
     ready_active = sum(by_name[n].ready for n in plan.active())
     standby = [by_name[n] for n, r in plan.roles.items() if r == STANDBY]
     ready_standby = sum(p.ready for p in standby)
     counts = f"{ready_active}/{spec.replicas} active and {ready_standby}/{spec.standby} standby replicas ready"
-    trouble = _trouble(alive, spec.engine.resources.gpu_resource_name)
+    trouble = _trouble(current(alive, template), spec.engine.resources.gpu_resource_name)
 
     if spec.replicas == 0:
         ready = Condition("Ready", False, "ScaledToZero", "spec.replicas is 0: nothing serves this model")
@@ -132,6 +139,8 @@ def failure_conditions(failure: Failure, previous: Sequence[dict[str, Any]]) -> 
         return [kept, Condition("Progressing", False, FORBIDDEN, "stopped until the permission is granted; "
                                                                  "retried on every resync"),
                 Condition("Degraded", True, FORBIDDEN, failure.message)]
+    if failure.reason == TERMINATING:
+        return [kept, Condition("Progressing", False, TERMINATING, failure.message)]
     return [kept, Condition("Progressing", True, failure.reason, failure.message)]
 
 
@@ -169,7 +178,8 @@ def failure_status(failure: Failure, body: dict[str, Any], now: str) -> dict[str
 
 
 def build_status(body: dict[str, Any], spec: InferenceModelSpec, pods: Sequence[PodView], plan: RolePlan,
-                 placement: Placement | None, now: str, observed: Observed | None = None) -> dict[str, Any]:
+                 placement: Placement | None, now: str, observed: Observed | None = None,
+                 template: str | None = None) -> dict[str, Any]:
     meta = body["metadata"]
     generation = int(meta.get("generation") or 0)
     by_name = {p.name: p for p in pods}
@@ -186,6 +196,6 @@ def build_status(body: dict[str, Any], spec: InferenceModelSpec, pods: Sequence[
         "adapters": [{"name": a.name, "pods": holders.get(a.name, []),
                       "loadedPods": sorted(p for p, names in loaded.items() if a.name in names)}
                      for a in spec.adapters],
-        "conditions": render_conditions(conditions_for(spec, pods, plan, placement, observed),
+        "conditions": render_conditions(conditions_for(spec, pods, plan, placement, observed, template),
                                         (body.get("status") or {}).get("conditions") or [], generation, now),
     }

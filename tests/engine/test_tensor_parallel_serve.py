@@ -18,9 +18,9 @@ from kubeinfer.dev.local_stack import wait_healthy
 
 
 def rank_processes(pid: int) -> list[int]:
-    """The serving process's spawned ranks (not multiprocessing's resource tracker)."""
+    """The serving process's ranks, forked or spawned (not multiprocessing's resource tracker)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [int(c) for c in children if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 @pytest.mark.parametrize("family", ["qwen2"])

@@ -203,7 +203,9 @@ def test_every_adapter_appears_under_the_catalog_dir():
     assert init["fetch-adapter-0"]["command"][:3] == ["hf", "download", "acme/sql-lora"]
     assert init["fetch-adapter-1"]["command"][3:5] == ["s3://loras/de", "/adapters/de"]
     m = mounts(c)
-    assert m["/adapters"]["readOnly"] and "emptyDir" in volumes("gpu-hf-adapters")[m["/adapters"]["name"]]
+    # fetched adapters: each a read-only subPath of the cache, never a mount inside a read-only /adapters (#46)
+    assert m["/adapters/sql"]["readOnly"] and "emptyDir" in volumes("gpu-hf-adapters")[m["/adapters/sql"]["name"]]
+    assert "/adapters" not in m
     assert m["/adapters/fr"]["subPath"] == "fr" and m["/adapters/it"]["subPath"] == "it"
     assert m["/adapters/fr"]["name"] == m["/adapters/it"]["name"]  # one volume per claim
     assert volumes("gpu-hf-adapters")[m["/adapters/es"]["name"]]["hostPath"]["path"] == "/srv/loras/es"

@@ -14,6 +14,7 @@ from pathlib import Path
 from kubeinfer.dev.demo.recipe import (ADAPTER_STYLES, DEMO_QUESTIONS, FORMAT_VERSION, MANIFEST, STYLES, DemoModelError,
                                    DemoRecipe)
 from kubeinfer.dev.demo.training import _train_all
+from kubeinfer.dev.file_modes import share_readable
 
 
 # -- the build ----------------------------------------------------------------------------------------------
@@ -84,6 +85,7 @@ def build_demo_model(out: str | Path, *, steps: int | None = None, force: bool =
                     "adapters": list(ADAPTER_STYLES), "draft": "draft", "final_losses": {k: round(v, 3) for k, v in losses.items()},
                     "train_seconds": round(time.perf_counter() - started, 1), "files": files}
         (work / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")  # last: it marks completeness
+        share_readable(work)  # an engine of another uid reads it through a volume
         if out.exists():
             old = out.with_name(f".{out.name}.old-{work.name}")
             out.rename(old)

@@ -20,6 +20,8 @@ from transformers import (
 )
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
+from kubeinfer.dev.file_modes import share_readable
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # The families added in wave 3, by their name here -> transformers' model_type.
 NEW_FAMILIES = {"gemma2": "gemma2", "gemma3": "gemma3_text", "phi3": "phi3", "olmo2": "olmo2", "granite": "granite"}
@@ -239,7 +241,7 @@ def build_random_model(
     # transformers 5 always writes safetensors; sharding adds model.safetensors.index.json.
     save_kwargs: dict[str, Any] = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(out, **save_kwargs)
-    return out
+    return share_readable(out)
 
 
 def build_random_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: int = 8, alpha: float = 16.0,
@@ -272,7 +274,7 @@ def build_random_adapter(out_dir: str | Path, model_dir: str | Path, *, rank: in
     (out / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(model_dir), "r": rank,
         "lora_alpha": alpha, "target_modules": list(target_modules), "lora_dropout": 0.0, "bias": "none"}, indent=2))
-    return out
+    return share_readable(out)
 
 
 def save_gemma3_multimodal(text_dir: str | Path, out_dir: str | Path):
@@ -289,4 +291,5 @@ def save_gemma3_multimodal(text_dir: str | Path, out_dir: str | Path):
     multimodal.model.language_model.load_state_dict(text.model.state_dict())
     multimodal.lm_head.weight = multimodal.model.language_model.embed_tokens.weight
     multimodal.save_pretrained(out_dir)
+    share_readable(out_dir)
     return multimodal

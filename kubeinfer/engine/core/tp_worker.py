@@ -33,8 +33,9 @@ logger = logging.getLogger(__name__)
 
 
 def run_worker(config: EngineConfig, plan: RankPlan) -> None:
-    """A spawned rank's whole life; ends the process with its exit code."""
-    logging.basicConfig(level=envs.LOG_LEVEL.get(),
+    """A started (forked or spawned) rank's whole life; ends the process with its exit code."""
+    # force: a forked rank inherits rank 0's handlers, and its lines must still say which rank wrote them
+    logging.basicConfig(level=envs.LOG_LEVEL.get(), force=True,
                         format=f"%(asctime)s %(levelname)s rank{plan.rank} %(name)s: %(message)s")
     sys.exit(serve_rank(config, plan))
 
