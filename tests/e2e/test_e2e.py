@@ -198,12 +198,13 @@ def test_helm_upgrade_then_uninstall_keeps_engines_serving(release, gateway):
         assert before == set(after), f"engine pods changed after uninstall: {before} -> {set(after)}"
         assert all(p["status"]["phase"] == "Running" for p in after.values())
     with TRANSCRIPT.step("helm uninstall: a restarted engine pod starts again"):
+        engine_pods = f"{ENGINE_SELECTOR},app.kubernetes.io/instance=tiny"
+        existing = {p["metadata"]["name"] for p in get("pods", selector=engine_pods)["items"]}  # standby too
         victim = sorted(after)[0]
         kubectl("delete", "pod", victim, "--wait=false")
 
         def replaced():
-            pods = [p for p in get("pods", selector=f"{ENGINE_SELECTOR},app.kubernetes.io/instance=tiny")["items"]
-                    if p["metadata"]["name"] != victim and p["metadata"]["name"] not in after]
+            pods = [p for p in get("pods", selector=engine_pods)["items"] if p["metadata"]["name"] not in existing]
             waiting = [c.get("state", {}).get("waiting", {}).get("reason") for p in pods
                        for c in p.get("status", {}).get("containerStatuses", [])]
             if "CreateContainerConfigError" in waiting:
