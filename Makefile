@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-all native-prebuilt test-asan bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
+.PHONY: setup test test-all native-prebuilt e2e test-asan bench bench-gpu test-gpu gpu-check gpu-wheels run proto clean clients-venv images push container-engine
 
 setup: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(VENV)/bin/pytest -q -m "not slow"
+	$(VENV)/bin/pytest -q -m "not slow and not e2e"
 
 test-all: setup clients-venv
 	$(VENV)/bin/pytest -q
@@ -29,6 +29,14 @@ test-all: setup clients-venv
 # the sources): a wheel built after this, and the CPU image, carry them, so serving nodes need no C compiler
 native-prebuilt: setup
 	$(PY) -m kubeinfer.engine.platforms.cpu.native.prebuilt
+
+# The end-to-end suite (tests/e2e/, docs/deploy.md "End-to-end tests"): builds the images, loads them into the cluster
+# of $$KUBECONFIG, installs the chart as the README says and serves tiny models through the gateway; prints a
+# transcript of timed steps. On this machine: /work/shared/k8s-node (setup.sh, up.sh, `. env.sh`), whose
+# buildah-k8s-node ($$K8S_NODE_ENGINE) builds and loads. Skipped, with the reason, without a cluster.
+E2E_ARGS ?=
+e2e: setup
+	$(VENV)/bin/pytest -m e2e -p no:cacheprovider -rs tests/e2e $(E2E_ARGS)
 
 # The native CPU kernels built with AddressSanitizer (platforms/cpu/native/build.py, KUBEINFER_CPU_NATIVE_SANITIZE; cached apart)
 # under the crafted-checkpoint suite and the kernels' own tests: python preloads the ASan runtime; any report fails the
@@ -115,7 +123,8 @@ clean:
 	rm -rf $(VENV) $(CLIENTS_VENV) .pytest_cache build *.egg-info
 
 # Container images, built from docker/*.Dockerfile with docker or podman (whichever is installed; or
-# CONTAINER_ENGINE=...). Names: $(REGISTRY)/engine:$(TAG) (GPU), $(REGISTRY)/engine:$(TAG)-cpu,
+# CONTAINER_ENGINE=docker|podman|buildah, or any command that takes docker's `build -f FILE -t TAG --build-arg K=V
+# CONTEXT`, such as the k8s-node kit's buildah-k8s-node, which imports what it builds into its node). Names: $(REGISTRY)/engine:$(TAG) (GPU), $(REGISTRY)/engine:$(TAG)-cpu,
 # $(REGISTRY)/gateway:$(TAG), $(REGISTRY)/operator:$(TAG), which the chart pulls with
 # `--set imageRegistry=$(REGISTRY) --set imageTag=$(TAG)`. IMAGES picks some, e.g. IMAGES="engine-cpu gateway
 # operator" for a cluster without GPUs (the GPU image is several GB).
@@ -124,15 +133,20 @@ TAG      ?= $(shell sed -n 's/^appVersion: *"*\([^"]*\)"*/\1/p' charts/kubeinfer
 ALL_IMAGES := engine-cpu engine-gpu gateway operator
 IMAGES   ?= $(ALL_IMAGES)
 CONTAINER_ENGINE ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+# The engine images' torch wheel index (--build-arg TORCH_INDEX; each Dockerfile has its default: the CPU or the
+# CUDA wheels of download.pytorch.org), e.g. a mirror. Other build arguments: BUILD_ARGS="--build-arg K=V ...".
+TORCH_INDEX ?=
+BUILD_ARGS  ?=
+build_args = $(if $(and $(TORCH_INDEX),$(filter engine-%,$(1))),--build-arg TORCH_INDEX=$(TORCH_INDEX)) $(BUILD_ARGS)
 image_name = $(REGISTRY)/$(if $(filter engine-%,$(1)),engine:$(TAG)$(if $(filter engine-cpu,$(1)),-cpu),$(1):$(TAG))
 
 container-engine:
-	@test -n "$(CONTAINER_ENGINE)" || { echo "make: neither docker nor podman is installed: install one, or name it with CONTAINER_ENGINE=..." >&2; exit 1; }
+	@test -n "$(CONTAINER_ENGINE)" || { echo "make: neither docker nor podman is installed: install one, or name it with CONTAINER_ENGINE=... (docker, podman, buildah or a docker-style build command)" >&2; exit 1; }
 	@test -n "$(TAG)" || { echo "make: TAG is empty (give TAG=...)" >&2; exit 1; }
 	@test -z "$(filter-out $(ALL_IMAGES),$(IMAGES))" || { echo "make: unknown image(s) $(filter-out $(ALL_IMAGES),$(IMAGES)); IMAGES takes some of: $(ALL_IMAGES)" >&2; exit 1; }
 
 images: container-engine
-	$(foreach image,$(IMAGES),$(CONTAINER_ENGINE) build -f docker/$(image).Dockerfile -t $(call image_name,$(image)) . &&) true
+	$(foreach image,$(IMAGES),$(CONTAINER_ENGINE) build -f docker/$(image).Dockerfile -t $(call image_name,$(image)) $(strip $(call build_args,$(image))) . &&) true
 	@echo "built: $(foreach image,$(IMAGES),$(call image_name,$(image)))"
 
 push: images

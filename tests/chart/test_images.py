@@ -104,3 +104,19 @@ def test_the_chart_takes_the_registry_and_tag_in_one_place(helm, tmp_path):  # n
     bad = run_helm(helm, "template", "kubeinfer", str(CHART), values={"imageRegistry": "has space/x"},
                    tmp_path=tmp_path / "bad", check=False)
     assert bad.returncode != 0 and "imageRegistry" in bad.stderr
+
+
+def test_make_images_takes_any_docker_style_engine_and_the_torch_index(tmp_path):
+    """CONTAINER_ENGINE=buildah (or the k8s-node kit's buildah-k8s-node); TORCH_INDEX reaches the engine images'
+    builds only, as the build argument each engine Dockerfile declares."""
+    log = fake_engine(tmp_path / "bin", "buildah")
+    result = make("images", f"CONTAINER_ENGINE={tmp_path / 'bin' / 'buildah'}", "TAG=t2", "IMAGES=engine-cpu gateway",
+                  "TORCH_INDEX=https://mirror.example/whl/cpu", path=system_path())
+    assert result.returncode == 0, result.stderr
+    builds = {b[b.index("-f") + 1]: b for b in (line.split()[1:] for line in log.read_text().splitlines())}
+    engine, gateway = builds["docker/engine-cpu.Dockerfile"], builds["docker/gateway.Dockerfile"]
+    assert engine[engine.index("--build-arg") + 1] == "TORCH_INDEX=https://mirror.example/whl/cpu"
+    assert "--build-arg" not in gateway and engine[-1] == gateway[-1] == "."
+    for name in ("engine-cpu", "engine-gpu"):
+        text = (ROOT / "docker" / f"{name}.Dockerfile").read_text()
+        assert re.search(r"^ARG TORCH_INDEX=\S+", text, re.MULTILINE) and '--index-url "${TORCH_INDEX}"' in text

@@ -18,6 +18,7 @@ from . import kv_cache_layout
 from .layers.attention import AttentionMetadata
 from .layers.attention_selector import get_attention_backend
 from ..platforms.cpu.native import ops as native_ops
+from ..platforms.cpu.native.paths import log_native_paths
 from .model_loader import ModelFiles, load_model
 from ..platforms.cpu import native_decode
 from .models.registry import ARCHITECTURES
@@ -53,6 +54,8 @@ class ModelRunner:
             self.model = load_model(files, self.backend, max_model_len, device, dtype, tp_rank, tp_size)
             if device.type == "cpu":  # the native library loads at start, not at the first step
                 native_ops.layers_enabled(), native_decode.switched_on()
+                if tp_rank == 0:
+                    log_native_paths()
         self.spec = self.model.spec
         self.sliding_window = self.spec.sliding_window
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

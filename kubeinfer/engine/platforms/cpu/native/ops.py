@@ -89,6 +89,7 @@ def library():
         if lib is None and build.sanitizer():  # a sanitized run that silently used torch's kernels would prove nothing
             raise RuntimeError(f"KUBEINFER_CPU_NATIVE_SANITIZE is set but the sanitized library did not load: {why}")
         if lib is None:
+            _state["why"] = why
             logger.warning("native CPU int8 kernels unavailable, using torch's: %s", why)
             _state["level"] = "torch"
         else:
@@ -113,6 +114,12 @@ def level() -> str | None:
 
 def available() -> bool:
     return library() is not None
+
+
+def load_failure() -> str:
+    """Why the library did not load ("" where it did)."""
+    library()
+    return _state.get("why", "")
 
 
 def layers_enabled() -> bool:
