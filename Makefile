@@ -28,7 +28,7 @@ test-all: setup clients-venv
 # Every x86-64 level of the native CPU kernels compiled into the package (platforms/cpu/native/prebuilt/, stamped with
 # the sources): a wheel built after this, and the CPU image, carry them, so serving nodes need no C compiler
 native-prebuilt: setup
-	$(PY) -m kubeinfer.engine.platforms.cpu.native.prebuilt
+	$(PY) -m kubeinfer.engine.platforms.cpu.native.build --prebuild
 
 # The end-to-end suite (tests/e2e/, docs/deploy.md "End-to-end tests"): builds the images, loads them into the cluster
 # of $$KUBECONFIG, installs the chart as the README says and serves tiny models through the gateway; prints a

@@ -21,7 +21,7 @@ RUN pip install --no-deps /src
 # The native CPU kernels, one library per x86-64 level (v4, v3, portable), compiled into the installed package's
 # platforms/cpu/native/prebuilt/ with a stamp of their sources: the engine loads the level of the node's CPU from
 # there (it logs "native CPU paths: ..." at start), so the serving stage needs no compiler.
-RUN KUBEINFER_CACHE_DIR=/tmp/kubeinfer-build python -m kubeinfer.engine.platforms.cpu.native.prebuilt \
+RUN KUBEINFER_CACHE_DIR=/tmp/kubeinfer-build python -m kubeinfer.engine.platforms.cpu.native.build --prebuild \
     && rm -rf /tmp/kubeinfer-build
 
 FROM python:3.11.11-slim-bookworm

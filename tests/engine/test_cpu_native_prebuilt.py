@@ -18,7 +18,7 @@ def prebuilt_portable(tmp_path, monkeypatch):
     """The portable level prebuilt into a folder of its own, and a node without a compiler or a cache."""
     where = tmp_path / "prebuilt"
     monkeypatch.setenv("KUBEINFER_CACHE_DIR", str(tmp_path / "build-cache"))
-    prebuilt.prebuild(where, ["portable"])
+    build.prebuild(where, ["portable"])
     monkeypatch.setattr(prebuilt, "PREBUILT", where)
     monkeypatch.setenv("KUBEINFER_CACHE_DIR", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
@@ -47,3 +47,20 @@ def test_a_sanitized_build_never_takes_the_prebuilt_library(prebuilt_portable, m
     monkeypatch.setenv("KUBEINFER_CPU_NATIVE_SANITIZE", "address")
     lib, why = build.load(level="portable")
     assert lib is None and "no-such-compiler" in why
+
+
+def test_the_start_line_names_the_native_paths_and_the_level(caplog):
+    from kubeinfer.engine.platforms.cpu.native import ops, paths
+
+    with caplog.at_level("INFO", logger=paths.__name__):
+        line = paths.log_native_paths()
+    assert line in caplog.text
+    assert line.startswith("native CPU paths: int8/int4 linear on") and f"level {ops.level()}" in line
+
+
+def test_the_start_line_says_all_off_and_why_without_the_library(monkeypatch):
+    from kubeinfer.engine.platforms.cpu.native import ops, paths
+
+    monkeypatch.setattr(ops, "_state", {"lib": None, "why": "no C compiler (gcc or cc on PATH, or $CC)"})
+    line = paths.native_paths()
+    assert line.startswith("native CPU paths: all off") and "no C compiler" in line

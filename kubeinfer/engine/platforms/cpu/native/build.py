@@ -165,6 +165,18 @@ def compile_level(level: str | None) -> Path:
     return target
 
 
+def prebuild(where: Path | None = None, levels: list[str] | None = None) -> list[Path]:
+    """Compile `levels` (default: every x86-64 level) into `where` (default prebuilt/) with the sources' stamp
+    (prebuilt.py); raises RuntimeError when one does not build."""
+    where = prebuilt.PREBUILT if where is None else where
+    where.mkdir(parents=True, exist_ok=True)
+    (where / prebuilt.STAMP).unlink(missing_ok=True)  # stale until every library is in place
+    copied = [Path(shutil.copyfile(compile_level(level), where / prebuilt.library_name(level)))
+              for level in (list(LEVELS) if levels is None else levels)]
+    (where / prebuilt.STAMP).write_text(prebuilt.sources_digest(SOURCES, HEADER) + "\n")
+    return copied
+
+
 def load(portable: bool | None = None, level: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     """(the library, "") or (None, why not)."""
     try:
@@ -180,7 +192,13 @@ def loaded_level(lib: ctypes.CDLL) -> str:
 
 if __name__ == "__main__":  # `make setup` builds it ahead of first use; `--all` builds every level (x86: compiling
     import sys               # a level needs no CPU that runs it)
-    if "--all" in sys.argv[1:]:
+    if "--prebuild" in sys.argv[1:]:
+        if platform.machine() not in X86:
+            sys.exit(f"prebuilt levels are x86-64 builds; this machine is {platform.machine()} (its one native build "
+                     "is compiled at first use)")
+        for path in prebuild():
+            print(f"prebuilt {path}")
+    elif "--all" in sys.argv[1:]:
         for lvl in list(LEVELS) if platform.machine() in X86 else [None]:
             lib, why = load(level=lvl)
             print(f"cpu_native kernels {lvl or 'native'}: {'built ' + lib._name if lib else 'not built: ' + why}")
