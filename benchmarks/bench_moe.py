@@ -39,6 +39,16 @@ MODEL_SHAPE = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, i
                    moe_intermediate_size=192)
 
 
+def cpu_flags() -> str:
+    """The vector extensions the kernels can use, from /proc/cpuinfo (empty where there is none)."""
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return ""
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+    return " ".join(w for w in wanted if w in words)
+
+
 def moe_share(model_dir: str, batch: int, dtype: str, tokens: int = 48) -> tuple[float, float]:
     """(mean decode step in ms, share of it inside the sparse blocks) for `batch` sequences decoding together."""
     from kubeinfer.engine.model_executor.models.moe import SparseMoeBlock
@@ -99,6 +109,8 @@ def main() -> None:
         MODEL_SHAPE["hidden_size"] * MODEL_SHAPE["moe_intermediate_size"]
     work = workload(args.requests)
     useful = sum(n for _, n in work)
+    flags, load = cpu_flags(), os.getloadavg()[0]
+    print(f"CPU flags: {flags}; load average {load:.1f}")
     print(f"model: {params / 1e6:.1f}M params ({active / 1e6:.1f}M active), {args.requests} requests, "
           f"{useful} output tokens; torch threads {torch.get_num_threads()}")
 
@@ -121,7 +133,8 @@ def main() -> None:
                f"--repeats {args.repeats} --dtype {args.dtype}")
     body = "\n".join([
         f"Command: `{command}`. Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, transformers {__import__('transformers').__version__}, "
+        f"{torch.get_num_threads()} threads, CPU flags {flags}, load average {load:.1f} at the start "
+        f"({os.getloadavg()[0]:.1f} at the end), transformers {__import__('transformers').__version__}, "
         f"{args.dtype} for all.",
         f"Model: random-init Qwen3-MoE, {params / 1e6:.1f}M parameters, {active / 1e6:.1f}M active per token "
         f"({MODEL_SHAPE['num_layers']} layers, hidden {MODEL_SHAPE['hidden_size']}, {experts} experts of "

@@ -155,6 +155,7 @@ def test_grouped_path_runs_one_matmul_pair_per_active_expert(monkeypatch):
     calls = []
     real = grouped._product
     monkeypatch.setattr(grouped, "USE_GROUPED_MM", False)  # the per-expert path (torch without _grouped_mm)
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "0")  # nor the native library's grouped product
     monkeypatch.setattr(grouped, "_product", lambda *a: calls.append(1) or real(*a))
     gate_up, down, _, _ = random_experts(6, False)
     ids = torch.tensor([[0, 4], [4, 7], [7, 0]] * 67)[:200]
@@ -190,6 +191,7 @@ def test_grouped_mm_path_equals_the_per_expert_path(monkeypatch, biases):
     gate_up, down, b1, b2 = random_experts(7, biases)
     weights, ids = uneven_routing(13, 8)
     x = torch.randn(13, H)
+    monkeypatch.setenv("KUBEINFER_CPU_NATIVE_LAYERS", "0")  # torch's grouped product, not the native library's
     calls = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -6,6 +6,8 @@ Where torch has it, one grouped product per projection (`torch._grouped_mm` over
 experts' row offsets) runs every expert at once, as transformers' CPU default does: 3-5x faster than a pair
 of products per active expert for a 32-expert layer at batch 1-256 here, and bit-equal to it (measured with
 the layer's shapes of benchmarks/bench_moe.py). Otherwise, and for dtypes it refuses, one pair per expert.
+float32 steps with a few rows per expert (decode) take the native library's grouped product instead
+(native_grouped.py): one call on the native pool per projection, where torch's runs a GEMM per expert.
 
 `input_quant` (W8A8 experts, expert_input_quant.py): the hidden states quantized before the gathered block (once per
 token, or per row with its expert's static scale), the activation's rows before the down product."""
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from . import native_grouped
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
@@ -38,13 +42,15 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     else:
         gathered = input_quant.hidden_rows(x.index_select(0, tokens), experts)
     activation = activation if input_quant is None else _then_quantize(activation, input_quant, experts)
-    if products is None and _grouped_mm_serves(gathered, gate_up):  # one product per projection, every expert's rows
+    native = products is None and native_grouped.serves(gathered, gate_up, counts)
+    if native or (products is None and _grouped_mm_serves(gathered, gate_up)):  # every expert's rows in one product
         offsets = torch.tensor(_ends(counts), dtype=torch.int32, device=x.device)
         experts = flat[order] if experts is None else experts
-        h = torch._grouped_mm(gathered, gate_up.transpose(1, 2), offs=offsets)
+        product = native_grouped.grouped_linear if native else _torch_grouped
+        h = product(gathered, gate_up, offsets)
         if gate_up_bias is not None:
             h.add_(gate_up_bias.index_select(0, experts))
-        out = torch._grouped_mm(activation(h), down.transpose(1, 2), offs=offsets)
+        out = product(activation(h), down, offsets)
         if down_bias is not None:
             out.add_(down_bias.index_select(0, experts))
     else:  # two products per active expert, each written in place into its rows; the activation once
@@ -63,6 +69,10 @@ def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
 
 USE_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _torch_grouped(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets)
 
 
 def _then_quantize(activation, input_quant, experts: torch.Tensor):

@@ -30,6 +30,7 @@ SIGNATURES: dict[str, tuple[list, type | None]] = {
     "ki_w4a8_f32": ([P, L, I, I, P, L, P, L, I, I, I, P, L], I),
     # f32_linear.c
     "ki_f32_linear": ([P, L, I, I, P, L, I, P, L, I], I),
+    "ki_f32_grouped_linear": ([P, L, I, I, P, L, I, I, P, L, P, L, I], I),
     # attention.c
     "ki_decode_attention": ([P, L, I, P, P, L, P, P, P, I, P, P, L, P, I, I, I, I, I, I, F, P], I),
     # decode_ops.c

@@ -213,3 +213,60 @@ int ki_f32_linear(const float *x, long x_bytes, int M, int K, const float *w, lo
     pthread_mutex_unlock(&call_mu);
     return 0;
 }
+
+/* Mixture-of-experts products in one call: rows of x sorted by expert, expert e's rows [ends[e-1], ends[e]) times
+ * its weight w[e] [N, K] -> the same rows of out [M, N]. Every (active expert, group of F32_GROUP rows of N) is one
+ * work item of the pool, so the experts' few rows each fill both cores in one job, where a product per expert pays
+ * a job (or torch's per-expert GEMM) each. Each element is summed as ki_f32_linear sums it (same bits). */
+typedef struct {
+    const float *x, *w;
+    float *out;
+    const int32_t *ends;
+    const int *first; /* first[e]: the first item of expert e (first[E]: the count) */
+    int E, N, K;
+} f32_grouped_ctx;
+
+static void f32_grouped_task(const void *ctx, int start, int end) {
+    const f32_grouped_ctx *g = ctx;
+    int e = 0;
+    while (g->first[e + 1] <= start) e++;
+    for (int u = start; u < end; u++) {
+        while (g->first[e + 1] <= u) e++;
+        int row0 = e ? g->ends[e - 1] : 0;
+        f32_ctx c = {g->x + (size_t)row0 * g->K, g->w + (size_t)e * g->N * g->K, g->out + (size_t)row0 * g->N,
+                     g->ends[e] - row0, g->N, g->K};
+        f32_task(&c, u - g->first[e], u - g->first[e] + 1);
+    }
+}
+
+/* x [M, K]; w [E, N, K]; ends [E] (int32, non-decreasing, ends[E-1] == M); out [M, N]; `threads` as ki_f32_linear.
+ * KI_EBOUNDS (nothing written) when the dimensions or the ends do not fit the buffers. */
+int ki_f32_grouped_linear(const float *x, long x_bytes, int M, int K, const float *w, long w_bytes, int E, int N,
+                          const int32_t *ends, long ends_bytes, float *out, long out_bytes, int threads) {
+    if (M < 0 || K < 1 || N < 1 || E < 1 || !ki_fits(x_bytes, M, K, 4) || !ki_fits(ends_bytes, E, 1, 4)
+        || !ki_fits(w_bytes, (long)E * N, K, 4) || !ki_fits(out_bytes, M, N, 4))
+        return KI_EBOUNDS;
+    int per = (N + F32_GROUP - 1) / F32_GROUP;
+    int *first = malloc(sizeof(int) * (size_t)(E + 1));
+    if (!first) return KI_EBOUNDS;
+    first[0] = 0;
+    for (int e = 0; e < E; e++) {
+        int prev = e ? ends[e - 1] : 0;
+        if (ends[e] < prev || ends[e] > M || (e == E - 1 && ends[e] != M)) {
+            free(first);
+            return KI_EBOUNDS;
+        }
+        first[e + 1] = first[e] + (ends[e] > prev ? per : 0);
+    }
+    f32_grouped_ctx g = {x, w, out, ends, first, E, N, K};
+    int items = first[E];
+    if (threads == 1 || pool_active == 1 || items <= 1) {
+        if (items) f32_grouped_task(&g, 0, items);
+    } else {
+        pthread_mutex_lock(&call_mu);
+        parallel(f32_grouped_task, &g, items);
+        pthread_mutex_unlock(&call_mu);
+    }
+    free(first);
+    return 0;
+}

@@ -46,6 +46,8 @@ int ki_w4a8_f32(const float *x, long x_bytes, int M, int K, const uint8_t *w, lo
 /* f32_linear.c: float32 products of small batches */
 int ki_f32_linear(const float *x, long x_bytes, int M, int K, const float *w, long w_bytes, int N, float *out,
                   long out_bytes, int threads);
+int ki_f32_grouped_linear(const float *x, long x_bytes, int M, int K, const float *w, long w_bytes, int E, int N,
+                          const int32_t *ends, long ends_bytes, float *out, long out_bytes, int threads);
 
 /* attention.c: decode attention over the paged KV cache */
 int ki_decode_attention(const char *q, long q_stride, int q_bf16, const char *k, const char *v, long kv_stride,
