@@ -61,6 +61,13 @@ class EngineConfig:
     master_port: int | None = None  # None: a free port (one node only)
     distributed_timeout: float = 60.0  # seconds a rank may stay silent in a step before the engine dies
 
+    # KV-cache tiering (kubeinfer/engine/kv_transfer/), vLLM's flags: --kv-transfer-config JSON (kv_connector,
+    # kv_role, kv_connector_extra_config, kv_load_failure_policy), or its shorthand --kv-offloading-size GiB with
+    # --kv-offloading-backend native. Parsed, and a bad one refused, before the model loads.
+    kv_transfer_config: str | dict | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
