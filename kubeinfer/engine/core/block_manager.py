@@ -59,6 +59,12 @@ class BlockManager:
         # chance to save it to its tier (kv_transfer/); None: evicted blocks are gone.
         self.on_evict: Callable[[bytes, int], None] | None = None
 
+    @staticmethod
+    def block_key(parent_key: bytes | None, token_ids: list[int], adapter: tuple[int, int]) -> bytes:
+        """The prefix-cache key of a block after `parent_key` (None: the prompt's first block), for the layers
+        that key blocks the same way without importing this one (kv_transfer/)."""
+        return hash_block(parent_key or ROOT_KEY, token_ids, adapter)
+
     # -- pool state ---------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:

@@ -13,7 +13,6 @@ the scheduler's process (one object); a tensor-parallel worker would run the wor
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..sequence import Sequence
@@ -104,31 +103,3 @@ class KVConnectorBase(ABC):
     def occupancy(self) -> tuple[int, int]:
         """(blocks stored, blocks the tier can hold)."""
         return 0, 0
-
-
-ConnectorFactory = Callable[..., KVConnectorBase]
-_REGISTRY: dict[str, ConnectorFactory] = {}
-
-
-def register_connector(name: str) -> Callable[[ConnectorFactory], ConnectorFactory]:
-    def add(factory: ConnectorFactory) -> ConnectorFactory:
-        _REGISTRY[name] = factory
-        return factory
-    return add
-
-
-def _register_builtin() -> None:
-    from . import offloading  # noqa: F401 -- registers the native CPU tier (imports torch: only when asked)
-
-
-def served_connectors() -> list[str]:
-    _register_builtin()
-    return sorted(_REGISTRY)
-
-
-def connector_factory(name: str) -> ConnectorFactory:
-    """The connector class registered under `name`; ValueError naming the served ones."""
-    _register_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"--kv-transfer-config: unknown kv_connector {name!r}; served: {served_connectors()}")
-    return _REGISTRY[name]

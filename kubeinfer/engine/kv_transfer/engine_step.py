@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 
 from ..sequence import ScheduledBatch
-from .base import KVConnectorBase, connector_factory
+from .base import KVConnectorBase
+from .registry import connector_factory
 from .config import KVTransferConfig
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def build_connector(config: KVTransferConfig, engine_config, spec, runner, block
     keys = runner.kv_caches[0][0]
     connector = factory(config, engine_config.block_size, num_layers=len(runner.kv_caches),
                         num_kv_heads=keys.shape[2], head_dim=keys.shape[3], cache_dtype=keys.dtype,
-                        device=keys.device)
+                        device=keys.device, block_key=block_manager.block_key)
     connector.register_kv_caches(runner.kv_caches)
     block_manager.on_evict = connector.on_block_evicted
     return connector

@@ -16,12 +16,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
-from ..core.block_manager import ROOT_KEY, hash_block
 from ..sequence import Sequence
-from .base import KVConnectorBase, KVConnectorMetadata, register_connector
+from .base import KVConnectorBase, KVConnectorMetadata
 from .config import KVTransferConfig
 from .cpu_tier import CPUBlockPool
 
@@ -29,10 +29,10 @@ logger = logging.getLogger(__name__)
 EXTRA_KEYS = ("cpu_bytes_to_use", "num_cpu_blocks", "block_size")
 
 
-@register_connector("OffloadingConnector")
 class OffloadingConnector(KVConnectorBase):
     def __init__(self, config: KVTransferConfig, block_size: int, *, num_layers: int, num_kv_heads: int,
-                 head_dim: int, cache_dtype: torch.dtype, device: torch.device) -> None:
+                 head_dim: int, cache_dtype: torch.dtype, device: torch.device,
+                 block_key: Callable[[bytes | None, list[int], tuple[int, int]], bytes]) -> None:
         super().__init__(config, block_size)
         extra = config.kv_connector_extra_config
         unknown = sorted(set(extra) - set(EXTRA_KEYS))
@@ -43,6 +43,7 @@ class OffloadingConnector(KVConnectorBase):
             raise ValueError(f"--kv-transfer-config: OffloadingConnector block_size {extra['block_size']} must equal "
                              f"the engine's --block-size {block_size}")
         self.device = device
+        self.block_key = block_key  # the prefix cache's keys: its hits and the tier's are the same blocks
         element = torch.empty((), dtype=cache_dtype).element_size()
         # Bytes, not elements: copies are bit-exact for every cache dtype (8-bit ones included).
         slot_shape = (num_layers, 2, block_size, num_kv_heads, head_dim * element)
@@ -65,11 +66,11 @@ class OffloadingConnector(KVConnectorBase):
             return 0, False
         bs = self.block_size
         first, limit = num_computed_tokens // bs, (seq.num_tokens - 1) // bs
-        parent = seq.block_hashes[first - 1] if first else ROOT_KEY
+        parent = seq.block_hashes[first - 1] if first else None
         adapter = (seq.lora_id, seq.lora_generation)
         found: list[tuple[bytes, int]] = []
         for i in range(first, limit):
-            block_hash = hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], adapter)
+            block_hash = self.block_key(parent, seq.token_ids[i * bs:(i + 1) * bs], adapter)
             slot = self.pool.lookup(block_hash)
             if slot is None:
                 break
