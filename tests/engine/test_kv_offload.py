@@ -140,3 +140,24 @@ def test_models_with_a_window_pool_are_refused_clearly(tmp_path):
     LLM(model, block_size=4, num_kv_blocks=32)  # the model itself runs
     with pytest.raises(ValueError, match="mixing windowed and full-attention layers"):
         LLM(model, block_size=4, num_kv_blocks=32, kv_offloading_size=0.01)
+
+
+@pytest.mark.parametrize("extra", [{}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                                               "prompt_lookup_max": 3, "prompt_lookup_min": 1}},
+                                   {"async_scheduling": True}], ids=["batched", "spec-decode", "async-scheduling"])
+def test_tier_under_preemption_spec_decode_and_async_scheduling(llama_dir, extra):
+    """All prompts at once in the tiny cache: sequences are preempted, their blocks evicted and saved, and
+    reloaded on readmission; with speculative decoding (rejected drafts' blocks freed) and async scheduling
+    the outputs stay the tier-off ones."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # two sequences outgrow the cache
+    batch = [{"prompt_token_ids": p} for p in PROMPTS + [PROMPTS[0][:20] * 2]]  # the last repeats: drafts
+    cache = {**TINY_CACHE, "max_num_seqs": 4}
+
+    def run(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for _ in range(2) for o in llm.generate(batch, params)]
+    expected = run(LLM(llama_dir, **cache))
+    llm = LLM(llama_dir, **cache, kv_transfer_config=TIER, **extra)
+    assert run(llm) == expected
+    assert llm.engine.kv_transfer.connector.stats.hits > 0 and llm.engine.scheduler.num_preemptions > 0
+    if extra.get("speculative_config"):
+        assert llm.engine.speculator.num_draft_tokens > 0

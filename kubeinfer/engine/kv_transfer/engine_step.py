@@ -75,6 +75,7 @@ class KVTransferStep:
                 batch.failed.append(seq)
             else:
                 seq.num_computed_tokens = min(seq.num_computed_tokens, bad * bs)
+                seq.num_cached_tokens = min(seq.num_cached_tokens, bad * bs)  # what the usage reports as cached
                 stats.recomputed += 1
                 logger.info("KV offloading: request %s recomputes from token %d (load failed)", seq.request_id,
                             bad * bs)
