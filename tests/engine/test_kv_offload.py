@@ -161,3 +161,10 @@ def test_tier_under_preemption_spec_decode_and_async_scheduling(llama_dir, extra
     assert llm.engine.kv_transfer.connector.stats.hits > 0 and llm.engine.scheduler.num_preemptions > 0
     if extra.get("speculative_config"):
         assert llm.engine.speculator.num_draft_tokens > 0
+
+
+def test_8_bit_kv_cache_blocks_move_bit_exact(llama_dir):
+    """The tier copies bytes, whatever the cache dtype: with an fp8 cache the outputs stay the tier-off ones."""
+    expected = two_rounds(LLM(llama_dir, **TINY_CACHE, kv_cache_dtype="fp8"))
+    llm = LLM(llama_dir, **TINY_CACHE, kv_cache_dtype="fp8", kv_transfer_config=TIER)
+    assert two_rounds(llm) == expected and llm.engine.kv_transfer.connector.stats.hits > 0
