@@ -168,3 +168,20 @@ def test_8_bit_kv_cache_blocks_move_bit_exact(llama_dir):
     expected = two_rounds(LLM(llama_dir, **TINY_CACHE, kv_cache_dtype="fp8"))
     llm = LLM(llama_dir, **TINY_CACHE, kv_cache_dtype="fp8", kv_transfer_config=TIER)
     assert two_rounds(llm) == expected and llm.engine.kv_transfer.connector.stats.hits > 0
+
+
+def test_lora_blocks_come_back_to_their_own_adapter(lora_base_dir, lora_adapters, lora_base_reference):
+    """Every prompt under the base model and each adapter, one request at a time, twice, in a cache of 12 blocks:
+    the second pass reloads each (prompt, adapter)'s blocks from the tier, and the outputs stay PEFT's (a block
+    served to another adapter would change them)."""
+    from lora_helpers import mixed_batch
+
+    prompts, loras, expected = mixed_batch(lora_adapters, lora_base_reference)
+    llm = LLM(str(lora_base_dir), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4, num_kv_blocks=12,
+              max_num_seqs=1, kv_transfer_config=TIER)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for _ in range(2):
+        outputs = [llm.generate([prompt], params, lora_request=lora)[0].outputs[0].token_ids
+                   for prompt, lora in zip(prompts, loras)]
+        assert outputs == expected
+    assert llm.engine.kv_transfer.connector.stats.hits > 0
