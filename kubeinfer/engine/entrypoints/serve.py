@@ -85,8 +85,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              'buffer_steps, hwm, max_queue_size); docs/kv-events.md')
     parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                         help='an external KV tier, as vLLM: \'{"kv_connector": "OffloadingConnector", "kv_role": '
-                             '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": N}, "kv_load_failure_policy": '
-                             '"recompute"}\': evicted KV blocks kept in host memory and loaded back, not recomputed')
+                             '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": N}, '
+                             '"kv_load_failure_policy": "recompute"}\': evicted KV blocks kept in host memory')
     parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                         help="vLLM's shorthand for that native CPU tier: its GiB of host memory")
     parser.add_argument("--kv-offloading-backend", default=None, help="native (the default; lmcache is not served)")

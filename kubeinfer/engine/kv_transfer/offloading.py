@@ -5,9 +5,9 @@ following blocks back before the request's prefill is scheduled (the scheduler c
 Extra config (vLLM's keys): `cpu_bytes_to_use` (the tier's bytes) or `num_cpu_blocks`, and `block_size`,
 which must be the engine's (one tier block per device block).
 
-Copies: gathered on the device into one staging tensor, then one copy per block into (or out of) the slot,
-which holds the block across every layer. On a CPU engine they are synchronous, inside the step before the
-forward. On CUDA they are queued non-blocking on the current stream against pinned memory, so stream order
+Copies: gathered on the device into one staging tensor (one gather per layer), then one copy per block into
+(or out of) the slot, which holds the block across every layer. On a CPU engine they are synchronous, inside
+the step before the forward, and the slots are written (read) with one indexed copy for all the step's blocks. On CUDA they are queued non-blocking on the current stream against pinned memory, so stream order
 alone keeps them before the forward and the buffer's later reuse; `_copy_stream` is the seam for a side
 stream overlapped with the forward (then `wait_for_layer_load` / `wait_for_save` would wait on events).
 """
@@ -146,16 +146,20 @@ class OffloadingConnector(KVConnectorBase):
         ids = torch.tensor(block_ids, device=self.device)
         staged = torch.stack([torch.stack((k.index_select(0, ids), v.index_select(0, ids)), 1) for k, v in self.kv],
                              1)
-        non_blocking = self.device.type == "cuda"
-        for i, slot in enumerate(slots):
-            self.pool.buffer[slot].copy_(staged[i], non_blocking=non_blocking)
+        if self.device.type != "cuda":  # one op for all blocks: under a loaded host each op costs a time slice
+            self.pool.buffer.index_copy_(0, torch.tensor(slots), staged)
+            return
+        for i, slot in enumerate(slots):  # one DMA per block into pinned memory, queued on the current stream
+            self.pool.buffer[slot].copy_(staged[i], non_blocking=True)
 
     def _read_blocks(self, block_ids: list[int], slots: list[int]) -> None:
         """Tier slots -> device blocks: one copy per block into a staging tensor, then one scatter per layer."""
-        staged = torch.empty((len(slots), *self.pool.buffer.shape[1:]), dtype=torch.uint8, device=self.device)
-        non_blocking = self.device.type == "cuda"
-        for i, slot in enumerate(slots):
-            staged[i].copy_(self.pool.buffer[slot], non_blocking=non_blocking)
+        if self.device.type != "cuda":
+            staged = self.pool.buffer.index_select(0, torch.tensor(slots))
+        else:
+            staged = torch.empty((len(slots), *self.pool.buffer.shape[1:]), dtype=torch.uint8, device=self.device)
+            for i, slot in enumerate(slots):
+                staged[i].copy_(self.pool.buffer[slot], non_blocking=True)
         ids = torch.tensor(block_ids, device=self.device)
         for layer, (k, v) in enumerate(self.kv):
             k.index_copy_(0, ids, staged[:, layer, 0])
@@ -174,10 +178,10 @@ def _num_slots(extra: dict, slot_bytes: int) -> int:
     if has_bytes == has_blocks:
         raise ValueError("--kv-transfer-config: OffloadingConnector needs exactly one of cpu_bytes_to_use and "
                          "num_cpu_blocks in kv_connector_extra_config (or use --kv-offloading-size GiB)")
-    value = extra["cpu_bytes_to_use" if has_bytes else "num_cpu_blocks"]
+    key = "cpu_bytes_to_use" if has_bytes else "num_cpu_blocks"
+    value = extra[key]
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"--kv-transfer-config: OffloadingConnector {'cpu_bytes_to_use' if has_bytes else 'num_cpu_blocks'}"
-                         f" must be a positive integer, got {value!r}")
+        raise ValueError(f"--kv-transfer-config: OffloadingConnector {key} must be a positive integer, got {value!r}")
     num_slots = value // slot_bytes if has_bytes else value
     if num_slots < 1:
         raise ValueError(f"--kv-offloading-size / cpu_bytes_to_use ({value} bytes) is smaller than one KV block "
