@@ -185,3 +185,31 @@ def test_lora_blocks_come_back_to_their_own_adapter(lora_base_dir, lora_adapters
                    for prompt, lora in zip(prompts, loras)]
         assert outputs == expected
     assert llm.engine.kv_transfer.connector.stats.hits > 0
+
+
+def test_an_eviction_during_admission_never_takes_a_matched_slot():
+    """A full tier whose oldest block is the one a request just matched: the device blocks its allocation evicts
+    are saved elsewhere (or dropped), never over the slot its load reads."""
+    from kubeinfer.engine.core.block_manager import BlockManager
+    from kubeinfer.engine.kv_transfer.config import KVTransferConfig
+    from kubeinfer.engine.kv_transfer.offloading import OffloadingConnector
+
+    bs = 2
+    config = KVTransferConfig("OffloadingConnector", kv_connector_extra_config={"num_cpu_blocks": 2})
+    connector = OffloadingConnector(config, bs, num_layers=1, num_kv_heads=1, head_dim=2, cache_dtype=torch.float32,
+                                    device=torch.device("cpu"), block_key=BlockManager.block_key)
+    keys, values = torch.arange(16.0).view(4, bs, 1, 2), -torch.arange(16.0).view(4, bs, 1, 2)
+    connector.register_kv_caches([(keys, values)])
+    original = keys[0].clone()
+    tokens = [5, 6, 7]
+    key_a = BlockManager.block_key(None, tokens[:bs], (0, 0))
+    connector.on_block_evicted(key_a, 0)
+    connector.on_block_evicted(b"b" * 32, 1)
+    connector.start_load_kv(connector.build_connector_meta())  # the tier is full, key_a its oldest block
+    seq = types.SimpleNamespace(token_ids=tokens, num_tokens=3, num_prompt_tokens=3, block_hashes=[], lora_id=0,
+                                lora_generation=0, num_preemptions=0, request_id="r")
+    assert connector.get_num_new_matched_tokens(seq, 0) == (bs, False)
+    connector.on_block_evicted(b"c" * 32, 2)  # the admission's allocation evicts a device block
+    connector.update_state_after_alloc(seq, [3], bs)
+    connector.start_load_kv(connector.build_connector_meta())
+    assert torch.equal(keys[3], original) and connector.pool.lookup(key_a) is not None

@@ -6,8 +6,9 @@ Each slot holds one device block across every offloaded layer, keys and values, 
 host<->device copies can be asynchronous. Keys are the block manager's sha256 chain (`hash_block`): the same
 bytes in every process and after restarts (no Python `hash`), and they cover the LoRA adapter.
 
-A slot with a transfer pending in this step is pinned: LRU eviction passes it over, so a save never
-overwrites a block a load of the same step still has to read (and a save's target is not reused twice).
+A slot matched by an admission, or with a transfer pending, is pinned until the step's transfers ran: LRU
+eviction passes it over, so a save never overwrites a block a load of the same step still has to read (the
+admission's own allocation evicts device blocks, which are saved) and a save's target is not reused twice.
 """
 from __future__ import annotations
 

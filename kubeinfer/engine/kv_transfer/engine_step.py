@@ -50,9 +50,9 @@ class KVTransferStep:
         """This step's saves and loads, before the forward; failed loads per the policy."""
         connector = self.connector
         meta = connector.build_connector_meta()
+        connector.start_load_kv(meta)  # also when empty: it ends the step's pins (an admission that fell through)
         if not meta:
             return
-        connector.start_load_kv(meta)
         connector.wait_for_save()
         failed = connector.get_block_ids_with_load_errors()
         if failed:

@@ -7,9 +7,11 @@ which must be the engine's (one tier block per device block).
 
 Copies: gathered on the device into one staging tensor (one gather per layer), then one copy per block into
 (or out of) the slot, which holds the block across every layer. On a CPU engine they are synchronous, inside
-the step before the forward, and the slots are written (read) with one indexed copy for all the step's blocks. On CUDA they are queued non-blocking on the current stream against pinned memory, so stream order
-alone keeps them before the forward and the buffer's later reuse; `_copy_stream` is the seam for a side
-stream overlapped with the forward (then `wait_for_layer_load` / `wait_for_save` would wait on events).
+the step before the forward, and the slots are written (read) with one indexed copy for all the step's
+blocks. On CUDA they are queued non-blocking on the current stream against pinned memory, so stream order
+alone keeps them before the forward and the buffer's later reuse. The seam for a side stream overlapped with
+the forward: `_write_blocks` / `_read_blocks` issue there and record events, `wait_for_layer_load` /
+`wait_for_save` wait on them. (The CUDA path has not run on a GPU yet.)
 """
 from __future__ import annotations
 
@@ -74,6 +76,10 @@ class OffloadingConnector(KVConnectorBase):
             slot = self.pool.lookup(block_hash)
             if slot is None:
                 break
+            # Pinned now, not after the allocation: the device blocks that allocation evicts are saved to the
+            # tier, and must not take the slot this load will read.
+            self.pool.touch(block_hash)
+            self.pool.pin(slot)
             found.append((block_hash, slot))
             parent = block_hash
         self._match = (seq, found)
@@ -85,9 +91,7 @@ class OffloadingConnector(KVConnectorBase):
         if seq.num_preemptions == 0:
             self.stats.queries += seq.num_prompt_tokens
             self.stats.hits += num_external_tokens
-        for block_id, (block_hash, slot) in zip(block_ids, found[:num_external_tokens // self.block_size]):
-            self.pool.touch(block_hash)
-            self.pool.pin(slot)
+        for block_id, (_block_hash, slot) in zip(block_ids, found[:num_external_tokens // self.block_size]):
             self._loads.append((seq.request_id, block_id, slot))
 
     def on_block_evicted(self, block_hash: bytes, block_id: int) -> None:
