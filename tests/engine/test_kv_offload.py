@@ -213,3 +213,12 @@ def test_an_eviction_during_admission_never_takes_a_matched_slot():
     connector.update_state_after_alloc(seq, [3], bs)
     connector.start_load_kv(connector.build_connector_meta())
     assert torch.equal(keys[3], original) and connector.pool.lookup(key_a) is not None
+
+
+def test_the_connector_hears_of_finished_requests(llama_dir):
+    llm = LLM(llama_dir, **TINY_CACHE, kv_transfer_config=TIER)
+    finished = []
+    llm.engine.kv_transfer.connector.request_finished = lambda seq, block_ids: finished.append(
+        (seq.request_id, len(block_ids))) or False
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert finished == [("0", 11)]  # 40 prompt + 2 generated tokens (the last not yet in the cache): 11 blocks

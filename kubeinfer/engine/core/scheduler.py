@@ -81,6 +81,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release_adapter(seq)
+        if self.kv_connector is not None:  # a connector that saves finished requests' blocks (not the CPU tier's)
+            self.kv_connector.request_finished(seq, seq.block_table)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
