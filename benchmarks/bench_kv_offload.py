@@ -79,6 +79,41 @@ def run_scenario(model_dir: str, args, device_blocks: int, tier_gib: float) -> d
     return times
 
 
+def transfer_throughput(blocks: int = 128, repeats: int = 5) -> str:
+    """The tier's block copies (the model's cache shape) against a plain memory copy of the same bytes, same run
+    (32 MiB by default: past the caches, as a step's transfers of a long prompt are)."""
+    import time
+
+    from kubeinfer.engine.core.block_manager import BlockManager
+    from kubeinfer.engine.kv_transfer.config import KVTransferConfig
+    from kubeinfer.engine.kv_transfer.offloading import OffloadingConnector
+
+    layers, heads = MODEL_SHAPE["num_layers"], MODEL_SHAPE["num_kv_heads"]
+    head_dim = MODEL_SHAPE["hidden_size"] // MODEL_SHAPE["num_heads"]
+    config = KVTransferConfig("OffloadingConnector", kv_connector_extra_config={"num_cpu_blocks": blocks})
+    connector = OffloadingConnector(config, BLOCK_SIZE, num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
+                                    cache_dtype=torch.float32, device=torch.device("cpu"),
+                                    block_key=BlockManager.block_key)
+    shape = (2 * blocks, BLOCK_SIZE, heads, head_dim)
+    connector.register_kv_caches([(torch.randn(shape), torch.randn(shape)) for _ in range(layers)])
+    ids, slots = list(range(0, 2 * blocks, 2)), list(range(blocks))
+    nbytes = blocks * connector.pool.slot_bytes
+    source, target = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - started)
+        return nbytes / min(times) / 1e9
+    save, load = best(lambda: connector._write_blocks(ids, slots)), best(lambda: connector._read_blocks(ids, slots))
+    copy = best(lambda: target.copy_(source))
+    return (f"{blocks} blocks of {connector.pool.slot_bytes // 1024} KiB: save {save:.2f} GB/s, load {load:.2f} GB/s, "
+            f"memcpy {copy:.2f} GB/s (save {save / copy:.0%}, load {load / copy:.0%} of it)")
+
+
 def summary(values: list[float]) -> tuple[float, float, float]:
     ordered = sorted(values)
     return statistics.mean(ordered), ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))]
@@ -103,6 +138,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads; CPU flags: {cpu_flags()}")
     print(f"{args.conversations} conversations x {args.turns} turns, {args.context}-token context, "
           f"+{USER_TOKENS} user / {MAX_TOKENS} answer tokens a turn: {total_blocks} KV blocks of {BLOCK_SIZE} in all")
+    print("transfers (best of 5):", transfer_throughput())
     scenarios = {"pressure": max(8, int(total_blocks / args.pressure)), "fits": total_blocks * 2}
     for name, device_blocks in scenarios.items():
         times = run_scenario(str(model_dir), args, device_blocks, tier_gib=1.0)

@@ -152,11 +152,14 @@ class OffloadingConnector(KVConnectorBase):
     def _write_blocks(self, block_ids: list[int], slots: list[int]) -> None:
         """Device blocks -> tier slots: one gather per layer on the device, then one copy per block."""
         ids = torch.tensor(block_ids, device=self.device)
+        if self.device.type != "cuda":  # gather each layer's blocks and scatter them into the slots: two copies
+            targets = torch.tensor(slots)
+            for layer, (k, v) in enumerate(self.kv):
+                self.pool.buffer[:, layer, 0].index_copy_(0, targets, k.index_select(0, ids))
+                self.pool.buffer[:, layer, 1].index_copy_(0, targets, v.index_select(0, ids))
+            return
         staged = torch.stack([torch.stack((k.index_select(0, ids), v.index_select(0, ids)), 1) for k, v in self.kv],
                              1)
-        if self.device.type != "cuda":  # one op for all blocks: under a loaded host each op costs a time slice
-            self.pool.buffer.index_copy_(0, torch.tensor(slots), staged)
-            return
         for i, slot in enumerate(slots):  # one DMA per block into pinned memory, queued on the current stream
             self.pool.buffer[slot].copy_(staged[i], non_blocking=True)
 
