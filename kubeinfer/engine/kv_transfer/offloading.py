@@ -150,7 +150,8 @@ class OffloadingConnector(KVConnectorBase):
         self.stats.bytes_saved += len(saves) * self.pool.slot_bytes
 
     def _write_blocks(self, block_ids: list[int], slots: list[int]) -> None:
-        """Device blocks -> tier slots: one gather per layer on the device, then one copy per block."""
+        """Device blocks -> tier slots. CPU: per layer, a gather from the cache and a scatter into the slots.
+        CUDA: one gather per layer into a staging tensor on the device, then one copy per block."""
         ids = torch.tensor(block_ids, device=self.device)
         if self.device.type != "cuda":  # gather each layer's blocks and scatter them into the slots: two copies
             targets = torch.tensor(slots)
@@ -164,14 +165,18 @@ class OffloadingConnector(KVConnectorBase):
             self.pool.buffer[slot].copy_(staged[i], non_blocking=True)
 
     def _read_blocks(self, block_ids: list[int], slots: list[int]) -> None:
-        """Tier slots -> device blocks: one copy per block into a staging tensor, then one scatter per layer."""
-        if self.device.type != "cuda":
-            staged = self.pool.buffer.index_select(0, torch.tensor(slots))
-        else:
-            staged = torch.empty((len(slots), *self.pool.buffer.shape[1:]), dtype=self.word, device=self.device)
-            for i, slot in enumerate(slots):
-                staged[i].copy_(self.pool.buffer[slot], non_blocking=True)
+        """Tier slots -> device blocks. CPU: per layer, a gather from the slots and a scatter into the cache.
+        CUDA: one copy per block into a staging tensor on the device, then one scatter per layer."""
         ids = torch.tensor(block_ids, device=self.device)
+        if self.device.type != "cuda":
+            sources = torch.tensor(slots)
+            for layer, (k, v) in enumerate(self.kv):
+                k.index_copy_(0, ids, self.pool.buffer[:, layer, 0].index_select(0, sources))
+                v.index_copy_(0, ids, self.pool.buffer[:, layer, 1].index_select(0, sources))
+            return
+        staged = torch.empty((len(slots), *self.pool.buffer.shape[1:]), dtype=self.word, device=self.device)
+        for i, slot in enumerate(slots):
+            staged[i].copy_(self.pool.buffer[slot], non_blocking=True)
         for layer, (k, v) in enumerate(self.kv):
             k.index_copy_(0, ids, staged[:, layer, 0])
             v.index_copy_(0, ids, staged[:, layer, 1])
