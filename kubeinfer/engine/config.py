@@ -71,6 +71,13 @@ class EngineConfig:
     cpu_share_cores: str = field(default_factory=variable_default("cpu_share_cores"))
     cpu_openblas: bool = field(default_factory=variable_default("cpu_openblas"))
 
+    # KV-cache tiering (kubeinfer/engine/kv_transfer/), vLLM's flags: --kv-transfer-config JSON (kv_connector,
+    # kv_role, kv_connector_extra_config, kv_load_failure_policy), or its shorthand --kv-offloading-size GiB with
+    # --kv-offloading-backend native. Parsed, and a bad one refused, before the model loads.
+    kv_transfer_config: str | dict | None = None
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str | None = None
+
     def __post_init__(self) -> None:
         self.kernels  # noqa: B018  (checks the kernel fields)
 

@@ -12,10 +12,11 @@ ENGINE = Path(__file__).parents[2] / "kubeinfer" / "engine"
 PACKAGE = "kubeinfer.engine"
 # Top to bottom; a module may import its own layer or any layer below. The shared modules at the
 # engine's top level (config, sampling_params, sequence, triton_utils) are the bottom layer; distributed (the
-# tensor-parallel group and its collectives) sits just above it, under the layers that split a model.
+# tensor-parallel group and its collectives) sits just above it, under the layers that split a model. kv_transfer
+# (external KV tiers) is driven by core and knows the block manager only through what core hands it.
 # platforms (what differs by device) shares model_executor's layer: the layers call its kernels and its decoder
 # fast path reads their modules; the folder-cycle test below bounds what may cross between them.
-LAYERS = ("entrypoints", "core", "spec_decode", ("model_executor", "platforms"), "structured_output", "lora",
+LAYERS = ("entrypoints", "core", "kv_transfer", "spec_decode", ("model_executor", "platforms"), "structured_output", "lora",
           "distributed", "")
 _RANKS = {name: rank for rank, layer in enumerate(LAYERS) for name in ((layer,) if isinstance(layer, str) else layer)}
 MAX_LINES = 300

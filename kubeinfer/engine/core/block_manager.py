@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 
 from ..sequence import Sequence
 from .kv_events import KVEventRecorder
@@ -54,6 +55,15 @@ class BlockManager:
         self.prefix_hits = 0  # of those, tokens found
         # Where registrations, evictions and resets are reported (core/kv_events.py); None: KV events are off.
         self.events: KVEventRecorder | None = None
+        # Told (block hash, block id) just before a cached block is handed out again: a KV connector's
+        # chance to save it to its tier (kv_transfer/); None: evicted blocks are gone.
+        self.on_evict: Callable[[bytes, int], None] | None = None
+
+    @staticmethod
+    def block_key(parent_key: bytes | None, token_ids: list[int], adapter: tuple[int, int]) -> bytes:
+        """The prefix-cache key of a block after `parent_key` (None: the prompt's first block), for the layers
+        that key blocks the same way without importing this one (kv_transfer/)."""
+        return hash_block(parent_key or ROOT_KEY, token_ids, adapter)
 
     # -- pool state ---------------------------------------------------------------------------
     @property
@@ -85,6 +95,8 @@ class BlockManager:
                 del self.hash_to_block[block.block_hash]
                 if self.events is not None:
                     self.events.removed(block.block_hash)
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash, block_id)
             block.block_hash = None
         self.blocks[block_id].ref_count = 1
         return block_id

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 
 from ..config import EngineConfig, ModelSpec
+from ..kv_transfer import connector_factory, resolve_kv_transfer
+from ..kv_transfer.engine_step import KVTransferStep, build_connector
 from ..lora.manager import LoRAManager
 from ..model_executor.model_loader import inspect_model_dir, resolve_dtype
 from ..model_executor.step_timer import StepProfileLog
@@ -47,6 +49,10 @@ class LLMEngine(EngineAdapters):
         self.config = config
         speculative = SpeculativeConfig.parse(config.speculative_config)  # refused before any model work
         kv_events = KVEventsConfig.parse(config.kv_events_config)
+        kv_transfer = resolve_kv_transfer(config.kv_transfer_config, config.kv_offloading_size,
+                                          config.kv_offloading_backend)
+        if kv_transfer is not None:
+            connector_factory(kv_transfer.kv_connector)  # an unknown connector is refused before the model loads
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device: {config.device} asked for, but this torch ({torch.__version__}) sees no CUDA "
@@ -81,6 +87,13 @@ class LLMEngine(EngineAdapters):
         self.block_manager = build_block_manager(config, self.spec, self.runner, self.num_kv_blocks)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len,
                                                    config.scheduling_policy), self.block_manager, pool)
+        try:
+            self.kv_transfer = (KVTransferStep(build_connector(kv_transfer, config, self.spec, self.runner,
+                                                               self.block_manager), self.scheduler)
+                                if kv_transfer else None)
+        except BaseException:
+            self.shutdown()
+            raise
         self.kv_events = (KVEventStream(kv_events, self.block_manager, self._lora_name, config.kv_events_key)
                           if kv_events else None)
         self.speculator = speculative and Speculator(speculative, self.max_model_len, draft_runner, self.spec.vocab_size)
@@ -242,6 +255,8 @@ class LLMEngine(EngineAdapters):
     def schedule(self) -> tuple[ScheduledBatch, list[RequestOutput]]:
         """The next batch, and the final outputs of the requests the scheduler ended unrun (their adapter)."""
         batch = self.scheduler.schedule()
+        if self.kv_transfer is not None:  # the tier's saves and loads, before the forward reads the cache
+            self.kv_transfer.run(batch)
         self.step_timer.mark("schedule")
         outputs = self.fail_requests({seq.request_id for seq in batch.failed},
                                      {seq.request_id: seq.error for seq in batch.failed})

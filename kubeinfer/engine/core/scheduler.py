@@ -55,6 +55,9 @@ class Scheduler:
         # Set by a front end that can read adapter files off the engine thread: called with the id of an
         # adapter that is registered but no longer in host memory, it starts reading it and returns True.
         self.on_adapter_missing: Callable[[int], bool] | None = None
+        # An external KV tier (kv_transfer/): on admission, the tokens it holds past the device-cached prefix
+        # are allocated and counted as computed; the engine loads them before the forward.
+        self.kv_connector = None
 
     # -- queue management ---------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -78,6 +81,8 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release_adapter(seq)
+        if self.kv_connector is not None:  # a connector that saves finished requests' blocks (not the CPU tier's)
+            self.kv_connector.request_finished(seq, seq.block_table)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or reason
@@ -178,17 +183,24 @@ class Scheduler:
         to compute, or None (everything given back) when the blocks are not there."""
         bm = self.block_manager
         self._acquire_adapter(seq)
+        external = 0
         if not seq.block_table:
             cached = bm.allocate_cached_prefix(seq)
-            seq.num_computed_tokens = cached
+            if self.kv_connector is not None:
+                external, _ = self.kv_connector.get_num_new_matched_tokens(seq, cached)
+            seq.num_computed_tokens = cached + external
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = cached
+                seq.num_cached_tokens = cached + external
         num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
         if not bm.allocate_slots(seq, num_new):
             bm.free(seq)  # give the cached prefix back
             seq.num_computed_tokens = 0
             self._release_adapter(seq)
             return None
+        if self.kv_connector is not None:
+            first = (seq.num_computed_tokens - external) // bm.block_size
+            self.kv_connector.update_state_after_alloc(seq, seq.block_table[first:first + external // bm.block_size],
+                                                       external)
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=self._key)
         return num_new

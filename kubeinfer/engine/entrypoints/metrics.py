@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..core.async_engine import AsyncEngine
 from ..core.outputs import RequestOutput
 from ..platforms.cpu.native import ops as cpu_native
+from ..kv_transfer.metrics import connector_metrics
 from .openai.protocol_base import IGNORED_FIELDS
 
 disable_created_metrics()  # the *_created series only add noise to every scrape
@@ -127,6 +128,8 @@ class _StateCollector:
                       IGNORED_FIELDS.total)
         yield from _spec_decode_counters(engine.speculator, name)
         yield from cpu_native_kernels(name)
+        tier = getattr(engine, "kv_transfer", None)  # --kv-transfer-config / --kv-offloading-size
+        yield from connector_metrics(tier.connector if tier is not None else None, name)
         if engine.kv_events is not None:  # --kv-events-config: batches sent, and dropped rather than stall a step
             publisher = engine.kv_events.publisher
             yield counter("kubeinfer:kv_events_published", "KV-event batches published.", publisher.published)

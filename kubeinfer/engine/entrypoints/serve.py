@@ -83,6 +83,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              '"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
                              '(keys: enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, '
                              'buffer_steps, hwm, max_queue_size); docs/kv-events.md')
+    parser.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                        help='an external KV tier, as vLLM: \'{"kv_connector": "OffloadingConnector", "kv_role": '
+                             '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": N}, '
+                             '"kv_load_failure_policy": "recompute"}\': evicted KV blocks kept in host memory')
+    parser.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
+                        help="vLLM's shorthand for that native CPU tier: its GiB of host memory")
+    parser.add_argument("--kv-offloading-backend", default=None, help="native (the default; lmcache is not served)")
     parser.add_argument("--kv-events-auth", choices=("auto", "none"), default="auto",
                         help="auto: with --api-key the KV-event sockets the engine binds are ZMQ CURVE servers that "
                              "admit only a subscriber holding the same key (the gateway); none: unauthenticated, "
@@ -173,6 +180,8 @@ def engine_config(args: argparse.Namespace, lora_modules: list[tuple[str, str]])
                         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                         scheduling_policy=args.scheduling_policy, speculative_config=args.speculative_config,
                         kv_events_config=args.kv_events_config,
+                        kv_transfer_config=args.kv_transfer_config, kv_offloading_size=args.kv_offloading_size,
+                        kv_offloading_backend=args.kv_offloading_backend,
                         kv_events_key=args.api_key if args.kv_events_auth == "auto" else None,
                         async_output_processing=args.async_output_processing,
                         async_scheduling=args.async_scheduling, quantization=args.quantization,
