@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from dataclasses import dataclass, field
 
 from .kernel_config import KernelConfig, variable_default
@@ -11,6 +12,21 @@ from .kernel_config import KernelConfig, variable_default
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's CacheDType spellings
 # KV cache memory when the user gives no block count and the device is a CPU (vLLM's CPU default is 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+def json_object_flag(value: str | dict | None, flag: str) -> dict | None:
+    """A flag that takes a JSON object (vLLM's --kv-events-config, --kv-transfer-config): the object from a JSON
+    string or a dict, None when absent; ValueError naming the flag when it is not valid JSON or not an object."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{flag} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value
 
 
 @dataclass

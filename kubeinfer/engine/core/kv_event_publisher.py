@@ -19,7 +19,6 @@ still takes its sequence number, so subscribers see the gap; it is not in the re
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -33,6 +32,7 @@ import zmq
 
 from kubeinfer.common.kv_events_curve import AUTH_CURVE, CurveKeys, ZapGate
 
+from ..config import json_object_flag
 from .kv_event_replay import ReplayServer
 from .kv_events import EventBatch, KVEventRecorder
 
@@ -57,15 +57,9 @@ class KVEventsConfig:
     @classmethod
     def parse(cls, value: str | dict | None) -> KVEventsConfig | None:
         """The config from a JSON string or dict; None when events are off. ValueError naming what is wrong."""
-        if value is None or value == "":
+        value = json_object_flag(value, "--kv-events-config")
+        if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--kv-events-config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

@@ -8,8 +8,9 @@ config is refused before any model work.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
+
+from ..config import json_object_flag
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
@@ -37,15 +38,9 @@ class KVTransferConfig:
     @classmethod
     def parse(cls, value: str | dict | None) -> KVTransferConfig | None:
         """From a JSON string or dict; None when absent. ValueError naming what is wrong."""
-        if value is None or value == "":
+        value = json_object_flag(value, "--kv-transfer-config")
+        if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"--kv-transfer-config is not valid JSON: {error}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
         known = ("kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy")
         unknown = sorted(set(value) - set(known))
         if unknown:
