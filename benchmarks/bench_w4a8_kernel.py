@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 import kernel_ab  # noqa: E402
 from results import update_results  # noqa: E402
 
-from kubeinfer.engine.platforms.cpu.native import ops, w4a8_ops  # noqa: E402
+from kubeinfer.engine.platforms.cpu.native import bindings, ops, w4a8_ops  # noqa: E402
 
 SHAPES = (("qkv", 1024, 2048), ("o", 1024, 1024), ("gate_up", 1024, 8192), ("down", 4096, 1024))
 GROUP = 128
-SIGNATURES = {"ki_w4a8_f32": w4a8_ops.SIGNATURES["ki_w4a8_f32"], "ki_w8a8": ops.W8A8_SIGNATURE}  # with buffer lengths
+SIGNATURES = {name: bindings.SIGNATURES[name] for name in ("ki_w4a8_f32", "ki_w8a8")}  # with buffer lengths
 
 
 def w4a8_case(name: str, k: int, n: int) -> kernel_ab.Case:

@@ -81,7 +81,7 @@ def _w8a8_into_short_output():
         q, sx = torch.empty(M, K, dtype=torch.int8), torch.empty(M)
         ops.quantize_token_int8(x, q, sx)
         short = out.flatten()[: M * N - 1]
-        lib = ops.kernel("ki_w8a8", *ops.W8A8_SIGNATURE)
+        lib = ops.kernel("ki_w8a8")
         ops.check(lib(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, M, K, packed.data_ptr(),
                       packed.nbytes, row_scale.data_ptr(), row_scale.nbytes, N, short.data_ptr(),
                       short.nbytes), "W8A8")

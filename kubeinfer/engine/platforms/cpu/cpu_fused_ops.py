@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from .native import bindings, ops
+from .native import ops
 
 MAX_BF16_NORM = 16384  # decode_ops.c's KI_NORM_MAX: a bf16 row is widened into a stack buffer
-SIGNATURES = {name: bindings.SIGNATURES[name] for name in ("ki_rms_norm", "ki_silu_mul", "ki_rotary")}
 
 
 def _kernel(name: str):
     """The library's `name` with its signature (ops.kernel: looked up once per loaded library), or None where the
     native layers are off."""
-    return ops.kernel(name, *SIGNATURES[name]) if ops.layers_enabled() else None
+    return ops.kernel(name) if ops.layers_enabled() else None
 
 
 def _rows3(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[int, int, int, int, int] | None:

@@ -72,7 +72,7 @@ SIGNATURE = bindings.SIGNATURES["ki_a16_linear"]  # ki_q8_0_linear's (each point
 def kernel():
     """ki_a16_linear of the loaded library (ops.kernel: looked up once per library; callers ask each call, so a
     reloaded library, the portable twin in tests, is the one called)."""
-    return ops.kernel("ki_a16_linear", *SIGNATURE)
+    return ops.kernel("ki_a16_linear")
 
 
 def a16_linear(x: torch.Tensor, packed: torch.Tensor, bits: int, scale: torch.Tensor, zero: torch.Tensor,

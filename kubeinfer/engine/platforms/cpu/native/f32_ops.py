@@ -22,7 +22,7 @@ SIGNATURE = bindings.SIGNATURES["ki_f32_linear"]  # each pointer then its buffer
 
 def _kernel():
     """ki_f32_linear (ops.kernel: looked up once per loaded library), None where none is built."""
-    return ops.kernel("ki_f32_linear", *SIGNATURE)
+    return ops.kernel("ki_f32_linear")
 
 
 def supports(weight: torch.Tensor) -> bool:

@@ -68,7 +68,7 @@ PACKED_SIGNATURE = bindings.SIGNATURES["ki_q8_0_linear"]  # q8_0 and a16 linear
 def quantize_token_int8(rows: torch.Tensor, q: torch.Tensor, sx: torch.Tensor) -> None:
     """ki_quantize_token_int8 of float32 contiguous rows [M, K] into q [M, K] int8 and sx [M] float32."""
     m, k = rows.shape
-    check(kernel("ki_quantize_token_int8", *QUANTIZE_TOKEN_SIGNATURE)(
+    check(kernel("ki_quantize_token_int8")(
         rows.data_ptr(), rows.nbytes, m, k, q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes), "int8 quantization")
 
 
@@ -77,7 +77,7 @@ def w8a8_into(q: torch.Tensor, sx: torch.Tensor, weight: int, weight_bytes: int,
     """ki_w8a8: q [M, K] int8 and sx [M] times the packed weight (by address, with its buffer's bytes) into
     float32 contiguous `out` [M, N]."""
     m, k = q.shape
-    check(kernel("ki_w8a8", *W8A8_SIGNATURE)(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, m, k, weight,
+    check(kernel("ki_w8a8")(q.data_ptr(), q.nbytes, sx.data_ptr(), sx.nbytes, m, k, weight,
                                              weight_bytes, scale, scale_bytes, out.shape[1], out.data_ptr(),
                                              out.nbytes), "W8A8")
 

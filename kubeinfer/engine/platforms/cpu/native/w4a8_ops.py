@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ....model_executor.layers.quantization.activations import ActivationScheme, dynamic_qparams, quantize
-from . import bindings, ops
+from . import ops
 
 
 def takes(cols: int, groups: int, group_size: int) -> bool:
@@ -42,15 +42,14 @@ def quantized_tokens(rows: torch.Tensor, scheme: ActivationScheme, reduce_range=
 
 
 # each pointer followed by its buffer's length in bytes (the C side's argument checks)
-SIGNATURES = {name: bindings.SIGNATURES[name] for name in ("ki_w4a8", "ki_w4a8_f32")}
 
 
 def _kernel():
-    return ops.kernel("ki_w4a8", *SIGNATURES["ki_w4a8"])
+    return ops.kernel("ki_w4a8")
 
 
 def _float_kernel():
-    return ops.kernel("ki_w4a8_f32", *SIGNATURES["ki_w4a8_f32"])
+    return ops.kernel("ki_w4a8_f32")
 
 
 def _checked(status: int, group_size: int, k: int) -> None:
